@@ -1,0 +1,52 @@
+"""Activation epilogues shared by every backend.
+
+An activation is carried in a node's attrs as ``act`` (a name from ``ACTIVATIONS``)
+plus ``act_args`` (two floats; meaning per activation). Kernels that fuse an epilogue
+take the integer code so numba can branch on it without Python objects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# name -> code. Codes are part of the numba kernels' calling convention, not the
+# bundle format (the bundle stores names).
+ACTIVATIONS: dict[str, int] = {
+    "none": 0,
+    "relu": 1,
+    "leaky_relu": 2,  # a = alpha
+    "clip": 3,  # a = min, b = max
+    "sigmoid": 4,
+    "tanh": 5,
+    "hard_sigmoid": 6,  # a = alpha, b = beta
+    "hard_swish": 7,
+}
+
+
+def act_code(name: str) -> int:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; known: {sorted(ACTIVATIONS)}") from None
+
+
+def apply_act_ref(y: np.ndarray, act: str, args: tuple[float, float] = (0.0, 0.0)) -> np.ndarray:
+    """Plain NumPy activation (returns a new array)."""
+    a, b = float(args[0]), float(args[1])
+    if act == "none":
+        return y
+    if act == "relu":
+        return np.maximum(y, 0).astype(y.dtype)
+    if act == "leaky_relu":
+        return np.where(y >= 0, y, y * np.float32(a)).astype(y.dtype)
+    if act == "clip":
+        return np.clip(y, np.float32(a), np.float32(b)).astype(y.dtype)
+    if act == "sigmoid":
+        return (1.0 / (1.0 + np.exp(-y.astype(np.float64)))).astype(y.dtype)
+    if act == "tanh":
+        return np.tanh(y)
+    if act == "hard_sigmoid":
+        return np.clip(y * np.float32(a) + np.float32(b), 0, 1).astype(y.dtype)
+    if act == "hard_swish":
+        return (y * np.clip(y / np.float32(6) + np.float32(0.5), 0, 1)).astype(y.dtype)
+    raise ValueError(f"unknown activation {act!r}")

@@ -1,0 +1,194 @@
+"""Plain NumPy reference for every IR op (llm.c style: simple, obviously right).
+
+Every backend kernel is validated against these. They are also what the packager
+uses for constant folding. Signature: ``fn(inputs, attrs) -> ndarray``; ``inputs``
+follows the op's input order from ``docs/bundle-format.md`` with ``None`` for an
+absent optional input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .activations import apply_act_ref
+
+Array = np.ndarray
+RefFn = Callable[[Sequence[Array | None], dict], Array]
+
+
+def dequantize(w: Array, scale: Array | None) -> Array:
+    """int8 per-output-channel (axis 0) or fp16 weights back to float32."""
+    wf = w.astype(np.float32)
+    if scale is not None:
+        wf = wf * scale.reshape((-1,) + (1,) * (w.ndim - 1)).astype(np.float32)
+    return wf
+
+
+def _act(y: Array, attrs: dict) -> Array:
+    return apply_act_ref(y, attrs.get("act", "none"), tuple(attrs.get("act_args", (0.0, 0.0))))
+
+
+def conv(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """inputs: x[N,C,H,W], w[Co,C/g,kh,kw], bias[Co]?, scale[Co]?, residual[N,Co,OH,OW]?"""
+    x, w, bias, scale, residual = (list(inputs) + [None] * 5)[:5]
+    w = dequantize(w, scale)
+    sh, sw = attrs["strides"]
+    pt, pl, pb, pr = attrs["pads"]
+    dh, dw = attrs["dilations"]
+    g = attrs["group"]
+    n, c, h, wd = x.shape
+    co, cg, kh, kw = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    oh = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    cog = co // g
+    y = np.zeros((n, co, oh, ow), np.float64)
+    for gi in range(g):
+        xs = xp[:, gi * cg : (gi + 1) * cg].astype(np.float64)
+        wg = w[gi * cog : (gi + 1) * cog].astype(np.float64)
+        for i in range(kh):
+            for j in range(kw):
+                patch = xs[
+                    :, :, i * dh : i * dh + sh * (oh - 1) + 1 : sh, j * dw : j * dw + sw * (ow - 1) + 1 : sw
+                ]
+                y[:, gi * cog : (gi + 1) * cog] += np.einsum("nchw,oc->nohw", patch, wg[:, :, i, j])
+    if bias is not None:
+        y += bias.reshape(1, -1, 1, 1)
+    if residual is not None:
+        y += residual
+    return _act(y.astype(np.float32), attrs)
+
+
+def linear(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """y = x @ w.T + bias. inputs: x[..., K], w[N, K], bias[N]?, scale[N]?"""
+    x, w, bias, scale = (list(inputs) + [None] * 4)[:4]
+    w = dequantize(w, scale)
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    if bias is not None:
+        y = y + bias
+    return _act(y.astype(np.float32), attrs)
+
+
+def matmul(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    a, b = inputs[0], inputs[1]
+    return _act(np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.float32), attrs)
+
+
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+
+
+def binary(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    a, b = inputs[0], inputs[1]
+    return _act(_BINARY[attrs["kind"]](a, b).astype(np.float32), attrs)
+
+
+def unary(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return _act(inputs[0].astype(np.float32), attrs)
+
+
+def softmax(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x = inputs[0].astype(np.float64)
+    ax = attrs["axis"]
+    e = np.exp(x - x.max(axis=ax, keepdims=True))
+    return (e / e.sum(axis=ax, keepdims=True)).astype(np.float32)
+
+
+def _pool_windows(x: Array, attrs: dict, fill: float) -> tuple[Array, Array]:
+    """Returns (windows[N,C,OH,OW,kh,kw], valid-mask of the same shape)."""
+    kh, kw = attrs["kernel"]
+    sh, sw = attrs["strides"]
+    pt, pl, pb, pr = attrs["pads"]
+    dh, dw = attrs.get("dilations", (1, 1))
+    oh, ow = attrs["out_hw"]
+    n, c, h, w = x.shape
+    # Pad generously so ceil_mode windows that run past the explicit pads stay in range.
+    extra_h = max(0, (oh - 1) * sh + dh * (kh - 1) + 1 - (h + pt + pb))
+    extra_w = max(0, (ow - 1) * sw + dw * (kw - 1) + 1 - (w + pl + pr))
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb + extra_h), (pl, pr + extra_w)), constant_values=fill)
+    inside = np.zeros(xp.shape[2:], np.int8)
+    inside[pt : pt + h, pl : pl + w] = 2  # 2: real pixel
+    inside[: h + pt + pb, : w + pl + pr] += 1  # +1: within the explicit pads
+    win = np.empty((n, c, oh, ow, kh, kw), x.dtype)
+    mask = np.empty((oh, ow, kh, kw), np.int8)
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
+            cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
+            win[..., i, j] = xp[:, :, rows, cols]
+            mask[..., i, j] = inside[rows, cols]
+    return win, mask
+
+
+def maxpool(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    win, _ = _pool_windows(inputs[0], attrs, -np.inf)
+    return win.max(axis=(4, 5)).astype(np.float32)
+
+
+def avgpool(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    win, mask = _pool_windows(inputs[0].astype(np.float64), attrs, 0.0)
+    # ONNX: count_include_pad counts explicit pads but never the ceil_mode overhang.
+    counted = (mask >= 1) if attrs.get("count_include_pad", 0) else (mask >= 2)
+    s = win.sum(axis=(4, 5))
+    return (s / counted.sum(axis=(2, 3))).astype(np.float32)
+
+
+def global_avgpool(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x = inputs[0]
+    return x.astype(np.float64).mean(axis=tuple(range(2, x.ndim)), keepdims=True).astype(np.float32)
+
+
+def channel_affine(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """Unfolded BatchNormalization: y = x * scale[c] + shift[c] (channel axis 1)."""
+    x, scale, shift = inputs[0], inputs[1], inputs[2]
+    shp = (1, -1) + (1,) * (x.ndim - 2)
+    return _act((x * scale.reshape(shp) + shift.reshape(shp)).astype(np.float32), attrs)
+
+
+def reshape(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return inputs[0].reshape(attrs["shape"])
+
+
+def transpose(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return np.ascontiguousarray(np.transpose(inputs[0], attrs["perm"]))
+
+
+def concat(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return np.concatenate([i for i in inputs if i is not None], axis=attrs["axis"])
+
+
+def reduce_mean(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x = inputs[0].astype(np.float64)
+    return x.mean(axis=tuple(attrs["axes"]), keepdims=bool(attrs["keepdims"])).astype(np.float32)
+
+
+def pad(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x = inputs[0]
+    p = attrs["pads"]  # ONNX order: begins for every axis, then ends
+    r = x.ndim
+    width = [(p[i], p[i + r]) for i in range(r)]
+    mode = attrs.get("mode", "constant")
+    if mode == "constant":
+        return np.pad(x, width, mode="constant", constant_values=attrs.get("value", 0.0))
+    return np.pad(x, width, mode={"reflect": "reflect", "edge": "edge"}[mode])
+
+
+REFERENCE: dict[str, RefFn] = {
+    "conv": conv,
+    "dwconv": conv,
+    "linear": linear,
+    "matmul": matmul,
+    "binary": binary,
+    "unary": unary,
+    "softmax": softmax,
+    "maxpool": maxpool,
+    "avgpool": avgpool,
+    "global_avgpool": global_avgpool,
+    "channel_affine": channel_affine,
+    "reshape": reshape,
+    "transpose": transpose,
+    "concat": concat,
+    "reduce_mean": reduce_mean,
+    "pad": pad,
+}

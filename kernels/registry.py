@@ -1,0 +1,94 @@
+"""The one dispatch table: ``(op, dtype, backend) -> Kernel`` (ggml's type-traits idea).
+
+``dtype`` is the storage dtype of the op's weight (``f32``, ``f16``, ``i8``) for ops
+that carry one, else ``f32``. A kernel is bound once, when the runtime loads a
+bundle, to fixed arena views; binding returns a zero-argument closure (or None when
+the op is a no-op, e.g. a reshape aliased in the memory plan). The steady-state loop
+is then just ``for step in steps: step()``.
+
+The packager asks the same table how much scratch each kernel needs so the memory
+plan reserves it in the arena ahead of time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
+Bound = Callable[[], None] | None
+BindFn = Callable[[Sequence["np.ndarray | None"], Sequence[np.ndarray], np.ndarray, dict], Bound]
+ScratchFn = Callable[[Sequence["Spec | None"], Sequence[tuple[int, ...]], dict], int]
+
+DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype(np.float32),
+    "f16": np.dtype(np.float16),
+    "i8": np.dtype(np.int8),
+}
+WEIGHT_OPS = ("conv", "dwconv", "linear")
+BACKENDS = ("ref", "cpu")
+
+
+def _no_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    bind: BindFn
+    scratch: ScratchFn = _no_scratch
+    # Attribute values this kernel handles (e.g. only constant-mode Pad); the
+    # packager falls back to the next backend when it says no.
+    accepts: Callable[[dict], bool] = lambda attrs: True
+
+
+KERNELS: dict[tuple[str, str, str], Kernel] = {}
+
+
+def register(op: str, dtypes: Sequence[str], backend: str, kernel: Kernel) -> None:
+    for dt in dtypes:
+        key = (op, dt, backend)
+        if key in KERNELS:
+            raise RuntimeError(f"kernel {key} registered twice")
+        KERNELS[key] = kernel
+
+
+def node_dtype(op: str, weight_dtype: str | None) -> str:
+    return weight_dtype if op in WEIGHT_OPS and weight_dtype else "f32"
+
+
+def lookup(op: str, dtype: str, backend: str) -> Kernel:
+    _load_backends()
+    try:
+        return KERNELS[(op, dtype, backend)]
+    except KeyError:
+        have = sorted(f"{o}/{d}" for (o, d, b) in KERNELS if b == backend)
+        raise KeyError(
+            f"no kernel for op {op!r} with dtype {dtype!r} on backend {backend!r}; "
+            f"this backend has: {', '.join(have)}"
+        ) from None
+
+
+def choose(op: str, dtype: str, attrs: dict, backends: Sequence[str]) -> tuple[str, Kernel]:
+    """First backend in preference order whose kernel takes this node (packager side)."""
+    _load_backends()
+    for b in backends:
+        k = KERNELS.get((op, dtype, b))
+        if k is not None and k.accepts(attrs):
+            return b, k
+    return backends[-1], lookup(op, dtype, backends[-1])
+
+
+_loaded = False
+
+
+def _load_backends() -> None:
+    # Backends register themselves on import; done lazily so importing the table
+    # does not compile numba kernels.
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import backend_cpu, backend_ref  # noqa: F401

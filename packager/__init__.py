@@ -1,0 +1,1 @@
+"""The packager (workstation side): import, optimise, quantize, plan, write bundles."""

@@ -1,0 +1,148 @@
+"""The pack pipeline: import -> optimise -> quantize -> plan -> check error -> write."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..runtime.executor import Executor
+from .fuse import optimise
+from .ir import Graph, PackError
+from .manifest import make_manifest
+from .onnx_import import import_onnx
+from .plan import Plan, plan_memory
+from ..runtime.errortable import format_error_table
+from .quantize import MODES, error_table, quantize_graph
+from .writer import write_bundle
+
+DEFAULT_CALIB_SAMPLES = 8
+
+
+@dataclass
+class BuildResult:
+    path: Path
+    manifest: dict
+    plan: Plan
+    bundle_bytes: int
+    weight_bytes: int
+    error: dict | None
+
+
+def load_calibration(path: str | Path | None, g: Graph, samples: int = DEFAULT_CALIB_SAMPLES,
+                     seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Calibration feeds: from an npz keyed by input name (arrays shaped [S, *shape] or
+    exactly the input shape), else seeded standard-normal inputs."""
+    if path is None:
+        rng = np.random.default_rng(seed)
+        return [
+            {t: rng.standard_normal(g.shapes[t]).astype(np.float32) for t in g.inputs}
+            for _ in range(samples)
+        ]
+    data = np.load(path)
+    missing = [t for t in g.inputs if t not in data.files]
+    if missing:
+        raise PackError(f"--calib {path}: missing inputs {missing}; it has {data.files}")
+    per_input = {}
+    for t in g.inputs:
+        a = np.asarray(data[t], np.float32)
+        shape = g.shapes[t]
+        if a.shape == shape:
+            a = a[None]
+        elif a.shape[1:] != shape:
+            b = shape[0]
+            if a.ndim == len(shape) and a.shape[1:] == shape[1:] and a.shape[0] % b == 0:
+                a = a.reshape((-1,) + shape)
+            else:
+                raise PackError(f"--calib {path}: {t} has shape {a.shape}, expected {shape} or "
+                                f"[samples, {', '.join(map(str, shape))}]")
+        per_input[t] = a
+    n = min(len(a) for a in per_input.values())
+    return [{t: per_input[t][i] for t in g.inputs} for i in range(n)]
+
+
+def build_info() -> dict:
+    import onnx
+
+    return {
+        "edgepack": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "onnx": onnx.__version__,
+        "machine": platform.machine(),
+    }
+
+
+def build(
+    model: str | Path,
+    out: str | Path,
+    quant: str = "fp32",
+    input_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    calib: str | Path | None = None,
+    max_error: float | None = None,
+    log: Callable[[str], None] = print,
+) -> BuildResult:
+    if quant not in MODES:
+        raise PackError(f"--quant {quant!r}; choose from {', '.join(MODES)}")
+    steps = 6
+    t0 = time.perf_counter()
+
+    def stage(i: int, what: str) -> None:
+        log(f"[{i}/{steps}] {what} ({time.perf_counter() - t0:.1f}s)")
+
+    stage(1, f"import {Path(model).name}")
+    g = import_onnx(model, input_shapes, log=lambda s: log("      " + s))
+    n_onnx = len(g.nodes)
+    stage(2, "fold and fuse")
+    stats = optimise(g)
+    log(f"      {n_onnx} ops -> {len(g.nodes)} ops; "
+        + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.items() if v))
+    stage(3, f"quantize weights ({quant})")
+    q = quantize_graph(g, quant)
+    stage(4, "plan memory")
+    plan = plan_memory(q)
+    log(f"      arena {plan.arena_bytes / 1e6:.2f} MB for {len(q.shapes)} tensors "
+        f"(one buffer each would take {plan.naive_bytes / 1e6:.2f} MB)")
+    extra = {
+        "model": {"name": Path(model).stem, "source_file": Path(model).name, **g.meta},
+        "build": build_info(),
+        "quantization": {"mode": quant},
+    }
+    error = None
+    if quant != "fp32":
+        stage(5, "measure quantization error on calibration inputs")
+        feeds = load_calibration(calib, g)
+        ref_plan = plan_memory(g)
+        ref_exec = Executor(make_manifest(g, ref_plan), g.consts)
+        q_exec = Executor(make_manifest(q, plan), q.consts)
+        ref_tr = [ref_exec.run_traced(f) for f in feeds]
+        q_tr = [q_exec.run_traced(f) for f in feeds]
+        nodes = make_manifest(q, plan)["graph"]["nodes"]
+        error = error_table(ref_tr, q_tr, nodes, q.outputs)
+        error["calibration"] = str(calib) if calib else f"{len(feeds)} seeded random inputs"
+        log(format_error_table(error))
+        extra["quantization"].update({
+            "scheme": "int8: symmetric per-output-channel weights, fp32 scales, fp32 activations"
+            if quant == "int8" else "fp16 weights, fp32 activations",
+            "error": error,
+        })
+        if max_error is not None and error["max_output_rel_l2"] > max_error:
+            raise PackError(
+                f"quantization error {error['max_output_rel_l2']:.3e} (relative L2 of the "
+                f"outputs) exceeds --max-error {max_error:g}; try --quant fp16 or fp32"
+            )
+    else:
+        stage(5, "no quantization error to measure (fp32)")
+    manifest = make_manifest(q, plan, extra)
+    stage(6, f"write {out}")
+    size = write_bundle(out, manifest, q.consts)
+    wbytes = sum(v.nbytes for v in q.consts.values())
+    log(f"      {size / 1e6:.2f} MB bundle ({wbytes / 1e6:.2f} MB weights), "
+        f"done in {time.perf_counter() - t0:.1f}s")
+    return BuildResult(Path(out), manifest, plan, size, wbytes, error)
+

@@ -1,0 +1,195 @@
+"""Graph rewrites done once at pack time so the device does less work.
+
+- BatchNormalization (``channel_affine``) folded into the preceding conv / linear.
+- ``linear`` followed by an add of a constant vector: the vector becomes its bias.
+- ``x * hard_sigmoid(x)`` (MobileNetV3's h-swish) becomes one ``hard_swish``.
+- conv + residual add: the add becomes the conv's epilogue (ResNet, MobileNetV2).
+- an activation after conv / linear / binary / affine / matmul: fused as the epilogue.
+
+Each rewrite needs the intermediate tensor to have exactly one consumer and not be a
+graph output, so nothing observable disappears.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ir import Graph, Node
+
+CONV_OPS = ("conv", "dwconv")
+EPILOGUE_OPS = ("conv", "dwconv", "linear", "binary", "channel_affine", "matmul")
+
+
+def _single_use(g: Graph, name: str, consumers: dict[str, list[Node]]) -> bool:
+    return name not in g.outputs and len(consumers.get(name, [])) == 1
+
+
+def _merge(g: Graph, producer: Node, consumer: Node, at_consumer: bool = False) -> None:
+    """``producer`` takes over ``consumer``'s output; ``consumer`` disappears.
+
+    With ``at_consumer`` the merged node moves to the consumer's position, which is
+    needed when the consumer reads something computed after the producer.
+    """
+    g.shapes.pop(producer.outputs[0], None)
+    producer.outputs = list(consumer.outputs)
+    producer.sources += [s for s in consumer.sources if s not in producer.sources]
+    i = g.nodes.index(consumer)
+    if at_consumer:
+        g.nodes.remove(producer)
+        g.nodes[g.nodes.index(consumer)] = producer
+    else:
+        del g.nodes[i]
+
+
+def _const_name(g: Graph, base: str) -> str:
+    name, k = base, 0
+    while name in g.consts or name in g.shapes:
+        k += 1
+        name = f"{base}.{k}"
+    return name
+
+
+def fold_batchnorm(g: Graph) -> int:
+    n_folded = 0
+    changed = True
+    while changed:
+        changed = False
+        prod, cons = g.producer(), g.consumers()
+        for bn in list(g.nodes):
+            if bn.op != "channel_affine" or bn.attrs.get("act", "none") != "none":
+                continue
+            p = prod.get(bn.inputs[0])
+            if p is None or not _single_use(g, bn.inputs[0], cons):
+                continue
+            if p.attrs.get("act", "none") != "none":
+                continue
+            if p.op in CONV_OPS and not (len(p.inputs) > 4 and p.inputs[4]):
+                axis_shape = (-1, 1, 1, 1)
+            elif p.op == "linear" and len(g.shapes[bn.inputs[0]]) == 2:
+                axis_shape = (-1, 1)
+            else:
+                continue
+            scale, shift = g.consts[bn.inputs[1]], g.consts[bn.inputs[2]]
+            w = g.consts[p.inputs[1]]
+            b = g.consts[p.inputs[2]] if len(p.inputs) > 2 and p.inputs[2] else 0.0
+            wn = _const_name(g, p.name + ".weight")
+            bname = _const_name(g, p.name + ".bias")
+            g.consts[wn] = (w * scale.reshape(axis_shape)).astype(np.float32)
+            g.consts[bname] = (np.asarray(b) * scale + shift).astype(np.float32)
+            p.inputs = [p.inputs[0], wn, bname] + p.inputs[3:]
+            _merge(g, p, bn)
+            n_folded += 1
+            changed = True
+            break
+    return n_folded
+
+
+def fuse_linear_bias(g: Graph) -> int:
+    n = 0
+    prod, cons = g.producer(), g.consumers()
+    for add in list(g.nodes):
+        if add.op != "binary" or add.attrs["kind"] != "add" or add.attrs["act"] != "none":
+            continue
+        consts = [i for i in add.inputs if i in g.consts]
+        acts = [i for i in add.inputs if i not in g.consts]
+        if len(consts) != 1 or len(acts) != 1:
+            continue
+        p = prod.get(acts[0])
+        if p is None or p.op != "linear" or p.attrs["act"] != "none":
+            continue
+        if not _single_use(g, acts[0], cons):
+            continue
+        c = g.consts[consts[0]]
+        nout = g.consts[p.inputs[1]].shape[0]
+        if c.size != nout or c.shape[-1] != nout:
+            continue
+        old = g.consts[p.inputs[2]] if len(p.inputs) > 2 and p.inputs[2] else 0.0
+        bname = _const_name(g, p.name + ".bias")
+        g.consts[bname] = (np.asarray(old) + c.reshape(nout)).astype(np.float32)
+        p.inputs = [p.inputs[0], p.inputs[1], bname] + p.inputs[3:]
+        _merge(g, p, add)
+        prod, cons = g.producer(), g.consumers()
+        n += 1
+    return n
+
+
+def fuse_hard_swish(g: Graph) -> int:
+    n = 0
+    prod, cons = g.producer(), g.consumers()
+    for mul in list(g.nodes):
+        if mul.op != "binary" or mul.attrs["kind"] != "mul" or mul.attrs["act"] != "none":
+            continue
+        for hs_name, x in (mul.inputs, mul.inputs[::-1]):
+            hs = prod.get(hs_name)
+            if hs is None or hs.op != "unary" or hs.attrs["act"] != "hard_sigmoid":
+                continue
+            a, b = hs.attrs["act_args"]
+            if hs.inputs[0] != x or not np.isclose(a, 1 / 6) or not np.isclose(b, 0.5):
+                continue
+            if not _single_use(g, hs_name, cons):
+                continue
+            hs.attrs = {"act": "hard_swish", "act_args": [0.0, 0.0]}
+            _merge(g, hs, mul)
+            prod, cons = g.producer(), g.consumers()
+            n += 1
+            break
+    return n
+
+
+def fuse_residual(g: Graph) -> int:
+    n = 0
+    prod, cons = g.producer(), g.consumers()
+    for add in list(g.nodes):
+        if add.op != "binary" or add.attrs["kind"] != "add" or add.attrs["act"] != "none":
+            continue
+        if any(i in g.consts for i in add.inputs):
+            continue
+        out_shape = g.shapes[add.outputs[0]]
+        for conv_out, other in (add.inputs, add.inputs[::-1]):
+            p = prod.get(conv_out)
+            if p is None or p.op not in CONV_OPS or p.attrs["act"] != "none":
+                continue
+            if len(p.inputs) > 4 and p.inputs[4]:
+                continue
+            if g.shapes[conv_out] != out_shape or g.shapes.get(other) != out_shape:
+                continue
+            if other == conv_out or not _single_use(g, conv_out, cons):
+                continue
+            p.inputs = (p.inputs + [""] * 5)[:4] + [other]
+            _merge(g, p, add, at_consumer=True)  # `other` may be computed after the conv
+            prod, cons = g.producer(), g.consumers()
+            n += 1
+            break
+    return n
+
+
+def fuse_activations(g: Graph) -> int:
+    n = 0
+    prod, cons = g.producer(), g.consumers()
+    for act in list(g.nodes):
+        if act.op != "unary":
+            continue
+        p = prod.get(act.inputs[0])
+        if p is None or p.op not in EPILOGUE_OPS or p.attrs.get("act", "none") != "none":
+            continue
+        if not _single_use(g, act.inputs[0], cons):
+            continue
+        p.attrs["act"] = act.attrs["act"]
+        p.attrs["act_args"] = list(act.attrs["act_args"])
+        _merge(g, p, act)
+        prod, cons = g.producer(), g.consumers()
+        n += 1
+    return n
+
+
+def optimise(g: Graph) -> dict[str, int]:
+    """Run every rewrite; returns how often each fired (printed at pack time)."""
+    stats = {
+        "batchnorm_folded": fold_batchnorm(g),
+        "linear_bias_fused": fuse_linear_bias(g),
+        "hard_swish_fused": fuse_hard_swish(g),
+        "residual_fused": fuse_residual(g),
+        "activation_fused": fuse_activations(g),
+    }
+    g.remove_dead()
+    return stats

@@ -1,0 +1,64 @@
+"""edgepack's graph IR: a topologically ordered list of lowered ops.
+
+Activations are float32 tensors with static shapes; constants (weights) are NumPy
+arrays. The op set and each op's input order are documented in
+docs/bundle-format.md; they are the same ops the kernels dispatch on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class PackError(Exception):
+    """The model cannot be packed (unsupported op, attribute or dtype...)."""
+
+
+@dataclass
+class Node:
+    op: str
+    name: str
+    inputs: list[str]  # "" marks an absent optional input
+    outputs: list[str]
+    attrs: dict = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)  # ONNX nodes folded into this one
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    inputs: list[str]
+    outputs: list[str]
+    shapes: dict[str, tuple[int, ...]]  # activation tensors
+    consts: dict[str, np.ndarray]
+    meta: dict = field(default_factory=dict)
+
+    def consumers(self) -> dict[str, list[Node]]:
+        out: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for i in n.inputs:
+                if i:
+                    out.setdefault(i, []).append(n)
+        return out
+
+    def producer(self) -> dict[str, Node]:
+        return {o: n for n in self.nodes for o in n.outputs}
+
+    def is_const(self, name: str) -> bool:
+        return name in self.consts
+
+    def remove_dead(self) -> None:
+        """Drop nodes and constants nothing reachable from the outputs reads."""
+        live = set(self.outputs)
+        kept = []
+        for n in reversed(self.nodes):
+            if any(o in live for o in n.outputs):
+                kept.append(n)
+                live.update(i for i in n.inputs if i)
+        self.nodes = kept[::-1]
+        self.consts = {k: v for k, v in self.consts.items() if k in live}
+        self.shapes = {
+            k: v for k, v in self.shapes.items() if k in live or k in self.inputs
+        }

@@ -1,0 +1,640 @@
+"""ONNX (opsets 13-21) -> edgepack IR, with static shapes and constant folding.
+
+One pass in ONNX's topological order. Each ONNX node is either folded to a constant
+(all its inputs known at pack time, e.g. shape arithmetic) or lowered to IR ops
+whose output shapes are computed here. Anything we cannot run fails the build with
+the op, the node and what is supported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..kernels.reference import REFERENCE
+from .ir import Graph, Node, PackError
+
+MIN_OPSET, MAX_OPSET = 13, 21
+
+
+class _Ctx:
+    def __init__(self, graph: Graph, opset: int) -> None:
+        self.g = graph
+        self.opset = opset
+        self.node: onnx.NodeProto | None = None
+        self.node_name = ""
+        self.used: set[str] = set()
+        self._uid = 0
+
+    # -- helpers used by the op handlers --------------------------------------------
+    def fail(self, msg: str) -> PackError:
+        op = self.node.op_type if self.node is not None else "?"
+        return PackError(f"op {op} at node {self.node_name!r}: {msg}")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.g.consts:
+            return tuple(self.g.consts[name].shape)
+        return self.g.shapes[name]
+
+    def const(self, name: str, what: str = "input") -> np.ndarray:
+        if name not in self.g.consts:
+            raise self.fail(f"{what} {name!r} must be a constant known at pack time")
+        return self.g.consts[name]
+
+    def opt_const(self, inputs: list[str], i: int) -> np.ndarray | None:
+        if len(inputs) > i and inputs[i]:
+            return self.const(inputs[i])
+        return None
+
+    def fresh(self, base: str) -> str:
+        self._uid += 1
+        return f"{base}::{self._uid}"
+
+    def add_const(self, name: str, value: np.ndarray) -> str:
+        value = np.asarray(value)
+        self.g.consts[name] = value if value.flags.c_contiguous else value.copy(order="C")
+        return name
+
+    def emit(
+        self, op: str, inputs: list[str], out: str, shape: tuple[int, ...], attrs: dict
+    ) -> str:
+        """Add an IR node, or fold it when every input is a constant."""
+        shape = tuple(int(d) for d in shape)
+        if all((not i) or i in self.g.consts for i in inputs):
+            args = [self.g.consts[i].astype(np.float32) if i else None for i in inputs]
+            val = np.asarray(REFERENCE[op](args, attrs), np.float32).reshape(shape)
+            return self.add_const(out, val)
+        for i in inputs:
+            if i and i in self.g.consts and self.g.consts[i].dtype != np.float32:
+                self.g.consts[i] = self.g.consts[i].astype(np.float32)
+        name = self.node_name
+        while name in self.used:  # one ONNX node may lower to several IR nodes
+            name = f"{self.node_name}/{op}.{len(self.used)}"
+        self.used.add(name)
+        self.g.nodes.append(Node(op, name, list(inputs), [out], dict(attrs), [self.node_name]))
+        self.g.shapes[out] = shape
+        return out
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _decode(v):
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _bcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError as e:
+        raise PackError(f"shapes {shapes} do not broadcast: {e}") from None
+
+
+def _spatial_pads(ctx: _Ctx, a: dict, in_hw, k, s, d) -> list[int]:
+    """[top, left, bottom, right] from pads / auto_pad for 2-D ops."""
+    auto = _decode(a.get("auto_pad", "NOTSET"))
+    if auto in ("NOTSET", ""):
+        p = list(a.get("pads", [0, 0, 0, 0]))
+        if len(p) != 4:
+            raise ctx.fail(f"pads {p} (only 2-D spatial ops are supported)")
+        if min(p) < 0:
+            raise ctx.fail(f"negative pads {p} are not supported")
+        return [p[0], p[1], p[2], p[3]]
+    if auto == "VALID":
+        return [0, 0, 0, 0]
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        heads, tails = [], []
+        for x, kk, ss, dd in zip(in_hw, k, s, d):
+            total = max((math.ceil(x / ss) - 1) * ss + (kk - 1) * dd + 1 - x, 0)
+            small = total // 2
+            head = small if auto == "SAME_UPPER" else total - small
+            heads.append(head)
+            tails.append(total - head)
+        return [heads[0], heads[1], tails[0], tails[1]]
+    raise ctx.fail(f"auto_pad={auto!r}; supported: NOTSET, VALID, SAME_UPPER, SAME_LOWER")
+
+
+def _act_node(act: str, args=(0.0, 0.0)):
+    def handler(ctx: _Ctx, ins, outs, a):
+        x = ins[0]
+        if act == "leaky_relu":
+            args_ = (float(a.get("alpha", 0.01)), 0.0)
+        elif act == "hard_sigmoid":
+            args_ = (float(a.get("alpha", 0.2)), float(a.get("beta", 0.5)))
+        elif act == "clip":
+            lo = ctx.opt_const(ins, 1)
+            hi = ctx.opt_const(ins, 2)
+            args_ = (
+                float(lo) if lo is not None else float(np.finfo(np.float32).min),
+                float(hi) if hi is not None else float(np.finfo(np.float32).max),
+            )
+        else:
+            args_ = args
+        ctx.emit("unary", [x], outs[0], ctx.shape(x), {"act": act, "act_args": list(args_)})
+
+    return handler
+
+
+def _conv(ctx: _Ctx, ins, outs, a):
+    x, wname = ins[0], ins[1]
+    xs = ctx.shape(x)
+    if len(xs) != 4:
+        raise ctx.fail(f"input rank {len(xs)}; only 2-D convolutions (NCHW) are supported")
+    w = ctx.const(wname, "weight").astype(np.float32)
+    co, cg, kh, kw = w.shape
+    g = int(a.get("group", 1))
+    if xs[1] != cg * g:
+        raise ctx.fail(f"input has {xs[1]} channels, weight expects {cg * g}")
+    s = list(a.get("strides", [1, 1]))
+    d = list(a.get("dilations", [1, 1]))
+    pads = _spatial_pads(ctx, a, xs[2:], (kh, kw), s, d)
+    oh = (xs[2] + pads[0] + pads[2] - d[0] * (kh - 1) - 1) // s[0] + 1
+    ow = (xs[3] + pads[1] + pads[3] - d[1] * (kw - 1) - 1) // s[1] + 1
+    b = ins[2] if len(ins) > 2 and ins[2] else ""
+    if b:
+        ctx.add_const(b, ctx.const(b, "bias").astype(np.float32).reshape(co))
+    ctx.add_const(wname, w)
+    op = "dwconv" if g > 1 and g == xs[1] == co else "conv"
+    attrs = {"strides": s, "pads": pads, "dilations": d, "group": g, "act": "none",
+             "act_args": [0.0, 0.0]}
+    ctx.emit(op, [x, wname, b], outs[0], (xs[0], co, oh, ow), attrs)
+
+
+def _linear(ctx: _Ctx, x: str, w_nk: np.ndarray, bias: np.ndarray | None, out: str, base: str):
+    xs = ctx.shape(x)
+    wn = ctx.add_const(ctx.fresh(base + ".weight"), w_nk.astype(np.float32))
+    bn = ctx.add_const(ctx.fresh(base + ".bias"), bias.astype(np.float32)) if bias is not None else ""
+    ctx.emit("linear", [x, wn, bn], out, xs[:-1] + (w_nk.shape[0],),
+             {"act": "none", "act_args": [0.0, 0.0]})
+
+
+def _gemm(ctx: _Ctx, ins, outs, a):
+    A, B = ins[0], ins[1]
+    alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
+    ta, tb = int(a.get("transA", 0)), int(a.get("transB", 0))
+    if ta:
+        sa = ctx.shape(A)
+        A = ctx.emit("transpose", [A], ctx.fresh(A + ".T"), (sa[1], sa[0]), {"perm": [1, 0]})
+    if B not in ctx.g.consts:
+        raise ctx.fail("B must be a constant (a weight) for Gemm")
+    w = ctx.const(B).astype(np.float32)
+    w = (w if tb else w.T) * np.float32(alpha)  # -> [N, K]
+    n = w.shape[0]
+    m = ctx.shape(A)[0]
+    c = ctx.opt_const(ins, 2)
+    bias = None
+    if c is not None:
+        c = c.astype(np.float32) * np.float32(beta)
+        if c.size == n and c.shape in ((n,), (1, n)):
+            bias = c.reshape(n)
+        elif c.size == 1:
+            bias = np.full(n, c.reshape(()), np.float32)
+    tmp = ctx.fresh(outs[0] + ".gemm") if c is not None and bias is None else outs[0]
+    _linear(ctx, A, w, bias, tmp, ctx.node_name)
+    if tmp != outs[0]:
+        cn = ctx.add_const(ctx.fresh("gemm.C"), c)
+        ctx.emit("binary", [tmp, cn], outs[0], _bcast((m, n), c.shape),
+                 {"kind": "add", "act": "none", "act_args": [0.0, 0.0]})
+
+
+def _matmul(ctx: _Ctx, ins, outs, a):
+    A, B = ins
+    sa, sb = ctx.shape(A), ctx.shape(B)
+    if B in ctx.g.consts and len(sb) == 2 and len(sa) >= 1 and A not in ctx.g.consts:
+        _linear(ctx, A, ctx.const(B).astype(np.float32).T, None, outs[0], ctx.node_name)
+        return
+    if len(sa) < 2 or len(sb) < 2:
+        raise ctx.fail("1-D MatMul operands are supported only as a constant right-hand side")
+    batch = _bcast(sa[:-2], sb[:-2])
+    if sa[-1] != sb[-2]:
+        raise ctx.fail(f"inner dimensions differ: {sa} @ {sb}")
+    ctx.emit("matmul", [A, B], outs[0], batch + (sa[-2], sb[-1]), {"act": "none",
+                                                                   "act_args": [0.0, 0.0]})
+
+
+def _binary(kind: str):
+    def handler(ctx: _Ctx, ins, outs, a):
+        x, y = ins
+        for t in (x, y):
+            if t in ctx.g.consts and ctx.g.consts[t].dtype.kind not in "f":
+                raise ctx.fail(f"operand {t!r} has dtype {ctx.g.consts[t].dtype}; only float "
+                               "tensors reach the runtime")
+        ctx.emit("binary", [x, y], outs[0], _bcast(ctx.shape(x), ctx.shape(y)),
+                 {"kind": kind, "act": "none", "act_args": [0.0, 0.0]})
+
+    return handler
+
+
+def _pool_out(ctx, a, xs, k, s, d, pads):
+    ceil = int(a.get("ceil_mode", 0))
+    out = []
+    for i in range(2):
+        span = xs[2 + i] + pads[i] + pads[i + 2] - ((k[i] - 1) * d[i] + 1)
+        o = (-(-span // s[i]) if ceil else span // s[i]) + 1
+        if ceil and (o - 1) * s[i] >= xs[2 + i] + pads[i]:
+            o -= 1  # the last window may not start inside the bottom/right padding
+        out.append(o)
+    return out
+
+
+def _pool(kind: str):
+    def handler(ctx: _Ctx, ins, outs, a):
+        x = ins[0]
+        xs = ctx.shape(x)
+        if len(xs) != 4:
+            raise ctx.fail("only 2-D pooling (NCHW) is supported")
+        if len(outs) > 1 and outs[1]:
+            raise ctx.fail("the Indices output of MaxPool is not supported")
+        if int(a.get("storage_order", 0)):
+            raise ctx.fail("storage_order=1 is not supported")
+        k = list(a["kernel_shape"])
+        s = list(a.get("strides", [1, 1]))
+        d = list(a.get("dilations", [1, 1]))
+        if kind == "avg" and d != [1, 1]:
+            raise ctx.fail(f"dilations {d} for AveragePool are not supported")
+        pads = _spatial_pads(ctx, a, xs[2:], k, s, d)
+        oh, ow = _pool_out(ctx, a, xs, k, s, d, pads)
+        attrs = {"kernel": k, "strides": s, "pads": pads, "out_hw": [oh, ow]}
+        if kind == "max":
+            attrs["dilations"] = d
+        else:
+            attrs["count_include_pad"] = int(a.get("count_include_pad", 0))
+        ctx.emit(kind + "pool", [x], outs[0], (xs[0], xs[1], oh, ow), attrs)
+
+    return handler
+
+
+def _global_avg(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    ctx.emit("global_avgpool", [ins[0]], outs[0], xs[:2] + (1,) * (len(xs) - 2), {})
+
+
+def _batchnorm(ctx: _Ctx, ins, outs, a):
+    if int(a.get("training_mode", 0)):
+        raise ctx.fail("training_mode=1 is not supported (export the model in eval mode)")
+    if len(outs) > 1 and any(outs[1:]):
+        raise ctx.fail("running-statistics outputs are not supported")
+    x = ins[0]
+    gamma, beta, mean, var = (ctx.const(n).astype(np.float64) for n in ins[1:5])
+    eps = float(a.get("epsilon", 1e-5))
+    scale = gamma / np.sqrt(var + eps)
+    shift = beta - mean * scale
+    sn = ctx.add_const(ctx.fresh(ctx.node_name + ".scale"), scale.astype(np.float32))
+    tn = ctx.add_const(ctx.fresh(ctx.node_name + ".shift"), shift.astype(np.float32))
+    ctx.emit("channel_affine", [x, sn, tn], outs[0], ctx.shape(x),
+             {"act": "none", "act_args": [0.0, 0.0]})
+
+
+def _reshape_to(ctx: _Ctx, x: str, out: str, shape) -> None:
+    ctx.emit("reshape", [x], out, tuple(shape), {"shape": [int(d) for d in shape]})
+
+
+def _reshape(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    target = [int(v) for v in ctx.const(ins[1], "shape")]
+    allowzero = int(a.get("allowzero", 0))
+    shape = [xs[i] if (v == 0 and not allowzero) else v for i, v in enumerate(target)]
+    if shape.count(-1) > 1:
+        raise ctx.fail(f"shape {target} has more than one -1")
+    if -1 in shape:
+        known = int(np.prod([v for v in shape if v != -1]))
+        shape[shape.index(-1)] = int(np.prod(xs)) // max(known, 1)
+    if int(np.prod(shape)) != int(np.prod(xs)):
+        raise ctx.fail(f"cannot reshape {list(xs)} to {target}")
+    _reshape_to(ctx, ins[0], outs[0], shape)
+
+
+def _flatten(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    ax = int(a.get("axis", 1)) % (len(xs) + 1) if xs else 0
+    _reshape_to(ctx, ins[0], outs[0], (int(np.prod(xs[:ax])), int(np.prod(xs[ax:]))))
+
+
+def _axes(ctx: _Ctx, ins, a, rank: int, attr_until: int) -> list[int] | None:
+    if ctx.opset < attr_until:
+        ax = a.get("axes")
+    else:
+        ax = ctx.opt_const(ins, 1)
+    if ax is None:
+        return None
+    return sorted(int(v) % rank for v in np.asarray(ax).reshape(-1))
+
+
+def _squeeze(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    axes = _axes(ctx, ins, a, len(xs), 13)
+    if axes is None:
+        axes = [i for i, d in enumerate(xs) if d == 1]
+    if any(xs[i] != 1 for i in axes):
+        raise ctx.fail(f"cannot squeeze axes {axes} of shape {list(xs)}")
+    _reshape_to(ctx, ins[0], outs[0], [d for i, d in enumerate(xs) if i not in axes])
+
+
+def _unsqueeze(ctx: _Ctx, ins, outs, a):
+    xs = list(ctx.shape(ins[0]))
+    raw = np.asarray(ctx.const(ins[1], "axes")).reshape(-1)  # an input since opset 13
+    rank = len(xs) + raw.size
+    for ax in sorted(int(v) % rank for v in raw):
+        xs.insert(ax, 1)
+    _reshape_to(ctx, ins[0], outs[0], xs)
+
+
+def _identity(ctx: _Ctx, ins, outs, a):
+    _reshape_to(ctx, ins[0], outs[0], ctx.shape(ins[0]))
+
+
+def _transpose(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    perm = [int(p) for p in a.get("perm", list(range(len(xs)))[::-1])]
+    ctx.emit("transpose", [ins[0]], outs[0], tuple(xs[p] for p in perm), {"perm": perm})
+
+
+def _concat(ctx: _Ctx, ins, outs, a):
+    shapes = [ctx.shape(i) for i in ins if i]
+    ax = int(a["axis"]) % len(shapes[0])
+    out = list(shapes[0])
+    out[ax] = sum(s[ax] for s in shapes)
+    ctx.emit("concat", [i for i in ins if i], outs[0], tuple(out), {"axis": ax})
+
+
+def _softmax(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    ctx.emit("softmax", [ins[0]], outs[0], xs, {"axis": int(a.get("axis", -1)) % len(xs)})
+
+
+def _reduce_mean(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    axes = _axes(ctx, ins, a, len(xs), 18)
+    if axes is None or axes == []:
+        if int(a.get("noop_with_empty_axes", 0)):
+            return _identity(ctx, ins, outs, a)
+        axes = list(range(len(xs)))
+    kd = int(a.get("keepdims", 1))
+    shape = [1 if i in axes else d for i, d in enumerate(xs)] if kd else [
+        d for i, d in enumerate(xs) if i not in axes]
+    ctx.emit("reduce_mean", [ins[0]], outs[0], tuple(shape), {"axes": axes, "keepdims": kd})
+
+
+def _pad(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    mode = _decode(a.get("mode", "constant"))
+    if mode not in ("constant", "reflect", "edge"):
+        raise ctx.fail(f"mode={mode!r}; supported: constant, reflect, edge")
+    pads = [int(v) for v in ctx.const(ins[1], "pads")]
+    value = ctx.opt_const(ins, 2)
+    axes = ctx.opt_const(ins, 3)
+    r = len(xs)
+    if axes is not None:
+        full = [0] * (2 * r)
+        ax = [int(v) % r for v in axes]
+        for j, axn in enumerate(ax):
+            full[axn], full[axn + r] = pads[j], pads[j + len(ax)]
+        pads = full
+    if min(pads) < 0:
+        raise ctx.fail(f"negative pads {pads} are not supported")
+    shape = tuple(xs[i] + pads[i] + pads[i + r] for i in range(r))
+    ctx.emit("pad", [ins[0]], outs[0], shape, {
+        "pads": pads, "mode": mode, "value": float(value.reshape(-1)[0]) if value is not None
+        and value.size else 0.0})
+
+
+Handler = Callable[[_Ctx, list, list, dict], None]
+HANDLERS: dict[str, Handler] = {
+    "Conv": _conv,
+    "Gemm": _gemm,
+    "MatMul": _matmul,
+    "Add": _binary("add"),
+    "Sub": _binary("sub"),
+    "Mul": _binary("mul"),
+    "Div": _binary("div"),
+    "Relu": _act_node("relu"),
+    "LeakyRelu": _act_node("leaky_relu"),
+    "Clip": _act_node("clip"),
+    "Sigmoid": _act_node("sigmoid"),
+    "Tanh": _act_node("tanh"),
+    "HardSigmoid": _act_node("hard_sigmoid"),
+    "HardSwish": _act_node("hard_swish"),
+    "Softmax": _softmax,
+    "MaxPool": _pool("max"),
+    "AveragePool": _pool("avg"),
+    "GlobalAveragePool": _global_avg,
+    "BatchNormalization": _batchnorm,
+    "Flatten": _flatten,
+    "Reshape": _reshape,
+    "Transpose": _transpose,
+    "Concat": _concat,
+    "Squeeze": _squeeze,
+    "Unsqueeze": _unsqueeze,
+    "ReduceMean": _reduce_mean,
+    "Pad": _pad,
+    "Identity": _identity,
+    "Dropout": _identity,  # inference: identity (its mask output must be unused)
+}
+
+
+# --- pack-time constant evaluation (shape arithmetic and friends) -----------------------
+
+def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
+    """NumPy evaluation, dtype-preserving, for ops whose inputs are all constants."""
+    v = vals
+    if op == "Shape":
+        start, end = a.get("start", 0), a.get("end", None)
+        return np.array(v[0].shape[start:end], np.int64)
+    if op in ("Add", "Sub", "Mul"):
+        return {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[op](v[0], v[1])
+    if op == "Div":
+        if v[0].dtype.kind in "iu":
+            return (np.trunc(v[0] / v[1])).astype(v[0].dtype)
+        return v[0] / v[1]
+    if op == "Gather":
+        return np.take(v[0], v[1].astype(np.int64), axis=int(a.get("axis", 0)))
+    if op == "Cast":
+        to = helper.tensor_dtype_to_np_dtype(int(a["to"]))
+        return v[0].astype(to)
+    if op == "Concat":
+        return np.concatenate(v, axis=int(a["axis"]))
+    if op == "Unsqueeze":
+        axes = v[1] if len(v) > 1 else a["axes"]
+        out = v[0]
+        r = out.ndim + len(np.asarray(axes).reshape(-1))
+        for ax in sorted(int(x) % r for x in np.asarray(axes).reshape(-1)):
+            out = np.expand_dims(out, ax)
+        return out
+    if op == "Squeeze":
+        axes = v[1] if len(v) > 1 else a.get("axes")
+        return np.squeeze(v[0], axis=None if axes is None else tuple(int(x) for x in axes))
+    if op == "Slice":
+        data, starts, ends = v[0], v[1], v[2]
+        axes = v[3] if len(v) > 3 and v[3] is not None else range(len(starts))
+        steps = v[4] if len(v) > 4 and v[4] is not None else [1] * len(starts)
+        idx = [slice(None)] * data.ndim
+        for s, e, ax, st in zip(starts, ends, axes, steps):
+            idx[int(ax)] = slice(int(s), int(e), int(st))
+        return data[tuple(idx)]
+    if op == "ConstantOfShape":
+        val = numpy_helper.to_array(a["value"]) if "value" in a else np.zeros(1, np.float32)
+        return np.full(tuple(int(x) for x in v[0]), val.reshape(-1)[0], val.dtype)
+    if op == "Reshape":
+        shape = [int(x) for x in v[1]]
+        shape = [v[0].shape[i] if d == 0 else d for i, d in enumerate(shape)]
+        return v[0].reshape(shape)
+    if op == "Range":
+        return np.arange(v[0], v[1], v[2]).astype(v[0].dtype)
+    if op == "Equal":
+        return np.equal(v[0], v[1])
+    if op == "Where":
+        return np.where(v[0], v[1], v[2])
+    if op in ("Identity", "Dropout"):
+        return v[0]
+    return None
+
+
+FOLD_ONLY = {"Shape", "Gather", "Cast", "Slice", "ConstantOfShape", "Range", "Equal", "Where"}
+
+
+def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:
+    if "value" in a:
+        return numpy_helper.to_array(a["value"])
+    for key, dt in (("value_float", np.float32), ("value_floats", np.float32),
+                    ("value_int", np.int64), ("value_ints", np.int64)):
+        if key in a:
+            return np.array(a[key], dt)
+    raise ctx.fail(f"attributes {sorted(a)}; supported: value, value_float(s), value_int(s)")
+
+
+def supported_ops() -> list[str]:
+    return sorted(set(HANDLERS) | {"Constant"} | FOLD_ONLY)
+
+
+def parse_shape_overrides(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """``["name=1x3x224x224", ...]`` -> {name: shape}."""
+    out = {}
+    for s in specs or []:
+        name, _, dims = s.partition("=")
+        try:
+            out[name] = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            raise PackError(f"bad --input-shape {s!r}; expected NAME=1x3x224x224") from None
+        if not name or any(d <= 0 for d in out[name]):
+            raise PackError(f"bad --input-shape {s!r}; expected NAME=1x3x224x224")
+    return out
+
+
+def import_onnx(
+    model: onnx.ModelProto | str | Path,
+    input_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> Graph:
+    """Import an ONNX model into edgepack IR with static shapes."""
+    src_bytes = None
+    if not isinstance(model, onnx.ModelProto):
+        src_bytes = Path(model).read_bytes()
+        model = onnx.load_model_from_string(src_bytes)
+    else:
+        src_bytes = model.SerializeToString()
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is not None and 7 <= opset < MIN_OPSET:
+        # Older exporters (e.g. Paddle's opset 11) are common; ONNX's own converter
+        # rewrites them to opset 13 semantics (Squeeze axes as inputs, ...).
+        from onnx import version_converter
+
+        try:
+            model = version_converter.convert_version(model, MIN_OPSET)
+        except Exception as e:  # the converter raises bare RuntimeErrors
+            raise PackError(f"model uses ONNX opset {opset} and could not be converted to "
+                            f"{MIN_OPSET}: {e}") from None
+        log(f"converted from ONNX opset {opset} to {MIN_OPSET}")
+        opset = MIN_OPSET
+    if opset is None or not (MIN_OPSET <= opset <= MAX_OPSET):
+        raise PackError(f"model uses ONNX opset {opset}; supported: {MIN_OPSET}-{MAX_OPSET} "
+                        "(convert it with onnx.version_converter)")
+    others = [o.domain for o in model.opset_import if o.domain not in ("", "ai.onnx")]
+    g0 = model.graph
+    inits = {t.name: numpy_helper.to_array(t) for t in g0.initializer}
+    graph = Graph([], [], [o.name for o in g0.output], {}, dict(inits))
+    graph.meta = {"opset": opset, "producer": f"{model.producer_name} {model.producer_version}"
+                  .strip(), "source_sha256": hashlib.sha256(src_bytes).hexdigest(),
+                  "graph_name": g0.name}
+    overrides = dict(input_shapes or {})
+    for inp in g0.input:
+        if inp.name in inits:
+            continue  # old-style models list initializers as inputs
+        tt = inp.type.tensor_type
+        if tt.elem_type != onnx.TensorProto.FLOAT:
+            raise PackError(f"model input {inp.name!r} has dtype "
+                            f"{helper.tensor_dtype_to_np_dtype(tt.elem_type)}; only float32 "
+                            "inputs are supported")
+        dims = []
+        for i, d in enumerate(tt.shape.dim):
+            dims.append(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None)
+        if inp.name in overrides:
+            shape = overrides.pop(inp.name)
+            if len(shape) != len(dims) or any(a is not None and a != b
+                                              for a, b in zip(dims, shape)):
+                raise PackError(f"--input-shape {inp.name}={'x'.join(map(str, shape))} does not "
+                                f"fit the model's shape {[d or '?' for d in dims]}")
+        else:
+            if any(d is None for d in dims[1:]):
+                raise PackError(f"input {inp.name!r} has dynamic dims {[d or '?' for d in dims]}; "
+                                f"fix them with --input-shape {inp.name}=1x...")
+            if dims and dims[0] is None:
+                log(f"input {inp.name!r}: dynamic batch dimension fixed to 1 "
+                    "(use --input-shape to choose another)")
+            shape = tuple(1 if d is None else d for d in dims)
+        graph.inputs.append(inp.name)
+        graph.shapes[inp.name] = tuple(shape)
+    if overrides:
+        raise PackError(f"--input-shape names unknown inputs {sorted(overrides)}; model inputs: "
+                        f"{graph.inputs}")
+
+    ctx = _Ctx(graph, opset)
+    for idx, node in enumerate(g0.node):
+        ctx.node = node
+        ctx.node_name = node.name or f"{node.op_type}_{idx}"
+        if node.domain not in ("", "ai.onnx"):
+            raise ctx.fail(f"custom domain {node.domain!r} is not supported")
+        a = _attrs(node)
+        ins, outs = list(node.input), list(node.output)
+        for i in ins:
+            if i and i not in graph.consts and i not in graph.shapes:
+                raise ctx.fail(f"input {i!r} is produced by no earlier node")
+        if node.op_type == "Constant":
+            graph.consts[outs[0]] = _constant(ctx, node, a)
+            continue
+        if node.op_type == "Shape" and ins[0] in graph.shapes:
+            graph.consts[outs[0]] = _fold_numpy(ctx, "Shape", [np.empty(graph.shapes[ins[0]],
+                                                                        np.uint8)], a)
+            continue
+        if all((not i) or i in graph.consts for i in ins):
+            vals = [graph.consts[i] if i else None for i in ins]
+            folded = _fold_numpy(ctx, node.op_type, vals, a)
+            if folded is not None:
+                graph.consts[outs[0]] = np.asarray(folded)
+                continue
+        if node.op_type in FOLD_ONLY:
+            raise ctx.fail("supported only when all its inputs are known at pack time "
+                           "(with static shapes, shape arithmetic folds away)")
+        h = HANDLERS.get(node.op_type)
+        if h is None:
+            raise ctx.fail(f"unsupported op. Supported ops: {', '.join(supported_ops())}"
+                           + (f" (model also imports domains {others})" if others else ""))
+        try:
+            h(ctx, ins, outs, a)
+        except PackError:
+            raise
+        except (KeyError, ValueError, IndexError, TypeError) as e:
+            raise ctx.fail(f"cannot import ({type(e).__name__}: {e})") from None
+    for o in graph.outputs:
+        if o in graph.consts:
+            raise PackError(f"output {o!r} is a constant; nothing to run")
+        if o not in graph.shapes:
+            raise PackError(f"output {o!r} is produced by no node")
+    graph.remove_dead()
+    return graph

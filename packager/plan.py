@@ -1,0 +1,145 @@
+"""Memory plan: every activation and every kernel's scratch gets a fixed arena offset.
+
+Lifetimes come from the op order; storages that are never alive at the same time
+may share bytes. Placement is greedy by size (largest first, lowest offset that fits
+against everything alive at the same time), as TFLite's arena planner does.
+Reshape outputs alias their input (same bytes, no copy); elementwise ops write in
+place when their input dies there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..kernels.registry import choose, node_dtype
+from ..runtime.bundle_format import ALIGN, align_up
+from .ir import Graph
+
+INPLACE_OPS = ("unary", "binary", "channel_affine")
+ALIAS_OPS = ("reshape",)
+
+
+@dataclass
+class Plan:
+    arena_bytes: int
+    tensors: dict[str, int]  # activation -> offset
+    scratch: dict[str, tuple[int, int]]  # node -> (offset, bytes)
+    kernels: dict[str, dict]  # node -> {"backend", "dtype", "name"}
+    naive_bytes: int = 0  # what one buffer per tensor would cost (for the report)
+    storages: list = field(default_factory=list)
+
+
+def _short_dtype(a: np.ndarray) -> str:
+    return {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+            np.dtype(np.int8): "i8"}.get(a.dtype, str(a.dtype))
+
+
+def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
+    out = {}
+    for node in g.nodes:
+        wdt = _short_dtype(g.consts[node.inputs[1]]) if node.op in ("conv", "dwconv",
+                                                                    "linear") else "f32"
+        backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
+        out[node.name] = {"backend": backend, "dtype": wdt, "name": k.name}
+    return out
+
+
+def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
+    from ..kernels.registry import lookup
+
+    out = {}
+    for node in g.nodes:
+        kinfo = kernels[node.name]
+        k = lookup(node.op, node_dtype(node.op, kinfo["dtype"]), kinfo["backend"])
+        specs = [
+            None if not t else ((tuple(g.consts[t].shape), _short_dtype(g.consts[t]))
+                                if t in g.consts else (g.shapes[t], "f32"))
+            for t in node.inputs
+        ]
+        need = k.scratch(specs, [g.shapes[o] for o in node.outputs], node.attrs)
+        if need:
+            out[node.name] = need
+    return out
+
+
+def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
+    kernels = choose_kernels(g, backends)
+    nbytes = {t: int(np.prod(s, dtype=np.int64)) * 4 for t, s in g.shapes.items()}
+    end = len(g.nodes)
+    born = {t: -1 for t in g.inputs}
+    used = {t: -1 for t in g.shapes}
+    for i, node in enumerate(g.nodes):
+        for t in node.outputs:
+            born[t] = i
+        for t in node.inputs:
+            if t in g.shapes:
+                used[t] = i
+    for t in g.outputs:
+        used[t] = end
+
+    # Storages as a union-find over tensors: reshape outputs always join their input;
+    # an elementwise output joins its input when that storage is not read later.
+    parent = {t: t for t in g.shapes}
+
+    def root(t: str) -> str:
+        while parent[t] != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+
+    def join(child: str, into: str) -> None:
+        rc, ri = root(child), root(into)
+        parent[rc] = ri
+        last[ri] = max(last[ri], last[rc])
+        born_at[ri] = min(born_at[ri], born_at[rc])
+
+    last = {t: used[t] for t in g.shapes}
+    born_at = dict(born)
+    for node in g.nodes:
+        src = node.inputs[0] if node.inputs and node.inputs[0] in g.shapes else None
+        if node.op in ALIAS_OPS and src is not None:
+            join(node.outputs[0], src)
+    for i, node in enumerate(g.nodes):
+        src = node.inputs[0] if node.inputs and node.inputs[0] in g.shapes else None
+        out = node.outputs[0]
+        if (
+            node.op in INPLACE_OPS
+            and src is not None
+            and last[root(src)] == i
+            and nbytes[src] == nbytes[out]
+            and root(src) != root(out)
+        ):
+            join(out, src)
+
+    scratch_req = _scratch_needs(g, kernels)
+    node_index = {n.name: i for i, n in enumerate(g.nodes)}
+    roots = sorted({root(t) for t in g.shapes})
+    items = [(nbytes[r], born_at[r], last[r], ("t", r)) for r in roots]
+    items += [(need, node_index[n], node_index[n], ("s", n)) for n, need in scratch_req.items()]
+
+    placed: list[tuple[int, int, int, int]] = []  # (offset, size, first, last)
+    offset_of: dict[tuple, int] = {}
+    for sz, f, l_, key in sorted(items, key=lambda it: (-it[0], it[1], str(it[3]))):
+        asz = align_up(max(sz, 1))
+        conflicts = sorted(
+            (o, o + align_up(s)) for o, s, pf, pl in placed if not (pl < f or l_ < pf)
+        )
+        off = 0
+        for lo, hi in conflicts:
+            if off + asz <= lo:
+                break
+            off = max(off, hi)
+        placed.append((off, sz, f, l_))
+        offset_of[key] = off
+    arena = align_up(max((o + s for o, s, _, _ in placed), default=0), ALIGN)
+    return Plan(
+        arena_bytes=arena,
+        tensors={t: offset_of[("t", root(t))] for t in g.shapes},
+        scratch={n: (offset_of[("s", n)], need) for n, need in scratch_req.items()},
+        kernels=kernels,
+        naive_bytes=sum(nbytes.values()) + sum(scratch_req.values()),
+        storages=[(nbytes[r], born_at[r], last[r]) for r in roots],
+    )

@@ -1,0 +1,252 @@
+"""Open an ``.epk`` bundle: validate everything, then map the weights zero-copy.
+
+The parser is bounded: every size and offset is checked against the file before it
+is used, the manifest and the weight section are checksummed, and only then are
+tensors created, as read-only views into one ``mmap`` of the file. A truncated or
+bit-flipped bundle raises ``BundleError`` with a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .bundle_format import (
+    ALIGN,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    MAGIC,
+    PAD_PREFIX,
+    SHORT_TO_ST,
+    ST_DTYPES,
+    Header,
+)
+
+MAX_MANIFEST = 64 << 20  # a manifest bigger than this is not a manifest we wrote
+MAX_ST_HEADER = 64 << 20
+
+
+class BundleError(Exception):
+    """The file is not a valid edgepack bundle (or is corrupt)."""
+
+
+@dataclass
+class Bundle:
+    path: str
+    offset: int
+    header: Header
+    manifest: dict
+    weights: dict[str, np.ndarray]
+    _mmap: mmap.mmap | None = field(default=None, repr=False)
+
+    @property
+    def graph(self) -> dict:
+        return self.manifest["graph"]
+
+    @property
+    def plan(self) -> dict:
+        return self.manifest["plan"]
+
+    def close(self) -> None:
+        # Views into the map keep it alive; dropping our references is all we can do.
+        self.weights = {}
+        self._mmap = None
+
+
+def _fail(path: str, msg: str) -> BundleError:
+    return BundleError(f"{path}: not a valid edgepack bundle: {msg}")
+
+
+def parse_header(raw: bytes, path: str = "<bundle>") -> Header:
+    if len(raw) < HEADER_SIZE:
+        raise _fail(path, f"file is {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    if raw[:8] != MAGIC:
+        raise _fail(path, "bad magic (this is not an .epk file)")
+    (crc,) = struct.unpack_from("<I", raw, HEADER_SIZE - 4)
+    if zlib.crc32(raw[: HEADER_SIZE - 4]) != crc:
+        raise _fail(path, "header checksum mismatch (corrupt header)")
+    f = HEADER_STRUCT.unpack_from(raw)
+    _, version, hsize, bsize, moff, msize, woff, wsize, msha, wsha, flags = f
+    if version != FORMAT_VERSION:
+        raise _fail(path, f"format version {version}; this runtime reads {FORMAT_VERSION}")
+    if hsize != HEADER_SIZE:
+        raise _fail(path, f"header size {hsize}, expected {HEADER_SIZE}")
+    return Header(version, bsize, moff, msize, woff, wsize, msha, wsha, flags)
+
+
+def _check_ranges(h: Header, available: int, path: str) -> None:
+    if h.bundle_size > available:
+        raise _fail(
+            path, f"truncated: header says {h.bundle_size} bytes, only {available} present"
+        )
+    if not (HEADER_SIZE <= h.manifest_offset and h.manifest_offset + h.manifest_size <= h.bundle_size):
+        raise _fail(path, "manifest lies outside the bundle")
+    if h.manifest_size > MAX_MANIFEST:
+        raise _fail(path, f"manifest of {h.manifest_size} bytes exceeds {MAX_MANIFEST}")
+    if h.weights_offset % ALIGN:
+        raise _fail(path, f"weight section offset {h.weights_offset} is not {ALIGN}-byte aligned")
+    if not (
+        h.manifest_offset + h.manifest_size <= h.weights_offset
+        and h.weights_offset + h.weights_size <= h.bundle_size
+    ):
+        raise _fail(path, "weight section lies outside the bundle or overlaps the manifest")
+
+
+def _parse_safetensors_header(
+    buf: memoryview, base: int, path: str, section_size: int
+) -> tuple[int, dict]:
+    """Validate the safetensors-layout section from its header bytes ``buf``.
+
+    Returns (data start within the section, entries).
+    """
+    if len(buf) < 8:
+        raise _fail(path, "weight section shorter than its length prefix")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > MAX_ST_HEADER or 8 + n > min(len(buf), section_size):
+        raise _fail(path, f"weight header length {n} out of bounds")
+    try:
+        entries = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(path, f"weight header is not JSON: {e}") from None
+    if not isinstance(entries, dict):
+        raise _fail(path, "weight header is not a JSON object")
+    entries.pop("__metadata__", None)
+    data_start = 8 + n
+    data_len = section_size - data_start
+    if (base + data_start) % ALIGN:
+        raise _fail(path, "weight data does not start on a 64-byte boundary")
+    spans = []
+    for name, e in entries.items():
+        if not isinstance(e, dict):
+            raise _fail(path, f"weight {name!r}: entry is not an object")
+        dt, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if dt not in ST_DTYPES:
+            raise _fail(path, f"weight {name!r}: unsupported dtype {dt!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise _fail(path, f"weight {name!r}: bad shape {shape!r}")
+        if not (
+            isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+        ):
+            raise _fail(path, f"weight {name!r}: bad data_offsets {offs!r}")
+        b, e_ = offs
+        if not (0 <= b <= e_ <= data_len):
+            raise _fail(path, f"weight {name!r}: data_offsets {offs} outside the section")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(ST_DTYPES[dt]).itemsize
+        if e_ - b != nbytes:
+            raise _fail(path, f"weight {name!r}: {e_ - b} bytes for shape {shape} {dt}")
+        if not name.startswith(PAD_PREFIX) and (base + data_start + b) % ALIGN:
+            raise _fail(path, f"weight {name!r} is not 64-byte aligned")
+        spans.append((b, e_, name))
+    spans.sort()
+    pos = 0
+    for b, e_, name in spans:
+        if b != pos:
+            raise _fail(path, f"weight {name!r} overlaps another or leaves a hole")
+        pos = e_
+    if pos != data_len:
+        raise _fail(path, "weight section has trailing bytes no tensor accounts for")
+    return data_start, entries
+
+
+def _check_manifest(m: object, weights: dict, path: str) -> None:
+    if not isinstance(m, dict) or m.get("format") != "edgepack-bundle":
+        raise _fail(path, "manifest is not an edgepack manifest")
+    try:
+        g, plan = m["graph"], m["plan"]
+        for key in ("inputs", "outputs", "nodes", "tensors"):
+            g[key]  # noqa: B018 - presence check
+        arena = int(plan["arena_bytes"])
+        for name, off in plan["tensors"].items():
+            t = g["tensors"][name]
+            size = int(np.prod(t["shape"], dtype=np.int64)) * 4
+            if not (0 <= off and off + size <= arena):
+                raise _fail(path, f"tensor {name!r} planned outside the arena")
+        for node in g["nodes"]:
+            for name in node["inputs"]:
+                if name and name not in g["tensors"] and name not in weights:
+                    raise _fail(path, f"node {node['name']!r} reads unknown tensor {name!r}")
+        for name, spec in m["weights"].items():
+            w = weights.get(name)
+            if w is None:
+                raise _fail(path, f"weight {name!r} listed in the manifest is missing")
+            if list(w.shape) != list(spec["shape"]) or SHORT_TO_ST[spec["dtype"]] != w.dtype_st:
+                raise _fail(path, f"weight {name!r}: manifest and weight header disagree")
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail(path, f"manifest is malformed ({type(e).__name__}: {e})") from None
+
+
+class _Spec:
+    """Weight entry validated but not yet mapped (so manifest checks touch no data)."""
+
+    def __init__(self, shape: list[int], dtype_st: str) -> None:
+        self.shape, self.dtype_st = shape, dtype_st
+
+
+def _sha256_range(f, start: int, length: int) -> bytes:
+    h = hashlib.sha256()
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    f.seek(start)
+    left = length
+    while left:
+        n = f.readinto(view[: min(left, len(buf))])
+        if not n:
+            break
+        h.update(view[:n])
+        left -= n
+    return h.digest()
+
+
+def open_bundle(path: str | os.PathLike, offset: int = 0, size: int | None = None) -> Bundle:
+    """Validate the bundle stored at ``offset`` in ``path``, then map its weights.
+
+    Everything (header, ranges, both checksums, the weight table, the manifest) is
+    checked with plain reads; the file is mapped only once all of it holds.
+    """
+    p = str(path)
+    try:
+        with open(p, "rb") as f:
+            fsize = os.fstat(f.fileno()).st_size
+            f.seek(offset)
+            h = parse_header(f.read(HEADER_SIZE), p)
+            available = (fsize - offset) if size is None else min(size, fsize - offset)
+            _check_ranges(h, available, p)
+            f.seek(offset + h.manifest_offset)
+            mbytes = f.read(h.manifest_size)
+            if hashlib.sha256(mbytes).digest() != h.manifest_sha256:
+                raise _fail(p, "manifest checksum mismatch (corrupt or tampered)")
+            wbase = offset + h.weights_offset
+            if _sha256_range(f, wbase, h.weights_size) != h.weights_sha256:
+                raise _fail(p, "weight checksum mismatch (corrupt or tampered)")
+            f.seek(wbase)
+            st_len = f.read(8)
+            n = struct.unpack("<Q", st_len)[0] if len(st_len) == 8 else 0
+            head = st_len + f.read(min(n, MAX_ST_HEADER + 1, h.weights_size))
+            data_start, entries = _parse_safetensors_header(
+                memoryview(head), wbase, p, h.weights_size
+            )
+            try:
+                manifest = json.loads(mbytes.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise _fail(p, f"manifest is not JSON: {e}") from None
+            specs = {name: _Spec(e["shape"], e["dtype"]) for name, e in entries.items()}
+            _check_manifest(manifest, specs, p)
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise BundleError(f"{p}: cannot read bundle: {e}") from None
+    weights: dict[str, np.ndarray] = {}
+    for name in manifest["weights"]:
+        e = entries[name]
+        dt = np.dtype(ST_DTYPES[e["dtype"]])
+        count = int(np.prod(e["shape"], dtype=np.int64))
+        start = wbase + data_start + e["data_offsets"][0]
+        weights[name] = np.frombuffer(mm, dtype=dt, count=count, offset=start).reshape(e["shape"])
+    return Bundle(p, offset, h, manifest, weights, mm)

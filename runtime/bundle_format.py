@@ -1,0 +1,58 @@
+"""Binary layout of an ``.epk`` bundle (see docs/bundle-format.md).
+
+All integers little-endian; all offsets relative to the start of the bundle so a
+bundle can sit at any offset inside a larger file (e.g. appended to an executable).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"EPKB\r\n\x1a\n"  # PNG-style: text-mode transfers and truncation show up at once
+FORMAT_VERSION = 1
+ALIGN = 64
+HEADER_STRUCT = struct.Struct("<8sIIQQQQQ32s32sI")  # + u32 crc32 of everything before it
+HEADER_SIZE = HEADER_STRUCT.size + 4
+assert HEADER_SIZE == 128, HEADER_SIZE  # layout pinned by tests/test_bundle_format.py
+
+# safetensors dtype names <-> numpy dtype strings for what bundles may hold.
+ST_DTYPES: dict[str, str] = {"F32": "<f4", "F16": "<f2", "I8": "i1", "U8": "u1", "I32": "<i4"}
+ST_FROM_NUMPY: dict[str, str] = {v: k for k, v in ST_DTYPES.items()}
+# Our short names used in the manifest.
+SHORT_TO_ST: dict[str, str] = {"f32": "F32", "f16": "F16", "i8": "I8", "u8": "U8", "i32": "I32"}
+PAD_PREFIX = "__pad__."  # filler entries that keep every tensor 64-byte aligned
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    bundle_size: int
+    manifest_offset: int
+    manifest_size: int
+    weights_offset: int
+    weights_size: int
+    manifest_sha256: bytes
+    weights_sha256: bytes
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        body = HEADER_STRUCT.pack(
+            MAGIC,
+            self.version,
+            HEADER_SIZE,
+            self.bundle_size,
+            self.manifest_offset,
+            self.manifest_size,
+            self.weights_offset,
+            self.weights_size,
+            self.manifest_sha256,
+            self.weights_sha256,
+            self.flags,
+        )
+        return body + struct.pack("<I", zlib.crc32(body))
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a

@@ -1,0 +1,174 @@
+"""Device-side commands: run, info, bench. No packager imports here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+from .bundle import BundleError
+from .executor import RunError
+
+
+def _load_inputs(path: str, inputs: list[dict]) -> dict[str, np.ndarray]:
+    if not os.path.exists(path):
+        raise RunError(f"--input {path}: no such file")
+    if path.endswith(".npz"):
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    if path.endswith(".npy"):
+        if len(inputs) != 1:
+            names = ", ".join(i["name"] for i in inputs)
+            raise RunError(f"this model has {len(inputs)} inputs ({names}); pass an .npz keyed "
+                           "by input name")
+        return {inputs[0]["name"]: np.load(path)}
+    raise RunError(f"--input {path}: expected a .npy or .npz file")
+
+
+def _summary(name: str, y: np.ndarray) -> str:
+    lines = [f"{name}: {y.dtype}[{'x'.join(map(str, y.shape))}] "
+             f"min {y.min():.4g} max {y.max():.4g} mean {y.mean():.4g}"]
+    if y.ndim == 2 and 1 < y.shape[1] <= 100_000:
+        for i, row in enumerate(y[:8]):
+            top = np.argsort(row)[::-1][:3]
+            best = ", ".join(f"{int(k)} ({row[k]:.4g})" for k in top)
+            lines.append(f"  [{i}] prediction: class {int(top[0])}   top-3: {best}")
+    return "\n".join(lines)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from .session import Session
+
+    s = Session(a.bundle, threads=a.threads)
+    feeds = _load_inputs(a.input, s.inputs)
+    outs = s.run(feeds)
+    if a.output:
+        np.savez(a.output, **outs)
+        print(f"wrote {len(outs)} output(s) to {a.output}")
+    else:
+        for k, v in outs.items():
+            print(_summary(k, v))
+    return 0
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def describe(bundle, file_size: int) -> str:
+    m = bundle.manifest
+    g = m["graph"]
+    out = []
+    model = m.get("model", {})
+    out.append(f"model:    {model.get('name', '?')} (opset {model.get('opset', '?')}, "
+               f"source sha256 {model.get('source_sha256', '?')[:16]}...)")
+    b = m.get("build", {})
+    out.append(f"built by: edgepack {b.get('edgepack', '?')}, python {b.get('python', '?')}, "
+               f"numpy {b.get('numpy', '?')}, onnx {b.get('onnx', '?')}")
+    for kind in ("inputs", "outputs"):
+        for t in g[kind]:
+            out.append(f"{kind[:-1]:<9} {t['name']}: {t['dtype']}[{'x'.join(map(str, t['shape']))}]")
+    ops = Counter(n["op"] for n in g["nodes"])
+    out.append(f"ops:      {len(g['nodes'])} ({', '.join(f'{k} {v}' for k, v in ops.most_common())})")
+    params = sum(int(np.prod(w.shape)) for w in bundle.weights.values())
+    wbytes = sum(w.nbytes for w in bundle.weights.values())
+    backends = Counter(n["kernel"]["backend"] for n in g["nodes"])
+    out.append(f"kernels:  {', '.join(f'{k} {v}' for k, v in backends.items())}")
+    out.append(f"params:   {params:,} in {len(bundle.weights)} tensors ({_fmt_bytes(wbytes)})")
+    out.append(f"bundle:   {_fmt_bytes(file_size)} (format v{m['format_version']})")
+    out.append(f"arena:    {_fmt_bytes(m['plan']['arena_bytes'])} planned at pack time")
+    q = m.get("quantization", {})
+    out.append(f"quant:    {q.get('mode', 'fp32')}" + (f" ({q['scheme']})" if "scheme" in q else ""))
+    if "error" in q:
+        from .errortable import format_error_table
+
+        out.append(f"quantization error vs fp32 ({q['error'].get('calibration', '')}):")
+        out.append(format_error_table(q["error"]))
+    return "\n".join(out)
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from .bundle import open_bundle
+
+    bundle = open_bundle(a.bundle)
+    print(describe(bundle, bundle.header.bundle_size))
+    return 0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .session import Session
+
+    s = Session(a.bundle, threads=a.threads)
+    rng = np.random.default_rng(0)
+    feeds = {i["name"]: rng.standard_normal(i["shape"]).astype(np.float32) for i in s.inputs}
+    ex = s.executor
+    for _ in range(a.warmup):
+        ex.run_views(feeds)
+    times = []
+    for _ in range(a.n):
+        t = time.perf_counter()
+        ex.run_views(feeds)
+        times.append((time.perf_counter() - t) * 1e3)
+    from .threads import set_threads
+
+    print(f"{a.bundle}: {a.n} runs after {a.warmup} warm-up, {set_threads(None)} thread(s)")
+    print(f"median {percentile(times, 50):.3f} ms  p99 {percentile(times, 99):.3f} ms  "
+          f"min {min(times):.3f} ms  mean {np.mean(times):.3f} ms")
+    return 0
+
+
+def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a bundle on inputs from .npy/.npz",
+                       description="Run a bundle once on the given inputs.")
+    p.add_argument("bundle")
+    p.add_argument("--input", "-i", required=True,
+                   help=".npz keyed by input name, or .npy for a single-input model")
+    p.add_argument("--output", "-o", help="write outputs to this .npz (keyed by output name)")
+    p.add_argument("--threads", type=int, default=None, help="threads for the kernels")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("info", help="describe a bundle", description="Describe a bundle: "
+                       "inputs/outputs, ops, parameters, sizes, arena, quantization error.")
+    p.add_argument("bundle")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("bench", help="time a bundle", description="Time repeated runs of a "
+                       "bundle on seeded random inputs (median and P99).")
+    p.add_argument("bundle")
+    p.add_argument("-n", type=int, default=100, help="timed runs (default 100)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs first (default 10)")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_bench)
+
+
+ERRORS = (BundleError, RunError, FileNotFoundError, ValueError)
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None, errors=ERRORS) -> int:
+    a = parser.parse_args(argv)
+    if not getattr(a, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return a.func(a)
+    except errors as e:
+        print(f"edgepack: error: {e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="edgepack", description="edgepack device runtime")
+    add_runtime_commands(parser.add_subparsers(dest="command"))
+    return dispatch(parser, argv)

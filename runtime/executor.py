@@ -1,0 +1,144 @@
+"""Run a planned graph: one arena, views at planned offsets, a pre-bound step list.
+
+Everything that can be decided before the first inference is decided in ``__init__``
+(views, kernel lookup, argument binding), so ``run`` is a loop over closures that
+writes into memory that already exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..kernels.registry import DTYPES, lookup, node_dtype
+from .bundle_format import ALIGN
+
+
+class RunError(ValueError):
+    """Bad inputs to ``run`` (wrong names, shapes or dtypes)."""
+
+
+def aligned_arena(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """A zeroed uint8 buffer of ``nbytes`` whose first byte is ``align``-aligned."""
+    raw = np.zeros(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes]
+
+
+class Executor:
+    """Binds a manifest (graph + plan) and its weights to one arena.
+
+    ``backend`` overrides the kernels chosen at pack time (``None`` keeps them).
+    """
+
+    def __init__(
+        self,
+        manifest: Mapping,
+        weights: Mapping[str, np.ndarray],
+        backend: str | None = None,
+    ) -> None:
+        g, plan = manifest["graph"], manifest["plan"]
+        self.graph = g
+        self.inputs = g["inputs"]
+        self.outputs = g["outputs"]
+        arena_bytes = int(plan["arena_bytes"])
+        self.arena = aligned_arena(arena_bytes)
+        assert self.arena.nbytes == arena_bytes and self.arena.ctypes.data % ALIGN == 0
+        self.views: dict[str, np.ndarray] = {}
+        for name, off in plan["tensors"].items():
+            t = g["tensors"][name]
+            n = int(np.prod(t["shape"], dtype=np.int64)) * DTYPES[t["dtype"]].itemsize
+            assert off % 4 == 0 and off + n <= arena_bytes, f"{name} outside the arena"
+            self.views[name] = (
+                self.arena[off : off + n].view(DTYPES[t["dtype"]]).reshape(t["shape"])
+            )
+        self.bound: list[tuple[dict, object]] = []  # (node, step or None) in graph order
+        for node in g["nodes"]:
+            ins = [self._resolve(n, weights) for n in node["inputs"]]
+            outs = [self.views[n] for n in node["outputs"]]
+            kinfo = node["kernel"]
+            wdt = kinfo["dtype"]
+            kern = lookup(node["op"], node_dtype(node["op"], wdt), backend or kinfo["backend"])
+            off, planned = plan["scratch"].get(node["name"], (0, 0))
+            specs = [None if a is None else (a.shape, _short(a.dtype)) for a in ins]
+            need = kern.scratch(specs, [o.shape for o in outs], node["attrs"])
+            if need > planned:
+                raise RuntimeError(
+                    f"node {node['name']!r}: kernel {kern.name} needs {need} B of scratch, "
+                    f"the plan reserved {planned} B (bundle built for another backend?)"
+                )
+            step = kern.bind(ins, outs, self.arena[off : off + planned], node["attrs"])
+            self.bound.append((node, step))
+        self.steps = [s for _, s in self.bound if s is not None]
+        self._in_views = [self.views[i["name"]] for i in self.inputs]
+        self._out_views = [self.views[o["name"]] for o in self.outputs]
+
+    def _resolve(self, name: str, weights: Mapping[str, np.ndarray]) -> np.ndarray | None:
+        if not name:
+            return None
+        if name in weights:
+            return weights[name]
+        return self.views[name]
+
+    def check_inputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        expected = ", ".join(
+            f"{i['name']} {i['dtype']}[{'x'.join(map(str, i['shape']))}]" for i in self.inputs
+        )
+        names = [i["name"] for i in self.inputs]
+        unknown = sorted(set(feeds) - set(names))
+        missing = [n for n in names if n not in feeds]
+        if unknown or missing:
+            raise RunError(
+                f"inputs {'unknown: ' + ', '.join(unknown) if unknown else ''}"
+                f"{'; ' if unknown and missing else ''}"
+                f"{'missing: ' + ', '.join(missing) if missing else ''}; expected: {expected}"
+            )
+        arrays = []
+        for spec in self.inputs:
+            a = np.asarray(feeds[spec["name"]])
+            if a.dtype != DTYPES[spec["dtype"]]:
+                raise RunError(
+                    f"input {spec['name']!r} has dtype {a.dtype}, expected "
+                    f"{DTYPES[spec['dtype']]}; expected: {expected}"
+                )
+            if list(a.shape) != list(spec["shape"]):
+                raise RunError(
+                    f"input {spec['name']!r} has shape {list(a.shape)}, expected "
+                    f"{spec['shape']}; expected: {expected}"
+                )
+            arrays.append(a)
+        return arrays
+
+    def run_views(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Run and return the output arena views (valid until the next run)."""
+        for dst, src in zip(self._in_views, self.check_inputs(feeds)):
+            np.copyto(dst, src)
+        for step in self.steps:
+            step()
+        return self._out_views
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run once; returns fresh copies of the outputs keyed by output name."""
+        outs = self.run_views(feeds)
+        return {o["name"]: v.copy() for o, v in zip(self.outputs, outs)}
+
+    def run_traced(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run once and copy every node's output as it is produced (for error tables;
+        the arena reuses memory, so intermediates must be captured step by step)."""
+        for dst, src in zip(self._in_views, self.check_inputs(feeds)):
+            np.copyto(dst, src)
+        trace: dict[str, np.ndarray] = {}
+        for node, step in self.bound:
+            if step is not None:
+                step()
+            for o in node["outputs"]:
+                trace[o] = self.views[o].copy()
+        return trace
+
+
+def _short(dt: np.dtype) -> str:
+    for k, v in DTYPES.items():
+        if v == dt:
+            return k
+    return str(dt)
