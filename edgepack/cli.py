@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import __version__
+from .packager.quantize import DEFAULT_MIN_WEIGHTS
 from .runtime.cli import ERRORS, add_runtime_commands, dispatch
 
 
@@ -21,6 +22,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         input_shapes=parse_shape_overrides(a.input_shape),
         calib=a.calib,
         max_error=a.max_error,
+        min_weights=a.quant_min_weights,
     )
     return 0
 
@@ -48,6 +50,9 @@ def make_parser() -> argparse.ArgumentParser:
                    "[samples, *shape]); default: 8 seeded random inputs")
     p.add_argument("--max-error", type=float, metavar="X",
                    help="fail if the quantized outputs' relative L2 error exceeds X")
+    p.add_argument("--quant-min-weights", type=int, default=DEFAULT_MIN_WEIGHTS,
+                   metavar="N", help="layers with fewer weights stay fp32 (default "
+                   f"{DEFAULT_MIN_WEIGHTS}; 0 quantizes all)")
     p.set_defaults(func=cmd_build)
     add_runtime_commands(sub)
     return parser

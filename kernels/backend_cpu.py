@@ -45,6 +45,15 @@ def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple
     return scratch[offset : offset + n].view(np.float32).reshape(shape), offset + n
 
 
+def _decoder(w: np.ndarray, dst: np.ndarray):
+    """A step that widens int8 / fp16 weights into the float32 scratch ``dst``."""
+    src, out = w.reshape(-1), dst.reshape(-1)
+    if w.dtype == np.float16:
+        src, out = src.view(np.uint16), out.view(np.uint32)
+        return lambda: K.decode_f16(src, out)
+    return lambda: K.decode_i8(src, out)
+
+
 def _nbytes(shape: Sequence[int], itemsize: int = 4) -> int:
     return int(np.prod(shape)) * itemsize
 
@@ -88,7 +97,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     decode = None
     if w.dtype != F32:
         wf, off = _f32_slot(scratch, off, (co, kk))
-        decode = (wf, w2)
+        decode = _decoder(w2, wf)
         w2 = wf
     pointwise = _is_pointwise(w.shape, attrs)
     cols = None if pointwise else _f32_slot(scratch, off, (kk, p))[0]
@@ -110,7 +119,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 
     def step() -> None:
         if decode is not None:
-            np.copyto(decode[0], decode[1], casting="unsafe")
+            decode()
         for xg, wg, yg in gemms:
             if cols is None:
                 matmul(wg, xg, out=yg)
@@ -137,7 +146,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
     decode = None
     if w.dtype == np.float16:  # numba has no CPU float16: decode into scratch
         wf = _f32_slot(scratch, 0, w.shape)[0]
-        decode = (wf, w)
+        decode = _decoder(w, wf)
         w = wf
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
@@ -151,7 +160,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 
     def step() -> None:
         if decode is not None:
-            np.copyto(decode[0], decode[1], casting="unsafe")
+            decode()
         for xn, yn, rn in items:
             kern(xn, w, b_, s_, rn, yn, sh, sw, pt, pl, dh, dw, flags, act, a, b)
 
@@ -186,7 +195,7 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     decode = None
     if w.dtype == np.float16:
         wf = _f32_slot(scratch, 0, w.shape)[0]
-        decode = (wf, w)
+        decode = _decoder(w, wf)
         w = wf
     wt = w.T  # a transposed view: BLAS reads it with the transpose flag, no copy
     matmul, epilogue = np.matmul, K.epilogue_cols
@@ -194,7 +203,7 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
 
     def step() -> None:
         if decode is not None:
-            np.copyto(decode[0], decode[1], casting="unsafe")
+            decode()
         matmul(x2, wt, out=y2)
         if needs_epilogue:
             epilogue(y2, b_, s_, flags, act, a, b)
@@ -231,10 +240,22 @@ def _bind_matmul(ins, outs, scratch, attrs) -> Bound:
 
 
 _UFUNC = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+_KIND = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 
 
 def _bind_binary(ins, outs, scratch, attrs) -> Bound:
     a_, b_, y = ins[0], ins[1], outs[0]
+    if y.ndim <= 4:
+        # A numba loop over broadcast views: NumPy's ufuncs would buffer (allocate) when
+        # the planner writes the output over an input, as it does for in-place ops.
+        shape4 = (1,) * (4 - y.ndim) + y.shape
+        x4 = np.broadcast_to(a_.reshape((1,) * (4 - a_.ndim) + a_.shape), shape4)
+        z4 = np.broadcast_to(b_.reshape((1,) * (4 - b_.ndim) + b_.shape), shape4)
+        y4 = y.reshape(shape4)
+        kind = _KIND[attrs["kind"]]
+        act, a, b = _act(attrs)
+        kern = K.binary4
+        return lambda: kern(x4, z4, y4, kind, act, a, b)
     uf = _UFUNC[attrs["kind"]]
     post = _with_act(y, attrs)
 

@@ -267,3 +267,61 @@ def softmax3(x, out):
         inv = np.float32(1) / s
         for k in range(l_):
             out[o, k, i] *= inv
+
+
+@njit(parallel=True, cache=True)
+def decode_i8(src, dst):
+    """int8 weights -> float32 scratch (flat arrays); the scale is applied later."""
+    for i in prange(src.size):
+        dst[i] = np.float32(src[i])
+
+
+@njit(parallel=True, cache=True)
+def decode_f16(src, dst):
+    """IEEE half (as uint16 bits) -> float32 (as uint32 bits), flat arrays.
+
+    numba has no CPU float16 type, and NumPy's casting copy goes through a 32 KB
+    buffer on every call; rebuilding the float32 bit pattern here does neither.
+    """
+    for i in prange(src.size):
+        h = np.uint32(src[i])
+        sign = (h & np.uint32(0x8000)) << np.uint32(16)
+        exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+        mant = h & np.uint32(0x3FF)
+        if exp == 0:
+            if mant == 0:
+                dst[i] = sign
+            else:  # subnormal half: renormalise into a normal float32
+                e = np.uint32(113)  # 127 - 15 + 1
+                while (mant & np.uint32(0x400)) == 0:
+                    mant <<= np.uint32(1)
+                    e -= np.uint32(1)
+                dst[i] = sign | (e << np.uint32(23)) | ((mant & np.uint32(0x3FF)) << np.uint32(13))
+        elif exp == 31:
+            dst[i] = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
+        else:
+            dst[i] = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
+
+
+@njit(inline="always")
+def _binop(x, y, kind):
+    if kind == 0:
+        return x + y
+    if kind == 1:
+        return x - y
+    if kind == 2:
+        return x * y
+    return x / y
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def binary4(x, y, out, kind, act, a, b):
+    """out = act(x (op) y) over 4-D views; x and y are broadcast views (zero strides)
+    of out's shape. Elementwise at equal indices, so out may alias x or y (in place)."""
+    d0, d1, d2, d3 = out.shape
+    for ij in prange(d0 * d1):
+        i = ij // d1
+        j = ij % d1
+        for k in range(d2):
+            for m in range(d3):
+                out[i, j, k, m] = act_scalar(_binop(x[i, j, k, m], y[i, j, k, m], kind), act, a, b)

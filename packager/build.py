@@ -18,7 +18,7 @@ from .manifest import make_manifest
 from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
 from ..runtime.errortable import format_error_table
-from .quantize import MODES, error_table, quantize_graph
+from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
 from .writer import write_bundle
 
 DEFAULT_CALIB_SAMPLES = 8
@@ -36,14 +36,20 @@ class BuildResult:
 
 def load_calibration(path: str | Path | None, g: Graph, samples: int = DEFAULT_CALIB_SAMPLES,
                      seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Calibration feeds: from an npz keyed by input name (arrays shaped [S, *shape] or
-    exactly the input shape), else seeded standard-normal inputs."""
+    """Calibration feeds: from an npz keyed by input name, else seeded standard-normal.
+
+    An array may be ``[S, *input_shape]`` (S feeds) or stack samples along the batch
+    axis (``[n, *input_shape[1:]]``), which are grouped into feeds of the bundle's
+    batch size (the last group wraps around to fill up).
+    """
     if path is None:
         rng = np.random.default_rng(seed)
         return [
             {t: rng.standard_normal(g.shapes[t]).astype(np.float32) for t in g.inputs}
             for _ in range(samples)
         ]
+    if not str(path).endswith(".npz") or not Path(path).is_file():
+        raise PackError(f"--calib {path}: expected an existing .npz keyed by input name")
     data = np.load(path)
     missing = [t for t in g.inputs if t not in data.files]
     if missing:
@@ -52,17 +58,18 @@ def load_calibration(path: str | Path | None, g: Graph, samples: int = DEFAULT_C
     for t in g.inputs:
         a = np.asarray(data[t], np.float32)
         shape = g.shapes[t]
-        if a.shape == shape:
-            a = a[None]
-        elif a.shape[1:] != shape:
+        if a.shape[1:] == shape:
+            per_input[t] = list(a)
+        elif a.ndim == len(shape) and a.shape[1:] == shape[1:] and len(a):
             b = shape[0]
-            if a.ndim == len(shape) and a.shape[1:] == shape[1:] and a.shape[0] % b == 0:
-                a = a.reshape((-1,) + shape)
-            else:
-                raise PackError(f"--calib {path}: {t} has shape {a.shape}, expected {shape} or "
-                                f"[samples, {', '.join(map(str, shape))}]")
-        per_input[t] = a
-    n = min(len(a) for a in per_input.values())
+            groups = -(-len(a) // b)
+            idx = np.arange(groups * b) % len(a)
+            per_input[t] = list(a[idx].reshape((groups,) + shape))
+        else:
+            raise PackError(f"--calib {path}: {t} has shape {a.shape}; expected "
+                            f"[samples, {', '.join(map(str, shape))}] or "
+                            f"[n, {', '.join(map(str, shape[1:]))}]")
+    n = min(len(v) for v in per_input.values())
     return [{t: per_input[t][i] for t in g.inputs} for i in range(n)]
 
 
@@ -85,6 +92,7 @@ def build(
     input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     calib: str | Path | None = None,
     max_error: float | None = None,
+    min_weights: int = DEFAULT_MIN_WEIGHTS,
     log: Callable[[str], None] = print,
 ) -> BuildResult:
     if quant not in MODES:
@@ -103,7 +111,12 @@ def build(
     log(f"      {n_onnx} ops -> {len(g.nodes)} ops; "
         + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.items() if v))
     stage(3, f"quantize weights ({quant})")
-    q = quantize_graph(g, quant)
+    q = quantize_graph(g, quant, min_weights)
+    if quant != "fp32":
+        kept = [n.name for n in q.nodes if n.op in ("conv", "dwconv", "linear")
+                and q.consts[n.inputs[1]].dtype == np.float32]
+        if kept:
+            log(f"      {len(kept)} layer(s) under {min_weights} weights stay fp32")
     stage(4, "plan memory")
     plan = plan_memory(q)
     log(f"      arena {plan.arena_bytes / 1e6:.2f} MB for {len(q.shapes)} tensors "
@@ -111,7 +124,7 @@ def build(
     extra = {
         "model": {"name": Path(model).stem, "source_file": Path(model).name, **g.meta},
         "build": build_info(),
-        "quantization": {"mode": quant},
+        "quantization": {"mode": quant, "min_weights": min_weights},
     }
     error = None
     if quant != "fp32":

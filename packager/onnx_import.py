@@ -324,7 +324,10 @@ def _axes(ctx: _Ctx, ins, a, rank: int, attr_until: int) -> list[int] | None:
         ax = ctx.opt_const(ins, 1)
     if ax is None:
         return None
-    return sorted(int(v) % rank for v in np.asarray(ax).reshape(-1))
+    vals = [int(v) for v in np.asarray(ax).reshape(-1)]
+    if any(not -rank <= v < rank for v in vals):
+        raise ctx.fail(f"axes {vals} out of range for rank {rank}")
+    return sorted(v % rank for v in vals)
 
 
 def _squeeze(ctx: _Ctx, ins, outs, a):

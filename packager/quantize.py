@@ -17,6 +17,10 @@ from .ir import Graph
 
 MODES = ("fp32", "fp16", "int8")
 WEIGHT_OPS = ("conv", "dwconv", "linear")
+# Layers with fewer weights than this stay fp32: they hold a sliver of the bytes but,
+# per weight, add the most error (measured on the rapidocr MobileNetV3 classifier:
+# int8 top-1 agreement with fp32 went from 191/200 to 196/200 for +28 KB).
+DEFAULT_MIN_WEIGHTS = 1024
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -28,8 +32,9 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(w.shape), scale.astype(np.float32)
 
 
-def quantize_graph(g: Graph, mode: str) -> Graph:
-    """A copy of ``g`` whose conv/linear weights are stored in ``mode``."""
+def quantize_graph(g: Graph, mode: str, min_weights: int = DEFAULT_MIN_WEIGHTS) -> Graph:
+    """A copy of ``g`` whose conv/linear weights (those with at least ``min_weights``
+    elements) are stored in ``mode``."""
     if mode not in MODES:
         raise ValueError(f"--quant {mode!r}; choose from {', '.join(MODES)}")
     q = copy.deepcopy(g)
@@ -40,6 +45,8 @@ def quantize_graph(g: Graph, mode: str) -> Graph:
             continue
         wname = node.inputs[1]
         w = q.consts[wname]
+        if w.size < min_weights:
+            continue
         if mode == "fp16":
             q.consts[wname] = w.astype(np.float16)
             continue

@@ -156,30 +156,59 @@ def _parse_safetensors_header(
     return data_start, entries
 
 
+def _shape_ok(shape: object) -> bool:
+    return isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+
+
 def _check_manifest(m: object, weights: dict, path: str) -> None:
+    """Structural checks, so the executor never meets a dangling name or range."""
+    from ..kernels.reference import REFERENCE
+    from ..kernels.registry import BACKENDS, DTYPES
+
     if not isinstance(m, dict) or m.get("format") != "edgepack-bundle":
         raise _fail(path, "manifest is not an edgepack manifest")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise _fail(path, f"manifest format version {m.get('format_version')!r}, expected "
+                    f"{FORMAT_VERSION}")
     try:
-        g, plan = m["graph"], m["plan"]
-        for key in ("inputs", "outputs", "nodes", "tensors"):
-            g[key]  # noqa: B018 - presence check
+        g, plan, wspecs = m["graph"], m["plan"], m["weights"]
+        tensors = g["tensors"]
         arena = int(plan["arena_bytes"])
-        for name, off in plan["tensors"].items():
-            t = g["tensors"][name]
+        for name, t in tensors.items():
+            if not _shape_ok(t["shape"]) or t["dtype"] != "f32":
+                raise _fail(path, f"tensor {name!r}: bad shape or dtype")
+            off = plan["tensors"][name]
             size = int(np.prod(t["shape"], dtype=np.int64)) * 4
-            if not (0 <= off and off + size <= arena):
+            if not (isinstance(off, int) and 0 <= off and off % 4 == 0 and off + size <= arena):
                 raise _fail(path, f"tensor {name!r} planned outside the arena")
+        for node_name, span in plan["scratch"].items():
+            off, size = span
+            if not (isinstance(off, int) and isinstance(size, int) and 0 <= off
+                    and 0 <= size and off + size <= arena):
+                raise _fail(path, f"scratch of node {node_name!r} lies outside the arena")
+        for io in g["inputs"] + g["outputs"]:
+            if io["name"] not in tensors:
+                raise _fail(path, f"graph input/output {io['name']!r} is not a tensor")
         for node in g["nodes"]:
+            if node["op"] not in REFERENCE:
+                raise _fail(path, f"node {node['name']!r}: unknown op {node['op']!r} "
+                            "(bundle from a newer edgepack?)")
+            k = node["kernel"]
+            if k["backend"] not in BACKENDS or k["dtype"] not in DTYPES:
+                raise _fail(path, f"node {node['name']!r}: unknown kernel {k}")
             for name in node["inputs"]:
-                if name and name not in g["tensors"] and name not in weights:
+                if name and name not in tensors and name not in wspecs:
                     raise _fail(path, f"node {node['name']!r} reads unknown tensor {name!r}")
-        for name, spec in m["weights"].items():
+            for name in node["outputs"]:
+                if name not in tensors:
+                    raise _fail(path, f"node {node['name']!r} writes unknown tensor {name!r}")
+        for name, spec in wspecs.items():
             w = weights.get(name)
-            if w is None:
+            if w is None or name.startswith(PAD_PREFIX):
                 raise _fail(path, f"weight {name!r} listed in the manifest is missing")
             if list(w.shape) != list(spec["shape"]) or SHORT_TO_ST[spec["dtype"]] != w.dtype_st:
                 raise _fail(path, f"weight {name!r}: manifest and weight header disagree")
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise _fail(path, f"manifest is malformed ({type(e).__name__}: {e})") from None
 
 

@@ -103,6 +103,19 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
+def _int_at_least(lo: int):
+    def parse(v: str) -> int:
+        n = int(v)
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return n
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+
+
 def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
@@ -136,7 +149,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", "-i", required=True,
                    help=".npz keyed by input name, or .npy for a single-input model")
     p.add_argument("--output", "-o", help="write outputs to this .npz (keyed by output name)")
-    p.add_argument("--threads", type=int, default=None, help="threads for the kernels")
+    p.add_argument("--threads", type=positive_int, default=None, help="threads for the kernels")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("info", help="describe a bundle", description="Describe a bundle: "
@@ -147,9 +160,9 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="time a bundle", description="Time repeated runs of a "
                        "bundle on seeded random inputs (median and P99).")
     p.add_argument("bundle")
-    p.add_argument("-n", type=int, default=100, help="timed runs (default 100)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed runs first (default 10)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("-n", type=positive_int, default=100, help="timed runs (default 100)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=10, help="untimed runs first (default 10)")
+    p.add_argument("--threads", type=positive_int, default=None)
     p.set_defaults(func=cmd_bench)
 
 

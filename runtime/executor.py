@@ -44,12 +44,14 @@ class Executor:
         self.outputs = g["outputs"]
         arena_bytes = int(plan["arena_bytes"])
         self.arena = aligned_arena(arena_bytes)
-        assert self.arena.nbytes == arena_bytes and self.arena.ctypes.data % ALIGN == 0
+        if self.arena.nbytes != arena_bytes or self.arena.ctypes.data % ALIGN:
+            raise RuntimeError("arena allocation does not match the plan")
         self.views: dict[str, np.ndarray] = {}
         for name, off in plan["tensors"].items():
             t = g["tensors"][name]
             n = int(np.prod(t["shape"], dtype=np.int64)) * DTYPES[t["dtype"]].itemsize
-            assert off % 4 == 0 and off + n <= arena_bytes, f"{name} outside the arena"
+            if off % 4 or off + n > arena_bytes:
+                raise RuntimeError(f"tensor {name!r} planned outside the arena")
             self.views[name] = (
                 self.arena[off : off + n].view(DTYPES[t["dtype"]]).reshape(t["shape"])
             )
@@ -72,6 +74,7 @@ class Executor:
             self.bound.append((node, step))
         self.steps = [s for _, s in self.bound if s is not None]
         self._in_views = [self.views[i["name"]] for i in self.inputs]
+        self._in_specs = [(i["name"], DTYPES[i["dtype"]], tuple(i["shape"])) for i in self.inputs]
         self._out_views = [self.views[o["name"]] for o in self.outputs]
 
     def _resolve(self, name: str, weights: Mapping[str, np.ndarray]) -> np.ndarray | None:
@@ -81,32 +84,32 @@ class Executor:
             return weights[name]
         return self.views[name]
 
-    def check_inputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        expected = ", ".join(
+    def _expected(self) -> str:
+        return ", ".join(
             f"{i['name']} {i['dtype']}[{'x'.join(map(str, i['shape']))}]" for i in self.inputs
         )
-        names = [i["name"] for i in self.inputs]
-        unknown = sorted(set(feeds) - set(names))
-        missing = [n for n in names if n not in feeds]
-        if unknown or missing:
-            raise RunError(
-                f"inputs {'unknown: ' + ', '.join(unknown) if unknown else ''}"
-                f"{'; ' if unknown and missing else ''}"
-                f"{'missing: ' + ', '.join(missing) if missing else ''}; expected: {expected}"
-            )
+
+    def check_inputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """The feeds in input order, or RunError naming what is wrong and what is expected.
+        (The happy path builds no temporary objects: it runs on every inference.)"""
+        if len(feeds) != len(self._in_specs) or any(n not in feeds for n, _, _ in self._in_specs):
+            names = [n for n, _, _ in self._in_specs]
+            unknown = sorted(set(feeds) - set(names))
+            missing = [n for n in names if n not in feeds]
+            parts = ([f"unknown: {', '.join(unknown)}"] if unknown else []) + (
+                [f"missing: {', '.join(missing)}"] if missing else [])
+            raise RunError(f"inputs {'; '.join(parts)}; expected: {self._expected()}")
         arrays = []
-        for spec in self.inputs:
-            a = np.asarray(feeds[spec["name"]])
-            if a.dtype != DTYPES[spec["dtype"]]:
-                raise RunError(
-                    f"input {spec['name']!r} has dtype {a.dtype}, expected "
-                    f"{DTYPES[spec['dtype']]}; expected: {expected}"
-                )
-            if list(a.shape) != list(spec["shape"]):
-                raise RunError(
-                    f"input {spec['name']!r} has shape {list(a.shape)}, expected "
-                    f"{spec['shape']}; expected: {expected}"
-                )
+        for name, dtype, shape in self._in_specs:
+            a = feeds[name]
+            if not isinstance(a, np.ndarray):
+                a = np.asarray(a)
+            if a.dtype != dtype:
+                raise RunError(f"input {name!r} has dtype {a.dtype}, expected {dtype}; "
+                               f"expected: {self._expected()}")
+            if a.shape != shape:
+                raise RunError(f"input {name!r} has shape {list(a.shape)}, expected "
+                               f"{list(shape)}; expected: {self._expected()}")
             arrays.append(a)
         return arrays
 

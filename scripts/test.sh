@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install what the tests need, then run them. Extra arguments go to pytest:
+#
+#     bash scripts/test.sh              # default run (excludes -m slow)
+#     bash scripts/test.sh -m slow      # only the slow tests
+#     bash scripts/test.sh -q -k bundle
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY="${PYTHON:-$(command -v python || command -v python3)}"
+
+"$PY" -m pip install -e '.[dev]'
+# A test-only model source (its text-direction classifier .onnx); --no-deps keeps out
+# opencv and the rest, which the tests do not need.
+"$PY" -m pip install --no-deps rapidocr-onnxruntime
+
+exec "$PY" -m pytest "$@"

@@ -1,0 +1,1 @@
+"""Device targets (one file per device); filled in by the executable-per-target work."""

@@ -1,0 +1,57 @@
+"""Shared fixtures. Every end-to-end path goes through a real bundle file:
+pack -> write -> mmap -> run (the serialise-and-reload cycle)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def pack(model, out: Path, quiet: bool = True, **kw):
+    """Build a bundle with the real pipeline and return its path."""
+    from edgepack.packager.build import build
+
+    build(model, out, log=(lambda s: None) if quiet else print, **kw)
+    return out
+
+
+def load(path: Path, threads: int | None = 1):
+    from edgepack.runtime.session import Session
+
+    return Session(path, threads=threads)
+
+
+def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    src = model if isinstance(model, (str, Path)) else model.SerializeToString()
+    sess = ort.InferenceSession(str(src) if isinstance(src, Path) else src, so,
+                                providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """Random-weight ResNet-18 and MobileNetV2, made by scripts/make_models.py."""
+    import make_models
+    import onnx
+
+    d = tmp_path_factory.mktemp("models")
+    onnx.save(make_models.resnet18(seed=0), d / "resnet18.onnx")
+    onnx.save(make_models.mobilenet_v2(seed=0), d / "mobilenet_v2.onnx")
+    return d
+
+
+@pytest.fixture(scope="session")
+def digits_onnx() -> Path:
+    return DATA / "digits_cnn.onnx"

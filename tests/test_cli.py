@@ -1,0 +1,130 @@
+"""The edgepack command as a user runs it: build, run, info, bench, and its errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from conftest import load
+from onnx import TensorProto, helper
+
+pytestmark = pytest.mark.cpu
+
+
+def ep(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "edgepack.cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=600)
+    if ok:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def digits_bundle(tmp_path_factory, digits_onnx):
+    d = tmp_path_factory.mktemp("cli")
+    r = ep("build", digits_onnx, "-o", d / "digits.epk", "--quant", "int8")
+    assert "[6/6]" in r.stdout and "end-to-end logits" in r.stdout
+    return d / "digits.epk"
+
+
+@pytest.fixture(scope="module")
+def digit_image():
+    import train_digits
+
+    _, x_test, _, y_test = train_digits.load_split()
+    return x_test[:1], int(y_test[0])
+
+
+def test_help_on_every_command():
+    for cmd in ([], ["build"], ["run"], ["info"], ["bench"]):
+        r = ep(*cmd, "--help")
+        assert "usage: edgepack" in r.stdout
+
+
+def test_run_prints_prediction_and_writes_npz(tmp_path, digits_bundle, digit_image):
+    x, label = digit_image
+    np.save(tmp_path / "x.npy", x)
+    r = ep("run", digits_bundle, "--input", tmp_path / "x.npy")
+    assert f"prediction: class {label}" in r.stdout
+    ep("run", digits_bundle, "--input", tmp_path / "x.npy", "--output", tmp_path / "y.npz")
+    with np.load(tmp_path / "y.npz") as y:
+        assert y.files == ["logits"]
+        np.testing.assert_array_equal(y["logits"], load(digits_bundle).run({"image": x})["logits"])
+    np.savez(tmp_path / "x.npz", image=x)
+    r = ep("run", digits_bundle, "--input", tmp_path / "x.npz", "--threads", "1")
+    assert f"prediction: class {label}" in r.stdout
+
+
+def test_info_shows_model_arena_and_error_table(digits_bundle):
+    out = ep("info", digits_bundle).stdout
+    for needle in ("input     image: f32[1x1x8x8]", "output    logits: f32[1x10]", "arena:",
+                   "params:", "quant:    int8", "rel L2", "end-to-end logits"):
+        assert needle in out, needle
+
+
+def test_bench_reports_median_and_p99(digits_bundle):
+    out = ep("bench", digits_bundle, "-n", "20", "--warmup", "2", "--threads", "1").stdout
+    assert "median" in out and "p99" in out
+
+
+@pytest.mark.parametrize(
+    "feeds,needle",
+    [
+        ({"img": np.zeros((1, 1, 8, 8), np.float32)}, "unknown: img; missing: image"),
+        ({"image": np.zeros((1, 1, 8, 9), np.float32)}, "has shape [1, 1, 8, 9]"),
+        ({"image": np.zeros((1, 1, 8, 8), np.float64)}, "has dtype float64"),
+    ],
+)
+def test_run_with_wrong_input_lists_expected_inputs(tmp_path, digits_bundle, feeds, needle):
+    np.savez(tmp_path / "bad.npz", **feeds)
+    r = ep("run", digits_bundle, "--input", tmp_path / "bad.npz", ok=False)
+    assert r.returncode == 1
+    assert needle in r.stderr and "expected: image f32[1x1x8x8]" in r.stderr
+
+
+def test_corrupt_bundle_is_refused(tmp_path, digits_bundle):
+    data = bytearray(digits_bundle.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / "c.epk").write_bytes(bytes(data))
+    np.save(tmp_path / "x.npy", np.zeros((1, 1, 8, 8), np.float32))
+    for cmd in ("run", "info", "bench"):
+        args = ["--input", tmp_path / "x.npy"] if cmd == "run" else []
+        r = ep(cmd, tmp_path / "c.epk", *args, ok=False)
+        assert r.returncode == 1
+        assert "not a valid edgepack bundle: weight checksum mismatch" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_unsupported_op_fails_the_build(tmp_path):
+    g = helper.make_graph(
+        [helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="encoder_lstm", hidden_size=4)],
+        "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor("w", TensorProto.FLOAT, [1, 16, 3], [0.0] * 48),
+         helper.make_tensor("r", TensorProto.FLOAT, [1, 16, 4], [0.0] * 64)],
+    )
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+              tmp_path / "lstm.onnx")
+    r = ep("build", tmp_path / "lstm.onnx", "-o", tmp_path / "l.epk", ok=False)
+    assert r.returncode == 1
+    assert "op LSTM at node 'encoder_lstm'" in r.stderr and "Supported ops: " in r.stderr
+    assert not (tmp_path / "l.epk").exists()
+
+
+def test_max_error_fails_the_build(tmp_path, digits_onnx):
+    r = ep("build", digits_onnx, "-o", tmp_path / "q.epk", "--quant", "int8",
+           "--max-error", "1e-6", ok=False)
+    assert r.returncode == 1 and "exceeds --max-error 1e-06" in r.stderr
+    assert not (tmp_path / "q.epk").exists()
+
+
+def test_missing_files_give_clear_errors(tmp_path, digits_bundle):
+    r = ep("run", tmp_path / "nope.epk", "--input", tmp_path / "x.npy", ok=False)
+    assert r.returncode == 1 and "cannot read bundle" in r.stderr
+    r = ep("run", digits_bundle, "--input", tmp_path / "nope.npy", ok=False)
+    assert r.returncode == 1 and "no such file" in r.stderr
+    r = ep("build", tmp_path / "nope.onnx", "-o", tmp_path / "o.epk", ok=False)
+    assert r.returncode == 1 and "nope.onnx" in r.stderr

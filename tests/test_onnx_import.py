@@ -1,0 +1,225 @@
+"""Importer semantics, op by op, against ONNX Runtime - always through a bundle."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import load, ort_run, pack
+from onnx import TensorProto, helper, numpy_helper
+
+from edgepack.packager.ir import PackError
+
+pytestmark = pytest.mark.cpu
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(0)
+
+
+def rand(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def model(nodes, inputs, outputs, inits=(), opset=17) -> onnx.ModelProto:
+    g = helper.make_graph(
+        nodes,
+        "t",
+        [helper.make_tensor_value_info(n, F, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, F, None) for n in outputs],
+        [numpy_helper.from_array(v, k) for k, v in dict(inits).items()],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def check(tmp_path, m: onnx.ModelProto, feeds: dict, atol=1e-4, **kw) -> dict:
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    sess = load(pack(path, tmp_path / "m.epk", **kw))
+    got = sess.run(feeds)
+    refs = ort_run(path, feeds)
+    for o, ref in zip(m.graph.output, refs):
+        np.testing.assert_allclose(got[o.name], ref, rtol=1e-4, atol=atol, err_msg=o.name)
+    return got
+
+
+def node(op, ins, outs, **attrs):
+    return helper.make_node(op, ins, outs, name=f"{op.lower()}_node", **attrs)
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+def test_conv_auto_pad(tmp_path, auto_pad):
+    m = model([node("Conv", ["x", "w"], ["y"], auto_pad=auto_pad, strides=[2, 2])],
+              [("x", [1, 3, 9, 10])], ["y"], {"w": rand(4, 3, 3, 3)})
+    check(tmp_path, m, {"x": rand(1, 3, 9, 10)})
+
+
+def test_grouped_dilated_conv_with_bias_bn_relu(tmp_path):
+    nodes = [
+        node("Conv", ["x", "w", "b"], ["c"], group=2, dilations=[2, 1], pads=[2, 1, 0, 1]),
+        helper.make_node("BatchNormalization", ["c", "g", "be", "mu", "var"], ["n"], name="bn"),
+        helper.make_node("Relu", ["n"], ["y"], name="relu"),
+    ]
+    inits = {"w": rand(6, 2, 3, 3), "b": rand(6), "g": rand(6), "be": rand(6), "mu": rand(6),
+             "var": np.abs(rand(6)) + 0.5}
+    m = model(nodes, [("x", [2, 4, 8, 8])], ["y"], inits)
+    check(tmp_path, m, {"x": rand(2, 4, 8, 8)})
+    sess = load(tmp_path / "m.epk")
+    assert [n["op"] for n in sess.manifest["graph"]["nodes"]] == ["conv"]  # BN + relu fused
+
+
+def test_standalone_batchnorm_and_activations(tmp_path):
+    acts = [("LeakyRelu", {"alpha": 0.2}), ("Sigmoid", {}), ("Tanh", {}),
+            ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}), ("HardSwish", {}), ("Relu", {})]
+    nodes = [helper.make_node("BatchNormalization", ["x", "g", "be", "mu", "var"], ["t0"],
+                              name="bn", epsilon=1e-3)]
+    for i, (op, attrs) in enumerate(acts):
+        nodes.append(helper.make_node(op, [f"t{i}"], [f"t{i + 1}"], name=f"a{i}", **attrs))
+    nodes.append(helper.make_node("Clip", [f"t{len(acts)}", "lo"], ["y"], name="clip"))
+    inits = {"g": rand(3), "be": rand(3), "mu": rand(3), "var": np.abs(rand(3)) + 0.5,
+             "lo": np.array(0.1, np.float32)}
+    m = model(nodes, [("x", [1, 3, 5, 5])], ["y"], inits)
+    check(tmp_path, m, {"x": rand(1, 3, 5, 5) * 3})
+
+
+def test_gemm_variants(tmp_path):
+    nodes = [
+        node("Gemm", ["a", "b", "c"], ["y1"], transA=1, alpha=0.5, beta=2.0),
+        helper.make_node("Gemm", ["y1", "b2", "c2"], ["y2"], name="gemm2", transB=1),
+    ]
+    inits = {"b": rand(6, 5), "c": rand(4, 5), "b2": rand(3, 5), "c2": rand(1, 3)}
+    m = model(nodes, [("a", [6, 4])], ["y1", "y2"], inits)
+    check(tmp_path, m, {"a": rand(6, 4)})
+
+
+def test_matmul_constant_and_batched(tmp_path):
+    nodes = [
+        node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "bias"], ["h2"], name="bias_add"),
+        helper.make_node("Transpose", ["h2"], ["ht"], name="tr", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["h2", "ht"], ["y"], name="bmm"),
+        helper.make_node("Softmax", ["y"], ["s"], name="sm", axis=1),
+    ]
+    m = model(nodes, [("x", [2, 3, 4])], ["s", "y"], {"w": rand(4, 5), "bias": rand(5)})
+    check(tmp_path, m, {"x": rand(2, 3, 4)})
+
+
+def test_binary_broadcasting(tmp_path):
+    nodes = [
+        node("Add", ["x", "c"], ["a"]),
+        helper.make_node("Mul", ["a", "s"], ["b"], name="mul"),
+        helper.make_node("Sub", ["k", "b"], ["c2"], name="sub"),
+        helper.make_node("Div", ["c2", "x"], ["y"], name="div"),
+    ]
+    inits = {"c": rand(1, 3, 1, 1), "s": np.array(2.5, np.float32), "k": rand(4)}
+    m = model(nodes, [("x", [2, 3, 5, 4])], ["y"], inits)
+    x = rand(2, 3, 5, 4)
+    x[np.abs(x) < 0.1] = 0.5
+    check(tmp_path, m, {"x": x}, atol=1e-3)
+
+
+@pytest.mark.parametrize("ceil", [0, 1])
+def test_pooling(tmp_path, ceil):
+    nodes = [
+        node("MaxPool", ["x"], ["m"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 0, 0],
+             ceil_mode=ceil),
+        helper.make_node("AveragePool", ["m"], ["a"], name="ap", kernel_shape=[2, 3],
+                         strides=[2, 2], pads=[0, 1, 1, 1], count_include_pad=1, ceil_mode=ceil),
+        helper.make_node("GlobalAveragePool", ["a"], ["y"], name="gap"),
+    ]
+    m = model(nodes, [("x", [1, 2, 11, 10])], ["a", "y"])
+    check(tmp_path, m, {"x": rand(1, 2, 11, 10)})
+
+
+def test_shape_ops_and_folding(tmp_path):
+    """A torch-style Shape -> Gather -> Concat -> Reshape chain folds away."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"], name="shape"),
+        helper.make_node("Gather", ["shp", "zero"], ["n"], name="gather", axis=0),
+        helper.make_node("Unsqueeze", ["n", "ax0"], ["n1"], name="unsq_n"),
+        helper.make_node("Concat", ["n1", "minus1"], ["target"], name="cat_shape", axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"], name="reshape"),
+        helper.make_node("Unsqueeze", ["flat", "ax1"], ["u"], name="unsq"),
+        helper.make_node("Squeeze", ["u", "ax1"], ["sq"], name="sq"),
+        helper.make_node("Flatten", ["x"], ["f2"], name="flatten", axis=2),
+        helper.make_node("ReduceMean", ["f2"], ["rm"], name="rm", axes=[1], keepdims=0),
+        helper.make_node("Identity", ["sq"], ["id"], name="id"),
+        helper.make_node("Concat", ["id", "id"], ["y"], name="cat", axis=1),
+    ]
+    inits = {"zero": np.array(0, np.int64), "ax0": np.array([0], np.int64),
+             "minus1": np.array([-1], np.int64), "ax1": np.array([1], np.int64)}
+    m = model(nodes, [("x", [3, 2, 4, 5])], ["y", "rm"], inits)
+    check(tmp_path, m, {"x": rand(3, 2, 4, 5)})
+    ops = [n["op"] for n in load(tmp_path / "m.epk").manifest["graph"]["nodes"]]
+    assert "Shape" not in ops and ops.count("concat") == 1
+
+
+def test_opset18_reduce_and_pad(tmp_path):
+    nodes = [
+        node("ReduceMean", ["x", "axes"], ["r"], keepdims=1),
+        helper.make_node("Pad", ["r", "pads", "val"], ["p"], name="padc", mode="constant"),
+        helper.make_node("Pad", ["x", "pads2", "", "axes2"], ["q"], name="padr", mode="reflect"),
+        helper.make_node("Pad", ["x", "pads2", "", "axes2"], ["e"], name="pade", mode="edge"),
+    ]
+    inits = {"axes": np.array([1, 3], np.int64), "pads": np.array([0, 1, 0, 2, 0, 0, 1, 0]),
+             "val": np.array(1.5, np.float32), "pads2": np.array([1, 2, 2, 1]),
+             "axes2": np.array([2, 3], np.int64)}
+    m = model(nodes, [("x", [1, 3, 4, 5])], ["p", "q", "e"], inits, opset=18)
+    check(tmp_path, m, {"x": rand(1, 3, 4, 5)})
+
+
+def test_opset21_and_opset11_models(tmp_path):
+    m21 = model([node("Relu", ["x"], ["y"])], [("x", [2, 3])], ["y"], opset=21)
+    check(tmp_path, m21, {"x": rand(2, 3)})
+    m11 = model([node("Squeeze", ["x"], ["y"], axes=[0])], [("x", [1, 3])], ["y"], opset=11)
+    m11.ir_version = 6
+    check(tmp_path, m11, {"x": rand(1, 3)})
+
+
+def test_dynamic_batch_and_input_shape(tmp_path):
+    g = helper.make_graph([node("Relu", ["x"], ["y"])], "t",
+                          [helper.make_tensor_value_info("x", F, ["N", 3, "H"])],
+                          [helper.make_tensor_value_info("y", F, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "dyn.onnx"
+    onnx.save(m, path)
+    with pytest.raises(PackError, match="--input-shape x="):
+        pack(path, tmp_path / "a.epk")
+    with pytest.raises(PackError, match="does not fit"):
+        pack(path, tmp_path / "a.epk", input_shapes={"x": (2, 4, 5)})
+    s = load(pack(path, tmp_path / "a.epk", input_shapes={"x": (2, 3, 7)}))
+    assert s.inputs[0]["shape"] == [2, 3, 7]
+
+
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda: model([node("Einsum", ["x", "x"], ["y"], equation="ij,ij->i")],
+                       [("x", [2, 2])], ["y"]), "op Einsum at node 'einsum_node'"),
+        (lambda: model([node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], storage_order=1)],
+                       [("x", [1, 1, 4, 4])], ["y"]), "storage_order=1"),
+        (lambda: model([node("Pad", ["x", "p"], ["y"], mode="wrap")], [("x", [1, 4])], ["y"],
+                       {"p": np.array([0, 1, 0, 1])}, opset=19), "mode='wrap'"),
+        (lambda: model([node("Conv", ["x", "w"], ["y"])], [("x", [1, 2, 5])], ["y"],
+                       {"w": rand(2, 2, 3)}), "only 2-D convolutions"),
+        (lambda: model([node("Relu", ["x"], ["y"])], [("x", [2])], ["y"], opset=6),
+         "model uses ONNX opset 6; supported: 13-21"),
+    ],
+)
+def test_unsupported_inputs_name_op_and_node(tmp_path, make, needle):
+    path = tmp_path / "bad.onnx"
+    onnx.save(make(), path)
+    with pytest.raises(PackError) as e:
+        pack(path, tmp_path / "bad.epk")
+    assert needle in str(e.value)
+    assert not (tmp_path / "bad.epk").exists()
+
+
+def test_unsupported_input_dtype(tmp_path):
+    g = helper.make_graph([node("Relu", ["x"], ["y"])], "t",
+                          [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+    path = tmp_path / "i.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    with pytest.raises(PackError, match="'x' has dtype int64; only float32"):
+        pack(path, tmp_path / "i.epk")
