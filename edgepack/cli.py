@@ -42,17 +42,37 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="the .onnx model")
     p.add_argument("-o", "--output", required=True, help="the bundle to write (.epk)")
-    p.add_argument("--quant", choices=("fp32", "fp16", "int8"), default="fp32",
-                   help="weight storage (default fp32)")
-    p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224",
-                   help="fix an input's shape (repeat for several inputs)")
-    p.add_argument("--calib", help="calibration inputs (.npz keyed by input name, arrays "
-                   "[samples, *shape]); default: 8 seeded random inputs")
-    p.add_argument("--max-error", type=float, metavar="X",
-                   help="fail if the quantized outputs' relative L2 error exceeds X")
-    p.add_argument("--quant-min-weights", type=int, default=DEFAULT_MIN_WEIGHTS,
-                   metavar="N", help="layers with fewer weights stay fp32 (default "
-                   f"{DEFAULT_MIN_WEIGHTS}; 0 quantizes all)")
+    p.add_argument(
+        "--quant",
+        choices=("fp32", "fp16", "int8"),
+        default="fp32",
+        help="weight storage (default fp32)",
+    )
+    p.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="NAME=1x3x224x224",
+        help="fix an input's shape (repeat for several inputs)",
+    )
+    p.add_argument(
+        "--calib",
+        help="calibration inputs (.npz keyed by input name, arrays "
+        "[samples, *shape]); default: 8 seeded random inputs",
+    )
+    p.add_argument(
+        "--max-error",
+        type=float,
+        metavar="X",
+        help="fail if the quantized outputs' relative L2 error exceeds X",
+    )
+    p.add_argument(
+        "--quant-min-weights",
+        type=int,
+        default=DEFAULT_MIN_WEIGHTS,
+        metavar="N",
+        help="layers with fewer weights stay fp32 (default "
+        f"{DEFAULT_MIN_WEIGHTS}; 0 quantizes all)",
+    )
     p.set_defaults(func=cmd_build)
     add_runtime_commands(sub)
     return parser

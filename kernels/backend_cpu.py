@@ -63,9 +63,7 @@ def _nbytes(shape: Sequence[int], itemsize: int = 4) -> int:
 
 def _is_pointwise(wshape: Sequence[int], attrs: dict) -> bool:
     return (
-        tuple(wshape[2:]) == (1, 1)
-        and tuple(attrs["strides"]) == (1, 1)
-        and not any(attrs["pads"])
+        tuple(wshape[2:]) == (1, 1) and tuple(attrs["strides"]) == (1, 1) and not any(attrs["pads"])
     )
 
 
@@ -106,7 +104,9 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
         for gi in range(g):
             xg = x[n, gi * cg : (gi + 1) * cg]
             yg = y[n, gi * cog : (gi + 1) * cog].reshape(cog, p)
-            gemms.append((xg.reshape(cg, h * wd) if pointwise else xg, w2[gi * cog : (gi + 1) * cog], yg))
+            gemms.append(
+                (xg.reshape(cg, h * wd) if pointwise else xg, w2[gi * cog : (gi + 1) * cog], yg)
+            )
     flags = _flags(bias, scale, res)
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1

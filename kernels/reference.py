@@ -51,7 +51,10 @@ def conv(inputs: Sequence[Array | None], attrs: dict) -> Array:
         for i in range(kh):
             for j in range(kw):
                 patch = xs[
-                    :, :, i * dh : i * dh + sh * (oh - 1) + 1 : sh, j * dw : j * dw + sw * (ow - 1) + 1 : sw
+                    :,
+                    :,
+                    i * dh : i * dh + sh * (oh - 1) + 1 : sh,
+                    j * dw : j * dw + sw * (ow - 1) + 1 : sw,
                 ]
                 y[:, gi * cog : (gi + 1) * cog] += np.einsum("nchw,oc->nohw", patch, wg[:, :, i, j])
     if bias is not None:

@@ -11,17 +11,21 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..runtime.errortable import format_error_table
 from ..runtime.executor import Executor
 from .fuse import optimise
 from .ir import Graph, PackError
 from .manifest import make_manifest
 from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
-from ..runtime.errortable import format_error_table
 from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
 from .writer import write_bundle
 
 DEFAULT_CALIB_SAMPLES = 8
+SCHEMES = {
+    "int8": "int8: symmetric per-output-channel weights, fp32 scales, fp32 activations",
+    "fp16": "fp16 weights, fp32 activations",
+}
 
 
 @dataclass
@@ -34,8 +38,9 @@ class BuildResult:
     error: dict | None
 
 
-def load_calibration(path: str | Path | None, g: Graph, samples: int = DEFAULT_CALIB_SAMPLES,
-                     seed: int = 0) -> list[dict[str, np.ndarray]]:
+def load_calibration(
+    path: str | Path | None, g: Graph, samples: int = DEFAULT_CALIB_SAMPLES, seed: int = 0
+) -> list[dict[str, np.ndarray]]:
     """Calibration feeds: from an npz keyed by input name, else seeded standard-normal.
 
     An array may be ``[S, *input_shape]`` (S feeds) or stack samples along the batch
@@ -66,9 +71,11 @@ def load_calibration(path: str | Path | None, g: Graph, samples: int = DEFAULT_C
             idx = np.arange(groups * b) % len(a)
             per_input[t] = list(a[idx].reshape((groups,) + shape))
         else:
-            raise PackError(f"--calib {path}: {t} has shape {a.shape}; expected "
-                            f"[samples, {', '.join(map(str, shape))}] or "
-                            f"[n, {', '.join(map(str, shape[1:]))}]")
+            raise PackError(
+                f"--calib {path}: {t} has shape {a.shape}; expected "
+                f"[samples, {', '.join(map(str, shape))}] or "
+                f"[n, {', '.join(map(str, shape[1:]))}]"
+            )
     n = min(len(v) for v in per_input.values())
     return [{t: per_input[t][i] for t in g.inputs} for i in range(n)]
 
@@ -108,19 +115,26 @@ def build(
     n_onnx = len(g.nodes)
     stage(2, "fold and fuse")
     stats = optimise(g)
-    log(f"      {n_onnx} ops -> {len(g.nodes)} ops; "
-        + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.items() if v))
+    log(
+        f"      {n_onnx} ops -> {len(g.nodes)} ops; "
+        + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.items() if v)
+    )
     stage(3, f"quantize weights ({quant})")
     q = quantize_graph(g, quant, min_weights)
     if quant != "fp32":
-        kept = [n.name for n in q.nodes if n.op in ("conv", "dwconv", "linear")
-                and q.consts[n.inputs[1]].dtype == np.float32]
+        kept = [
+            n.name
+            for n in q.nodes
+            if n.op in ("conv", "dwconv", "linear") and q.consts[n.inputs[1]].dtype == np.float32
+        ]
         if kept:
             log(f"      {len(kept)} layer(s) under {min_weights} weights stay fp32")
     stage(4, "plan memory")
     plan = plan_memory(q)
-    log(f"      arena {plan.arena_bytes / 1e6:.2f} MB for {len(q.shapes)} tensors "
-        f"(one buffer each would take {plan.naive_bytes / 1e6:.2f} MB)")
+    log(
+        f"      arena {plan.arena_bytes / 1e6:.2f} MB for {len(q.shapes)} tensors "
+        f"(one buffer each would take {plan.naive_bytes / 1e6:.2f} MB)"
+    )
     extra = {
         "model": {"name": Path(model).stem, "source_file": Path(model).name, **g.meta},
         "build": build_info(),
@@ -139,11 +153,12 @@ def build(
         error = error_table(ref_tr, q_tr, nodes, q.outputs)
         error["calibration"] = str(calib) if calib else f"{len(feeds)} seeded random inputs"
         log(format_error_table(error))
-        extra["quantization"].update({
-            "scheme": "int8: symmetric per-output-channel weights, fp32 scales, fp32 activations"
-            if quant == "int8" else "fp16 weights, fp32 activations",
-            "error": error,
-        })
+        extra["quantization"].update(
+            {
+                "scheme": SCHEMES[quant],
+                "error": error,
+            }
+        )
         if max_error is not None and error["max_output_rel_l2"] > max_error:
             raise PackError(
                 f"quantization error {error['max_output_rel_l2']:.3e} (relative L2 of the "
@@ -155,7 +170,8 @@ def build(
     stage(6, f"write {out}")
     size = write_bundle(out, manifest, q.consts)
     wbytes = sum(v.nbytes for v in q.consts.values())
-    log(f"      {size / 1e6:.2f} MB bundle ({wbytes / 1e6:.2f} MB weights), "
-        f"done in {time.perf_counter() - t0:.1f}s")
+    log(
+        f"      {size / 1e6:.2f} MB bundle ({wbytes / 1e6:.2f} MB weights), "
+        f"done in {time.perf_counter() - t0:.1f}s"
+    )
     return BuildResult(Path(out), manifest, plan, size, wbytes, error)
-

@@ -59,6 +59,4 @@ class Graph:
                 live.update(i for i in n.inputs if i)
         self.nodes = kept[::-1]
         self.consts = {k: v for k, v in self.consts.items() if k in live}
-        self.shapes = {
-            k: v for k, v in self.shapes.items() if k in live or k in self.inputs
-        }
+        self.shapes = {k: v for k, v in self.shapes.items() if k in live or k in self.inputs}

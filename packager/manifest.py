@@ -39,8 +39,7 @@ def make_manifest(g: Graph, plan: Plan, extra: dict | None = None) -> dict:
         "format_version": FORMAT_VERSION,
         "graph": {
             "inputs": [{"name": t, "shape": list(g.shapes[t]), "dtype": "f32"} for t in g.inputs],
-            "outputs": [{"name": t, "shape": list(g.shapes[t]), "dtype": "f32"}
-                        for t in g.outputs],
+            "outputs": [{"name": t, "shape": list(g.shapes[t]), "dtype": "f32"} for t in g.outputs],
             "tensors": tensors,
             "nodes": nodes,
         },

@@ -162,17 +162,32 @@ def _conv(ctx: _Ctx, ins, outs, a):
         ctx.add_const(b, ctx.const(b, "bias").astype(np.float32).reshape(co))
     ctx.add_const(wname, w)
     op = "dwconv" if g > 1 and g == xs[1] == co else "conv"
-    attrs = {"strides": s, "pads": pads, "dilations": d, "group": g, "act": "none",
-             "act_args": [0.0, 0.0]}
+    attrs = {
+        "strides": s,
+        "pads": pads,
+        "dilations": d,
+        "group": g,
+        "act": "none",
+        "act_args": [0.0, 0.0],
+    }
     ctx.emit(op, [x, wname, b], outs[0], (xs[0], co, oh, ow), attrs)
 
 
 def _linear(ctx: _Ctx, x: str, w_nk: np.ndarray, bias: np.ndarray | None, out: str, base: str):
     xs = ctx.shape(x)
     wn = ctx.add_const(ctx.fresh(base + ".weight"), w_nk.astype(np.float32))
-    bn = ctx.add_const(ctx.fresh(base + ".bias"), bias.astype(np.float32)) if bias is not None else ""
-    ctx.emit("linear", [x, wn, bn], out, xs[:-1] + (w_nk.shape[0],),
-             {"act": "none", "act_args": [0.0, 0.0]})
+    bn = (
+        ctx.add_const(ctx.fresh(base + ".bias"), bias.astype(np.float32))
+        if bias is not None
+        else ""
+    )
+    ctx.emit(
+        "linear",
+        [x, wn, bn],
+        out,
+        xs[:-1] + (w_nk.shape[0],),
+        {"act": "none", "act_args": [0.0, 0.0]},
+    )
 
 
 def _gemm(ctx: _Ctx, ins, outs, a):
@@ -200,8 +215,13 @@ def _gemm(ctx: _Ctx, ins, outs, a):
     _linear(ctx, A, w, bias, tmp, ctx.node_name)
     if tmp != outs[0]:
         cn = ctx.add_const(ctx.fresh("gemm.C"), c)
-        ctx.emit("binary", [tmp, cn], outs[0], _bcast((m, n), c.shape),
-                 {"kind": "add", "act": "none", "act_args": [0.0, 0.0]})
+        ctx.emit(
+            "binary",
+            [tmp, cn],
+            outs[0],
+            _bcast((m, n), c.shape),
+            {"kind": "add", "act": "none", "act_args": [0.0, 0.0]},
+        )
 
 
 def _matmul(ctx: _Ctx, ins, outs, a):
@@ -215,8 +235,9 @@ def _matmul(ctx: _Ctx, ins, outs, a):
     batch = _bcast(sa[:-2], sb[:-2])
     if sa[-1] != sb[-2]:
         raise ctx.fail(f"inner dimensions differ: {sa} @ {sb}")
-    ctx.emit("matmul", [A, B], outs[0], batch + (sa[-2], sb[-1]), {"act": "none",
-                                                                   "act_args": [0.0, 0.0]})
+    ctx.emit(
+        "matmul", [A, B], outs[0], batch + (sa[-2], sb[-1]), {"act": "none", "act_args": [0.0, 0.0]}
+    )
 
 
 def _binary(kind: str):
@@ -224,10 +245,17 @@ def _binary(kind: str):
         x, y = ins
         for t in (x, y):
             if t in ctx.g.consts and ctx.g.consts[t].dtype.kind not in "f":
-                raise ctx.fail(f"operand {t!r} has dtype {ctx.g.consts[t].dtype}; only float "
-                               "tensors reach the runtime")
-        ctx.emit("binary", [x, y], outs[0], _bcast(ctx.shape(x), ctx.shape(y)),
-                 {"kind": kind, "act": "none", "act_args": [0.0, 0.0]})
+                raise ctx.fail(
+                    f"operand {t!r} has dtype {ctx.g.consts[t].dtype}; only float "
+                    "tensors reach the runtime"
+                )
+        ctx.emit(
+            "binary",
+            [x, y],
+            outs[0],
+            _bcast(ctx.shape(x), ctx.shape(y)),
+            {"kind": kind, "act": "none", "act_args": [0.0, 0.0]},
+        )
 
     return handler
 
@@ -288,8 +316,13 @@ def _batchnorm(ctx: _Ctx, ins, outs, a):
     shift = beta - mean * scale
     sn = ctx.add_const(ctx.fresh(ctx.node_name + ".scale"), scale.astype(np.float32))
     tn = ctx.add_const(ctx.fresh(ctx.node_name + ".shift"), shift.astype(np.float32))
-    ctx.emit("channel_affine", [x, sn, tn], outs[0], ctx.shape(x),
-             {"act": "none", "act_args": [0.0, 0.0]})
+    ctx.emit(
+        "channel_affine",
+        [x, sn, tn],
+        outs[0],
+        ctx.shape(x),
+        {"act": "none", "act_args": [0.0, 0.0]},
+    )
 
 
 def _reshape_to(ctx: _Ctx, x: str, out: str, shape) -> None:
@@ -380,8 +413,11 @@ def _reduce_mean(ctx: _Ctx, ins, outs, a):
             return _identity(ctx, ins, outs, a)
         axes = list(range(len(xs)))
     kd = int(a.get("keepdims", 1))
-    shape = [1 if i in axes else d for i, d in enumerate(xs)] if kd else [
-        d for i, d in enumerate(xs) if i not in axes]
+    shape = (
+        [1 if i in axes else d for i, d in enumerate(xs)]
+        if kd
+        else [d for i, d in enumerate(xs) if i not in axes]
+    )
     ctx.emit("reduce_mean", [ins[0]], outs[0], tuple(shape), {"axes": axes, "keepdims": kd})
 
 
@@ -403,9 +439,17 @@ def _pad(ctx: _Ctx, ins, outs, a):
     if min(pads) < 0:
         raise ctx.fail(f"negative pads {pads} are not supported")
     shape = tuple(xs[i] + pads[i] + pads[i + r] for i in range(r))
-    ctx.emit("pad", [ins[0]], outs[0], shape, {
-        "pads": pads, "mode": mode, "value": float(value.reshape(-1)[0]) if value is not None
-        and value.size else 0.0})
+    ctx.emit(
+        "pad",
+        [ins[0]],
+        outs[0],
+        shape,
+        {
+            "pads": pads,
+            "mode": mode,
+            "value": float(value.reshape(-1)[0]) if value is not None and value.size else 0.0,
+        },
+    )
 
 
 Handler = Callable[[_Ctx, list, list, dict], None]
@@ -443,6 +487,7 @@ HANDLERS: dict[str, Handler] = {
 
 
 # --- pack-time constant evaluation (shape arithmetic and friends) -----------------------
+
 
 def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
     """NumPy evaluation, dtype-preserving, for ops whose inputs are all constants."""
@@ -505,8 +550,12 @@ FOLD_ONLY = {"Shape", "Gather", "Cast", "Slice", "ConstantOfShape", "Range", "Eq
 def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:
     if "value" in a:
         return numpy_helper.to_array(a["value"])
-    for key, dt in (("value_float", np.float32), ("value_floats", np.float32),
-                    ("value_int", np.int64), ("value_ints", np.int64)):
+    for key, dt in (
+        ("value_float", np.float32),
+        ("value_floats", np.float32),
+        ("value_int", np.int64),
+        ("value_ints", np.int64),
+    ):
         if key in a:
             return np.array(a[key], dt)
     raise ctx.fail(f"attributes {sorted(a)}; supported: value, value_float(s), value_int(s)")
@@ -551,51 +600,67 @@ def import_onnx(
         try:
             model = version_converter.convert_version(model, MIN_OPSET)
         except Exception as e:  # the converter raises bare RuntimeErrors
-            raise PackError(f"model uses ONNX opset {opset} and could not be converted to "
-                            f"{MIN_OPSET}: {e}") from None
+            raise PackError(
+                f"model uses ONNX opset {opset} and could not be converted to {MIN_OPSET}: {e}"
+            ) from None
         log(f"converted from ONNX opset {opset} to {MIN_OPSET}")
         opset = MIN_OPSET
     if opset is None or not (MIN_OPSET <= opset <= MAX_OPSET):
-        raise PackError(f"model uses ONNX opset {opset}; supported: {MIN_OPSET}-{MAX_OPSET} "
-                        "(convert it with onnx.version_converter)")
+        raise PackError(
+            f"model uses ONNX opset {opset}; supported: {MIN_OPSET}-{MAX_OPSET} "
+            "(convert it with onnx.version_converter)"
+        )
     others = [o.domain for o in model.opset_import if o.domain not in ("", "ai.onnx")]
     g0 = model.graph
     inits = {t.name: numpy_helper.to_array(t) for t in g0.initializer}
     graph = Graph([], [], [o.name for o in g0.output], {}, dict(inits))
-    graph.meta = {"opset": opset, "producer": f"{model.producer_name} {model.producer_version}"
-                  .strip(), "source_sha256": hashlib.sha256(src_bytes).hexdigest(),
-                  "graph_name": g0.name}
+    graph.meta = {
+        "opset": opset,
+        "producer": f"{model.producer_name} {model.producer_version}".strip(),
+        "source_sha256": hashlib.sha256(src_bytes).hexdigest(),
+        "graph_name": g0.name,
+    }
     overrides = dict(input_shapes or {})
     for inp in g0.input:
         if inp.name in inits:
             continue  # old-style models list initializers as inputs
         tt = inp.type.tensor_type
         if tt.elem_type != onnx.TensorProto.FLOAT:
-            raise PackError(f"model input {inp.name!r} has dtype "
-                            f"{helper.tensor_dtype_to_np_dtype(tt.elem_type)}; only float32 "
-                            "inputs are supported")
+            raise PackError(
+                f"model input {inp.name!r} has dtype "
+                f"{helper.tensor_dtype_to_np_dtype(tt.elem_type)}; only float32 "
+                "inputs are supported"
+            )
         dims = []
-        for i, d in enumerate(tt.shape.dim):
+        for d in tt.shape.dim:
             dims.append(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None)
         if inp.name in overrides:
             shape = overrides.pop(inp.name)
-            if len(shape) != len(dims) or any(a is not None and a != b
-                                              for a, b in zip(dims, shape)):
-                raise PackError(f"--input-shape {inp.name}={'x'.join(map(str, shape))} does not "
-                                f"fit the model's shape {[d or '?' for d in dims]}")
+            if len(shape) != len(dims) or any(
+                a is not None and a != b for a, b in zip(dims, shape)
+            ):
+                raise PackError(
+                    f"--input-shape {inp.name}={'x'.join(map(str, shape))} does not "
+                    f"fit the model's shape {[d or '?' for d in dims]}"
+                )
         else:
             if any(d is None for d in dims[1:]):
-                raise PackError(f"input {inp.name!r} has dynamic dims {[d or '?' for d in dims]}; "
-                                f"fix them with --input-shape {inp.name}=1x...")
+                raise PackError(
+                    f"input {inp.name!r} has dynamic dims {[d or '?' for d in dims]}; "
+                    f"fix them with --input-shape {inp.name}=1x..."
+                )
             if dims and dims[0] is None:
-                log(f"input {inp.name!r}: dynamic batch dimension fixed to 1 "
-                    "(use --input-shape to choose another)")
+                log(
+                    f"input {inp.name!r}: dynamic batch dimension fixed to 1 "
+                    "(use --input-shape to choose another)"
+                )
             shape = tuple(1 if d is None else d for d in dims)
         graph.inputs.append(inp.name)
         graph.shapes[inp.name] = tuple(shape)
     if overrides:
-        raise PackError(f"--input-shape names unknown inputs {sorted(overrides)}; model inputs: "
-                        f"{graph.inputs}")
+        raise PackError(
+            f"--input-shape names unknown inputs {sorted(overrides)}; model inputs: {graph.inputs}"
+        )
 
     ctx = _Ctx(graph, opset)
     for idx, node in enumerate(g0.node):
@@ -612,8 +677,9 @@ def import_onnx(
             graph.consts[outs[0]] = _constant(ctx, node, a)
             continue
         if node.op_type == "Shape" and ins[0] in graph.shapes:
-            graph.consts[outs[0]] = _fold_numpy(ctx, "Shape", [np.empty(graph.shapes[ins[0]],
-                                                                        np.uint8)], a)
+            graph.consts[outs[0]] = _fold_numpy(
+                ctx, "Shape", [np.empty(graph.shapes[ins[0]], np.uint8)], a
+            )
             continue
         if all((not i) or i in graph.consts for i in ins):
             vals = [graph.consts[i] if i else None for i in ins]
@@ -622,12 +688,16 @@ def import_onnx(
                 graph.consts[outs[0]] = np.asarray(folded)
                 continue
         if node.op_type in FOLD_ONLY:
-            raise ctx.fail("supported only when all its inputs are known at pack time "
-                           "(with static shapes, shape arithmetic folds away)")
+            raise ctx.fail(
+                "supported only when all its inputs are known at pack time "
+                "(with static shapes, shape arithmetic folds away)"
+            )
         h = HANDLERS.get(node.op_type)
         if h is None:
-            raise ctx.fail(f"unsupported op. Supported ops: {', '.join(supported_ops())}"
-                           + (f" (model also imports domains {others})" if others else ""))
+            raise ctx.fail(
+                f"unsupported op. Supported ops: {', '.join(supported_ops())}"
+                + (f" (model also imports domains {others})" if others else "")
+            )
         try:
             h(ctx, ins, outs, a)
         except PackError:

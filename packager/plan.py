@@ -33,15 +33,19 @@ class Plan:
 
 
 def _short_dtype(a: np.ndarray) -> str:
-    return {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
-            np.dtype(np.int8): "i8"}.get(a.dtype, str(a.dtype))
+    return {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int8): "i8"}.get(
+        a.dtype, str(a.dtype)
+    )
 
 
 def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
     out = {}
     for node in g.nodes:
-        wdt = _short_dtype(g.consts[node.inputs[1]]) if node.op in ("conv", "dwconv",
-                                                                    "linear") else "f32"
+        wdt = (
+            _short_dtype(g.consts[node.inputs[1]])
+            if node.op in ("conv", "dwconv", "linear")
+            else "f32"
+        )
         backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
         out[node.name] = {"backend": backend, "dtype": wdt, "name": k.name}
     return out
@@ -55,8 +59,13 @@ def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
         kinfo = kernels[node.name]
         k = lookup(node.op, node_dtype(node.op, kinfo["dtype"]), kinfo["backend"])
         specs = [
-            None if not t else ((tuple(g.consts[t].shape), _short_dtype(g.consts[t]))
-                                if t in g.consts else (g.shapes[t], "f32"))
+            None
+            if not t
+            else (
+                (tuple(g.consts[t].shape), _short_dtype(g.consts[t]))
+                if t in g.consts
+                else (g.shapes[t], "f32")
+            )
             for t in node.inputs
         ]
         need = k.scratch(specs, [g.shapes[o] for o in node.outputs], node.attrs)

@@ -83,8 +83,15 @@ def error_table(
         for t in node["outputs"]:
             ref = np.concatenate([tr[t].reshape(-1) for tr in ref_traces])
             got = np.concatenate([tr[t].reshape(-1) for tr in q_traces])
-            rows.append({"node": node["name"], "op": node["op"], "tensor": t,
-                         "rel_l2": _rel_l2(ref, got), "cosine": _cosine(ref, got)})
+            rows.append(
+                {
+                    "node": node["name"],
+                    "op": node["op"],
+                    "tensor": t,
+                    "rel_l2": _rel_l2(ref, got),
+                    "cosine": _cosine(ref, got),
+                }
+            )
     end = {}
     for o in outputs:
         ref = np.concatenate([tr[o].reshape(-1) for tr in ref_traces])

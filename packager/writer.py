@@ -43,8 +43,11 @@ def weights_section(weights: Mapping[str, np.ndarray], section_offset: int) -> b
             raise ValueError(f"weight {name!r}: dtype {a.dtype} cannot be stored")
         gap = align_up(pos) - pos
         if gap:
-            entries[f"{PAD_PREFIX}{k}"] = {"dtype": "U8", "shape": [gap],
-                                           "data_offsets": [pos, pos + gap]}
+            entries[f"{PAD_PREFIX}{k}"] = {
+                "dtype": "U8",
+                "shape": [gap],
+                "data_offsets": [pos, pos + gap],
+            }
             chunks.append(b"\0" * gap)
             pos += gap
         raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()

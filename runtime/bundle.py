@@ -84,10 +84,10 @@ def parse_header(raw: bytes, path: str = "<bundle>") -> Header:
 
 def _check_ranges(h: Header, available: int, path: str) -> None:
     if h.bundle_size > available:
-        raise _fail(
-            path, f"truncated: header says {h.bundle_size} bytes, only {available} present"
-        )
-    if not (HEADER_SIZE <= h.manifest_offset and h.manifest_offset + h.manifest_size <= h.bundle_size):
+        raise _fail(path, f"truncated: header says {h.bundle_size} bytes, only {available} present")
+    if not (
+        HEADER_SIZE <= h.manifest_offset and h.manifest_offset + h.manifest_size <= h.bundle_size
+    ):
         raise _fail(path, "manifest lies outside the bundle")
     if h.manifest_size > MAX_MANIFEST:
         raise _fail(path, f"manifest of {h.manifest_size} bytes exceeds {MAX_MANIFEST}")
@@ -168,8 +168,9 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
     if not isinstance(m, dict) or m.get("format") != "edgepack-bundle":
         raise _fail(path, "manifest is not an edgepack manifest")
     if m.get("format_version") != FORMAT_VERSION:
-        raise _fail(path, f"manifest format version {m.get('format_version')!r}, expected "
-                    f"{FORMAT_VERSION}")
+        raise _fail(
+            path, f"manifest format version {m.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
     try:
         g, plan, wspecs = m["graph"], m["plan"], m["weights"]
         tensors = g["tensors"]
@@ -183,16 +184,24 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
                 raise _fail(path, f"tensor {name!r} planned outside the arena")
         for node_name, span in plan["scratch"].items():
             off, size = span
-            if not (isinstance(off, int) and isinstance(size, int) and 0 <= off
-                    and 0 <= size and off + size <= arena):
+            if not (
+                isinstance(off, int)
+                and isinstance(size, int)
+                and 0 <= off
+                and 0 <= size
+                and off + size <= arena
+            ):
                 raise _fail(path, f"scratch of node {node_name!r} lies outside the arena")
         for io in g["inputs"] + g["outputs"]:
             if io["name"] not in tensors:
                 raise _fail(path, f"graph input/output {io['name']!r} is not a tensor")
         for node in g["nodes"]:
             if node["op"] not in REFERENCE:
-                raise _fail(path, f"node {node['name']!r}: unknown op {node['op']!r} "
-                            "(bundle from a newer edgepack?)")
+                raise _fail(
+                    path,
+                    f"node {node['name']!r}: unknown op {node['op']!r} "
+                    "(bundle from a newer edgepack?)",
+                )
             k = node["kernel"]
             if k["backend"] not in BACKENDS or k["dtype"] not in DTYPES:
                 raise _fail(path, f"node {node['name']!r}: unknown kernel {k}")

@@ -23,15 +23,18 @@ def _load_inputs(path: str, inputs: list[dict]) -> dict[str, np.ndarray]:
     if path.endswith(".npy"):
         if len(inputs) != 1:
             names = ", ".join(i["name"] for i in inputs)
-            raise RunError(f"this model has {len(inputs)} inputs ({names}); pass an .npz keyed "
-                           "by input name")
+            raise RunError(
+                f"this model has {len(inputs)} inputs ({names}); pass an .npz keyed by input name"
+            )
         return {inputs[0]["name"]: np.load(path)}
     raise RunError(f"--input {path}: expected a .npy or .npz file")
 
 
 def _summary(name: str, y: np.ndarray) -> str:
-    lines = [f"{name}: {y.dtype}[{'x'.join(map(str, y.shape))}] "
-             f"min {y.min():.4g} max {y.max():.4g} mean {y.mean():.4g}"]
+    lines = [
+        f"{name}: {y.dtype}[{'x'.join(map(str, y.shape))}] "
+        f"min {y.min():.4g} max {y.max():.4g} mean {y.mean():.4g}"
+    ]
     if y.ndim == 2 and 1 < y.shape[1] <= 100_000:
         for i, row in enumerate(y[:8]):
             top = np.argsort(row)[::-1][:3]
@@ -68,16 +71,24 @@ def describe(bundle, file_size: int) -> str:
     g = m["graph"]
     out = []
     model = m.get("model", {})
-    out.append(f"model:    {model.get('name', '?')} (opset {model.get('opset', '?')}, "
-               f"source sha256 {model.get('source_sha256', '?')[:16]}...)")
+    out.append(
+        f"model:    {model.get('name', '?')} (opset {model.get('opset', '?')}, "
+        f"source sha256 {model.get('source_sha256', '?')[:16]}...)"
+    )
     b = m.get("build", {})
-    out.append(f"built by: edgepack {b.get('edgepack', '?')}, python {b.get('python', '?')}, "
-               f"numpy {b.get('numpy', '?')}, onnx {b.get('onnx', '?')}")
+    out.append(
+        f"built by: edgepack {b.get('edgepack', '?')}, python {b.get('python', '?')}, "
+        f"numpy {b.get('numpy', '?')}, onnx {b.get('onnx', '?')}"
+    )
     for kind in ("inputs", "outputs"):
         for t in g[kind]:
-            out.append(f"{kind[:-1]:<9} {t['name']}: {t['dtype']}[{'x'.join(map(str, t['shape']))}]")
+            out.append(
+                f"{kind[:-1]:<9} {t['name']}: {t['dtype']}[{'x'.join(map(str, t['shape']))}]"
+            )
     ops = Counter(n["op"] for n in g["nodes"])
-    out.append(f"ops:      {len(g['nodes'])} ({', '.join(f'{k} {v}' for k, v in ops.most_common())})")
+    out.append(
+        f"ops:      {len(g['nodes'])} ({', '.join(f'{k} {v}' for k, v in ops.most_common())})"
+    )
     params = sum(int(np.prod(w.shape)) for w in bundle.weights.values())
     wbytes = sum(w.nbytes for w in bundle.weights.values())
     backends = Counter(n["kernel"]["backend"] for n in g["nodes"])
@@ -86,7 +97,9 @@ def describe(bundle, file_size: int) -> str:
     out.append(f"bundle:   {_fmt_bytes(file_size)} (format v{m['format_version']})")
     out.append(f"arena:    {_fmt_bytes(m['plan']['arena_bytes'])} planned at pack time")
     q = m.get("quantization", {})
-    out.append(f"quant:    {q.get('mode', 'fp32')}" + (f" ({q['scheme']})" if "scheme" in q else ""))
+    out.append(
+        f"quant:    {q.get('mode', 'fp32')}" + (f" ({q['scheme']})" if "scheme" in q else "")
+    )
     if "error" in q:
         from .errortable import format_error_table
 
@@ -137,31 +150,49 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .threads import set_threads
 
     print(f"{a.bundle}: {a.n} runs after {a.warmup} warm-up, {set_threads(None)} thread(s)")
-    print(f"median {percentile(times, 50):.3f} ms  p99 {percentile(times, 99):.3f} ms  "
-          f"min {min(times):.3f} ms  mean {np.mean(times):.3f} ms")
+    print(
+        f"median {percentile(times, 50):.3f} ms  p99 {percentile(times, 99):.3f} ms  "
+        f"min {min(times):.3f} ms  mean {np.mean(times):.3f} ms"
+    )
     return 0
 
 
 def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a bundle on inputs from .npy/.npz",
-                       description="Run a bundle once on the given inputs.")
+    p = sub.add_parser(
+        "run",
+        help="run a bundle on inputs from .npy/.npz",
+        description="Run a bundle once on the given inputs.",
+    )
     p.add_argument("bundle")
-    p.add_argument("--input", "-i", required=True,
-                   help=".npz keyed by input name, or .npy for a single-input model")
+    p.add_argument(
+        "--input",
+        "-i",
+        required=True,
+        help=".npz keyed by input name, or .npy for a single-input model",
+    )
     p.add_argument("--output", "-o", help="write outputs to this .npz (keyed by output name)")
     p.add_argument("--threads", type=positive_int, default=None, help="threads for the kernels")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("info", help="describe a bundle", description="Describe a bundle: "
-                       "inputs/outputs, ops, parameters, sizes, arena, quantization error.")
+    p = sub.add_parser(
+        "info",
+        help="describe a bundle",
+        description="Describe a bundle: "
+        "inputs/outputs, ops, parameters, sizes, arena, quantization error.",
+    )
     p.add_argument("bundle")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("bench", help="time a bundle", description="Time repeated runs of a "
-                       "bundle on seeded random inputs (median and P99).")
+    p = sub.add_parser(
+        "bench",
+        help="time a bundle",
+        description="Time repeated runs of a bundle on seeded random inputs (median and P99).",
+    )
     p.add_argument("bundle")
     p.add_argument("-n", type=positive_int, default=100, help="timed runs (default 100)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=10, help="untimed runs first (default 10)")
+    p.add_argument(
+        "--warmup", type=_int_at_least(0), default=10, help="untimed runs first (default 10)"
+    )
     p.add_argument("--threads", type=positive_int, default=None)
     p.set_defaults(func=cmd_bench)
 

@@ -8,7 +8,9 @@ def format_error_table(table: dict, limit: int | None = None) -> str:
     lines = [f"{'layer':<40} {'op':<15} {'rel L2':>10} {'cosine':>10}"]
     shown = rows if limit is None else rows[:limit]
     for r in shown:
-        lines.append(f"{r['node'][:40]:<40} {r['op']:<15} {r['rel_l2']:>10.2e} {r['cosine']:>10.6f}")
+        lines.append(
+            f"{r['node'][:40]:<40} {r['op']:<15} {r['rel_l2']:>10.2e} {r['cosine']:>10.6f}"
+        )
     if limit is not None and len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more layers")
     for o, v in table["outputs"].items():

@@ -97,7 +97,8 @@ class Executor:
             unknown = sorted(set(feeds) - set(names))
             missing = [n for n in names if n not in feeds]
             parts = ([f"unknown: {', '.join(unknown)}"] if unknown else []) + (
-                [f"missing: {', '.join(missing)}"] if missing else [])
+                [f"missing: {', '.join(missing)}"] if missing else []
+            )
             raise RunError(f"inputs {'; '.join(parts)}; expected: {self._expected()}")
         arrays = []
         for name, dtype, shape in self._in_specs:
@@ -105,11 +106,15 @@ class Executor:
             if not isinstance(a, np.ndarray):
                 a = np.asarray(a)
             if a.dtype != dtype:
-                raise RunError(f"input {name!r} has dtype {a.dtype}, expected {dtype}; "
-                               f"expected: {self._expected()}")
+                raise RunError(
+                    f"input {name!r} has dtype {a.dtype}, expected {dtype}; "
+                    f"expected: {self._expected()}"
+                )
             if a.shape != shape:
-                raise RunError(f"input {name!r} has shape {list(a.shape)}, expected "
-                               f"{list(shape)}; expected: {self._expected()}")
+                raise RunError(
+                    f"input {name!r} has shape {list(a.shape)}, expected "
+                    f"{list(shape)}; expected: {self._expected()}"
+                )
             arrays.append(a)
         return arrays
 

@@ -35,8 +35,9 @@ def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     src = model if isinstance(model, (str, Path)) else model.SerializeToString()
-    sess = ort.InferenceSession(str(src) if isinstance(src, Path) else src, so,
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        str(src) if isinstance(src, Path) else src, so, providers=["CPUExecutionProvider"]
+    )
     return sess.run(None, feeds)
 
 

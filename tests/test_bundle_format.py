@@ -8,7 +8,6 @@ import struct
 
 import numpy as np
 import pytest
-
 from edgepack.packager.writer import bundle_bytes, weights_section
 from edgepack.runtime.bundle import BundleError, open_bundle
 from edgepack.runtime.bundle_format import ALIGN, HEADER_SIZE, HEADER_STRUCT, Header
@@ -22,16 +21,24 @@ def tiny_manifest() -> tuple[dict, dict[str, np.ndarray]]:
         "graph": {
             "inputs": [{"name": "x", "shape": [1, 4], "dtype": "f32"}],
             "outputs": [{"name": "y", "shape": [1, 4], "dtype": "f32"}],
-            "tensors": {"x": {"shape": [1, 4], "dtype": "f32"},
-                        "y": {"shape": [1, 4], "dtype": "f32"}},
-            "nodes": [{"name": "add", "op": "binary", "inputs": ["x", "c"], "outputs": ["y"],
-                       "attrs": {"kind": "add", "act": "relu", "act_args": [0.0, 0.0]},
-                       "kernel": {"backend": "cpu", "dtype": "f32", "name": "cpu.binary"},
-                       "sources": ["add"]}],
+            "tensors": {
+                "x": {"shape": [1, 4], "dtype": "f32"},
+                "y": {"shape": [1, 4], "dtype": "f32"},
+            },
+            "nodes": [
+                {
+                    "name": "add",
+                    "op": "binary",
+                    "inputs": ["x", "c"],
+                    "outputs": ["y"],
+                    "attrs": {"kind": "add", "act": "relu", "act_args": [0.0, 0.0]},
+                    "kernel": {"backend": "cpu", "dtype": "f32", "name": "cpu.binary"},
+                    "sources": ["add"],
+                }
+            ],
         },
         "weights": {"c": {"shape": [4], "dtype": "f32"}, "q": {"shape": [3], "dtype": "i8"}},
-        "plan": {"arena_bytes": 128, "alignment": 64, "tensors": {"x": 0, "y": 64},
-                 "scratch": {}},
+        "plan": {"arena_bytes": 128, "alignment": 64, "tensors": {"x": 0, "y": 64}, "scratch": {}},
     }
     weights = {"c": np.array([1, -2, 3, -4], np.float32), "q": np.array([1, 2, 3], np.int8)}
     return manifest, weights
@@ -146,8 +153,16 @@ def _rebundle(manifest: dict, section: bytes) -> bytes:
     """Assemble a bundle with valid checksums around arbitrary contents."""
     mbytes = json.dumps(manifest).encode()
     woff = -(-(HEADER_SIZE + len(mbytes)) // ALIGN) * ALIGN
-    h = Header(1, woff + len(section), HEADER_SIZE, len(mbytes), woff, len(section),
-               hashlib.sha256(mbytes).digest(), hashlib.sha256(section).digest())
+    h = Header(
+        1,
+        woff + len(section),
+        HEADER_SIZE,
+        len(mbytes),
+        woff,
+        len(section),
+        hashlib.sha256(mbytes).digest(),
+        hashlib.sha256(section).digest(),
+    )
     return h.pack() + mbytes + b"\0" * (woff - HEADER_SIZE - len(mbytes)) + section
 
 
@@ -176,8 +191,16 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
     blob = _rebundle(manifest, section)
     if case == "notjson":
         mb = b"{not json" + b" " * 10
-        h = Header(1, len(blob), HEADER_SIZE, len(mb), 0, 0, hashlib.sha256(mb).digest(),
-                   hashlib.sha256(b"").digest())
+        h = Header(
+            1,
+            len(blob),
+            HEADER_SIZE,
+            len(mb),
+            0,
+            0,
+            hashlib.sha256(mb).digest(),
+            hashlib.sha256(b"").digest(),
+        )
         blob = h.pack() + mb
     p = tmp_path / "bad.epk"
     p.write_bytes(blob)

@@ -15,8 +15,12 @@ pytestmark = pytest.mark.cpu
 
 
 def ep(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "edgepack.cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "edgepack.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if ok:
         assert r.returncode == 0, r.stderr
     return r
@@ -60,8 +64,15 @@ def test_run_prints_prediction_and_writes_npz(tmp_path, digits_bundle, digit_ima
 
 def test_info_shows_model_arena_and_error_table(digits_bundle):
     out = ep("info", digits_bundle).stdout
-    for needle in ("input     image: f32[1x1x8x8]", "output    logits: f32[1x10]", "arena:",
-                   "params:", "quant:    int8", "rel L2", "end-to-end logits"):
+    for needle in (
+        "input     image: f32[1x1x8x8]",
+        "output    logits: f32[1x10]",
+        "arena:",
+        "params:",
+        "quant:    int8",
+        "rel L2",
+        "end-to-end logits",
+    ):
         assert needle in out, needle
 
 
@@ -101,13 +112,17 @@ def test_corrupt_bundle_is_refused(tmp_path, digits_bundle):
 def test_unsupported_op_fails_the_build(tmp_path):
     g = helper.make_graph(
         [helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="encoder_lstm", hidden_size=4)],
-        "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 3])],
+        "t",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [helper.make_tensor("w", TensorProto.FLOAT, [1, 16, 3], [0.0] * 48),
-         helper.make_tensor("r", TensorProto.FLOAT, [1, 16, 4], [0.0] * 64)],
+        [
+            helper.make_tensor("w", TensorProto.FLOAT, [1, 16, 3], [0.0] * 48),
+            helper.make_tensor("r", TensorProto.FLOAT, [1, 16, 4], [0.0] * 64),
+        ],
     )
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
-              tmp_path / "lstm.onnx")
+    onnx.save(
+        helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "lstm.onnx"
+    )
     r = ep("build", tmp_path / "lstm.onnx", "-o", tmp_path / "l.epk", ok=False)
     assert r.returncode == 1
     assert "op LSTM at node 'encoder_lstm'" in r.stderr and "Supported ops: " in r.stderr
@@ -115,8 +130,17 @@ def test_unsupported_op_fails_the_build(tmp_path):
 
 
 def test_max_error_fails_the_build(tmp_path, digits_onnx):
-    r = ep("build", digits_onnx, "-o", tmp_path / "q.epk", "--quant", "int8",
-           "--max-error", "1e-6", ok=False)
+    r = ep(
+        "build",
+        digits_onnx,
+        "-o",
+        tmp_path / "q.epk",
+        "--quant",
+        "int8",
+        "--max-error",
+        "1e-6",
+        ok=False,
+    )
     assert r.returncode == 1 and "exceeds --max-error 1e-06" in r.stderr
     assert not (tmp_path / "q.epk").exists()
 

@@ -45,8 +45,15 @@ def test_digits_int8_accuracy_within_one_point(tmp_path, digits_onnx, digits_spl
     shape = {"image": x_test.shape}
     np.savez(tmp_path / "calib.npz", image=x_train[:64])
     fp = load(pack(digits_onnx, tmp_path / "f.epk", input_shapes=shape))
-    q = load(pack(digits_onnx, tmp_path / "q.epk", input_shapes=shape, quant="int8",
-                  calib=tmp_path / "calib.npz"))
+    q = load(
+        pack(
+            digits_onnx,
+            tmp_path / "q.epk",
+            input_shapes=shape,
+            quant="int8",
+            calib=tmp_path / "calib.npz",
+        )
+    )
     acc_fp = float((fp.run({"image": x_test})["logits"].argmax(1) == y_test).mean())
     acc_q = float((q.run({"image": x_test})["logits"].argmax(1) == y_test).mean())
     assert acc_fp > 0.95, acc_fp

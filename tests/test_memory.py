@@ -8,7 +8,6 @@ import tracemalloc
 import numpy as np
 import pytest
 from conftest import load, pack
-
 from edgepack.runtime.bundle_format import ALIGN
 
 pytestmark = pytest.mark.cpu
@@ -49,8 +48,9 @@ def assert_plan_sound(manifest: dict) -> None:
             if lo1 < hi2 and lo2 < hi1 and not (b1 < a2 or b2 < a1):
                 # Sharing bytes while both are live is legal only for planned aliases
                 # (reshape views, in-place elementwise ops) - exactly one hop apart.
-                assert offs.get(n1) == offs.get(n2) and (alias.get(n1) == n2 or
-                                                         alias.get(n2) == n1), (n1, n2)
+                assert offs.get(n1) == offs.get(n2) and (
+                    alias.get(n1) == n2 or alias.get(n2) == n1
+                ), (n1, n2)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,12 @@ def bundles(tmp_path_factory, model_dir, digits_onnx):
     return {
         "digits-int8": pack(digits_onnx, d / "d.epk", quant="int8"),
         "mobilenet_v2": pack(model_dir / "mobilenet_v2.onnx", d / "m.epk"),
-        "rapidocr-int8": pack(model_sources.rapidocr_cls_model(), d / "r.epk", quant="int8",
-                              input_shapes={"x": (1, 3, 48, 192)}),
+        "rapidocr-int8": pack(
+            model_sources.rapidocr_cls_model(),
+            d / "r.epk",
+            quant="int8",
+            input_shapes={"x": (1, 3, 48, 192)},
+        ),
     }
 
 
@@ -85,8 +89,10 @@ def test_steady_state_loop_does_not_allocate(bundles, name):
     from numba.core.runtime import _nrt_python, rtsys
 
     s = load(bundles[name])
-    feeds = {i["name"]: np.random.default_rng(0).standard_normal(i["shape"]).astype(np.float32)
-             for i in s.inputs}
+    feeds = {
+        i["name"]: np.random.default_rng(0).standard_normal(i["shape"]).astype(np.float32)
+        for i in s.inputs
+    }
     for _ in range(3):
         s.executor.run_views(feeds)  # warm-up: compiles, loads caches
     _nrt_python.memsys_enable_stats()

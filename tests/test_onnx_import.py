@@ -6,9 +6,8 @@ import numpy as np
 import onnx
 import pytest
 from conftest import load, ort_run, pack
-from onnx import TensorProto, helper, numpy_helper
-
 from edgepack.packager.ir import PackError
+from onnx import TensorProto, helper, numpy_helper
 
 pytestmark = pytest.mark.cpu
 F = TensorProto.FLOAT
@@ -49,8 +48,12 @@ def node(op, ins, outs, **attrs):
 
 @pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
 def test_conv_auto_pad(tmp_path, auto_pad):
-    m = model([node("Conv", ["x", "w"], ["y"], auto_pad=auto_pad, strides=[2, 2])],
-              [("x", [1, 3, 9, 10])], ["y"], {"w": rand(4, 3, 3, 3)})
+    m = model(
+        [node("Conv", ["x", "w"], ["y"], auto_pad=auto_pad, strides=[2, 2])],
+        [("x", [1, 3, 9, 10])],
+        ["y"],
+        {"w": rand(4, 3, 3, 3)},
+    )
     check(tmp_path, m, {"x": rand(1, 3, 9, 10)})
 
 
@@ -60,8 +63,14 @@ def test_grouped_dilated_conv_with_bias_bn_relu(tmp_path):
         helper.make_node("BatchNormalization", ["c", "g", "be", "mu", "var"], ["n"], name="bn"),
         helper.make_node("Relu", ["n"], ["y"], name="relu"),
     ]
-    inits = {"w": rand(6, 2, 3, 3), "b": rand(6), "g": rand(6), "be": rand(6), "mu": rand(6),
-             "var": np.abs(rand(6)) + 0.5}
+    inits = {
+        "w": rand(6, 2, 3, 3),
+        "b": rand(6),
+        "g": rand(6),
+        "be": rand(6),
+        "mu": rand(6),
+        "var": np.abs(rand(6)) + 0.5,
+    }
     m = model(nodes, [("x", [2, 4, 8, 8])], ["y"], inits)
     check(tmp_path, m, {"x": rand(2, 4, 8, 8)})
     sess = load(tmp_path / "m.epk")
@@ -69,15 +78,29 @@ def test_grouped_dilated_conv_with_bias_bn_relu(tmp_path):
 
 
 def test_standalone_batchnorm_and_activations(tmp_path):
-    acts = [("LeakyRelu", {"alpha": 0.2}), ("Sigmoid", {}), ("Tanh", {}),
-            ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}), ("HardSwish", {}), ("Relu", {})]
-    nodes = [helper.make_node("BatchNormalization", ["x", "g", "be", "mu", "var"], ["t0"],
-                              name="bn", epsilon=1e-3)]
+    acts = [
+        ("LeakyRelu", {"alpha": 0.2}),
+        ("Sigmoid", {}),
+        ("Tanh", {}),
+        ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}),
+        ("HardSwish", {}),
+        ("Relu", {}),
+    ]
+    nodes = [
+        helper.make_node(
+            "BatchNormalization", ["x", "g", "be", "mu", "var"], ["t0"], name="bn", epsilon=1e-3
+        )
+    ]
     for i, (op, attrs) in enumerate(acts):
         nodes.append(helper.make_node(op, [f"t{i}"], [f"t{i + 1}"], name=f"a{i}", **attrs))
     nodes.append(helper.make_node("Clip", [f"t{len(acts)}", "lo"], ["y"], name="clip"))
-    inits = {"g": rand(3), "be": rand(3), "mu": rand(3), "var": np.abs(rand(3)) + 0.5,
-             "lo": np.array(0.1, np.float32)}
+    inits = {
+        "g": rand(3),
+        "be": rand(3),
+        "mu": rand(3),
+        "var": np.abs(rand(3)) + 0.5,
+        "lo": np.array(0.1, np.float32),
+    }
     m = model(nodes, [("x", [1, 3, 5, 5])], ["y"], inits)
     check(tmp_path, m, {"x": rand(1, 3, 5, 5) * 3})
 
@@ -121,10 +144,26 @@ def test_binary_broadcasting(tmp_path):
 @pytest.mark.parametrize("ceil", [0, 1])
 def test_pooling(tmp_path, ceil):
     nodes = [
-        node("MaxPool", ["x"], ["m"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 0, 0],
-             ceil_mode=ceil),
-        helper.make_node("AveragePool", ["m"], ["a"], name="ap", kernel_shape=[2, 3],
-                         strides=[2, 2], pads=[0, 1, 1, 1], count_include_pad=1, ceil_mode=ceil),
+        node(
+            "MaxPool",
+            ["x"],
+            ["m"],
+            kernel_shape=[3, 3],
+            strides=[2, 2],
+            pads=[1, 1, 0, 0],
+            ceil_mode=ceil,
+        ),
+        helper.make_node(
+            "AveragePool",
+            ["m"],
+            ["a"],
+            name="ap",
+            kernel_shape=[2, 3],
+            strides=[2, 2],
+            pads=[0, 1, 1, 1],
+            count_include_pad=1,
+            ceil_mode=ceil,
+        ),
         helper.make_node("GlobalAveragePool", ["a"], ["y"], name="gap"),
     ]
     m = model(nodes, [("x", [1, 2, 11, 10])], ["a", "y"])
@@ -146,8 +185,12 @@ def test_shape_ops_and_folding(tmp_path):
         helper.make_node("Identity", ["sq"], ["id"], name="id"),
         helper.make_node("Concat", ["id", "id"], ["y"], name="cat", axis=1),
     ]
-    inits = {"zero": np.array(0, np.int64), "ax0": np.array([0], np.int64),
-             "minus1": np.array([-1], np.int64), "ax1": np.array([1], np.int64)}
+    inits = {
+        "zero": np.array(0, np.int64),
+        "ax0": np.array([0], np.int64),
+        "minus1": np.array([-1], np.int64),
+        "ax1": np.array([1], np.int64),
+    }
     m = model(nodes, [("x", [3, 2, 4, 5])], ["y", "rm"], inits)
     check(tmp_path, m, {"x": rand(3, 2, 4, 5)})
     ops = [n["op"] for n in load(tmp_path / "m.epk").manifest["graph"]["nodes"]]
@@ -161,9 +204,13 @@ def test_opset18_reduce_and_pad(tmp_path):
         helper.make_node("Pad", ["x", "pads2", "", "axes2"], ["q"], name="padr", mode="reflect"),
         helper.make_node("Pad", ["x", "pads2", "", "axes2"], ["e"], name="pade", mode="edge"),
     ]
-    inits = {"axes": np.array([1, 3], np.int64), "pads": np.array([0, 1, 0, 2, 0, 0, 1, 0]),
-             "val": np.array(1.5, np.float32), "pads2": np.array([1, 2, 2, 1]),
-             "axes2": np.array([2, 3], np.int64)}
+    inits = {
+        "axes": np.array([1, 3], np.int64),
+        "pads": np.array([0, 1, 0, 2, 0, 0, 1, 0]),
+        "val": np.array(1.5, np.float32),
+        "pads2": np.array([1, 2, 2, 1]),
+        "axes2": np.array([2, 3], np.int64),
+    }
     m = model(nodes, [("x", [1, 3, 4, 5])], ["p", "q", "e"], inits, opset=18)
     check(tmp_path, m, {"x": rand(1, 3, 4, 5)})
 
@@ -177,9 +224,12 @@ def test_opset21_and_opset11_models(tmp_path):
 
 
 def test_dynamic_batch_and_input_shape(tmp_path):
-    g = helper.make_graph([node("Relu", ["x"], ["y"])], "t",
-                          [helper.make_tensor_value_info("x", F, ["N", 3, "H"])],
-                          [helper.make_tensor_value_info("y", F, None)])
+    g = helper.make_graph(
+        [node("Relu", ["x"], ["y"])],
+        "t",
+        [helper.make_tensor_value_info("x", F, ["N", 3, "H"])],
+        [helper.make_tensor_value_info("y", F, None)],
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     path = tmp_path / "dyn.onnx"
     onnx.save(m, path)
@@ -194,16 +244,40 @@ def test_dynamic_batch_and_input_shape(tmp_path):
 @pytest.mark.parametrize(
     "make,needle",
     [
-        (lambda: model([node("Einsum", ["x", "x"], ["y"], equation="ij,ij->i")],
-                       [("x", [2, 2])], ["y"]), "op Einsum at node 'einsum_node'"),
-        (lambda: model([node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], storage_order=1)],
-                       [("x", [1, 1, 4, 4])], ["y"]), "storage_order=1"),
-        (lambda: model([node("Pad", ["x", "p"], ["y"], mode="wrap")], [("x", [1, 4])], ["y"],
-                       {"p": np.array([0, 1, 0, 1])}, opset=19), "mode='wrap'"),
-        (lambda: model([node("Conv", ["x", "w"], ["y"])], [("x", [1, 2, 5])], ["y"],
-                       {"w": rand(2, 2, 3)}), "only 2-D convolutions"),
-        (lambda: model([node("Relu", ["x"], ["y"])], [("x", [2])], ["y"], opset=6),
-         "model uses ONNX opset 6; supported: 13-21"),
+        (
+            lambda: model(
+                [node("Einsum", ["x", "x"], ["y"], equation="ij,ij->i")], [("x", [2, 2])], ["y"]
+            ),
+            "op Einsum at node 'einsum_node'",
+        ),
+        (
+            lambda: model(
+                [node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], storage_order=1)],
+                [("x", [1, 1, 4, 4])],
+                ["y"],
+            ),
+            "storage_order=1",
+        ),
+        (
+            lambda: model(
+                [node("Pad", ["x", "p"], ["y"], mode="wrap")],
+                [("x", [1, 4])],
+                ["y"],
+                {"p": np.array([0, 1, 0, 1])},
+                opset=19,
+            ),
+            "mode='wrap'",
+        ),
+        (
+            lambda: model(
+                [node("Conv", ["x", "w"], ["y"])], [("x", [1, 2, 5])], ["y"], {"w": rand(2, 2, 3)}
+            ),
+            "only 2-D convolutions",
+        ),
+        (
+            lambda: model([node("Relu", ["x"], ["y"])], [("x", [2])], ["y"], opset=6),
+            "model uses ONNX opset 6; supported: 13-21",
+        ),
     ],
 )
 def test_unsupported_inputs_name_op_and_node(tmp_path, make, needle):
@@ -216,9 +290,12 @@ def test_unsupported_inputs_name_op_and_node(tmp_path, make, needle):
 
 
 def test_unsupported_input_dtype(tmp_path):
-    g = helper.make_graph([node("Relu", ["x"], ["y"])], "t",
-                          [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
-                          [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+    g = helper.make_graph(
+        [node("Relu", ["x"], ["y"])],
+        "t",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
+    )
     path = tmp_path / "i.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     with pytest.raises(PackError, match="'x' has dtype int64; only float32"):
