@@ -1,0 +1,785 @@
+"""Every CPU kernel against the NumPy reference (ggml test-backend-ops style).
+
+``test_cpu_kernel`` is parametrised over the registry itself: every ``(op, dtype, "cpu")``
+key in ``KERNELS`` times the cases listed for that op in ``CASES``. A kernel registered
+without cases fails ``test_every_cpu_kernel_has_cases``, so nothing untested can ship.
+
+Each case is run the way the runtime runs it: outputs and scratch are preallocated (and
+poisoned with NaN bytes, inside guard bands), weights are read-only, the kernel is bound
+once and the step is run twice. The reference itself is checked against ONNX Runtime
+for the ops whose semantics are easy to get subtly wrong (padding, ceil_mode pools,
+count_include_pad, axes).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from edgepack.kernels import reference as R
+from edgepack.kernels import registry
+from edgepack.kernels.activations import ACTIVATIONS
+from edgepack.packager.onnx_import import _pool_out
+from edgepack.packager.quantize import quantize_int8
+
+registry._load_backends()
+
+F32 = np.float32
+SHORT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int8): "i8"}
+GUARD = 64  # elements (outputs) / bytes (scratch) of sentinel on each side of a buffer
+OUT_SENTINEL = F32(-12345.0)
+SCRATCH_SENTINEL = 0xFF  # 0xFFFFFFFF read as float32 is a NaN
+
+# op -> (rtol, atol). Products accumulate in float32 (BLAS, fastmath numba) against a
+# float64 reference; data movement must be bit-exact.
+TOL: dict[str, tuple[float, float]] = {
+    "conv": (1e-4, 1e-4),
+    "dwconv": (1e-4, 1e-4),
+    "linear": (1e-4, 1e-4),
+    "matmul": (1e-4, 1e-4),
+    "binary": (1e-6, 1e-6),
+    "unary": (1e-5, 1e-6),
+    "softmax": (1e-5, 1e-7),
+    "maxpool": (0.0, 0.0),
+    "avgpool": (1e-6, 1e-6),
+    "global_avgpool": (1e-5, 1e-6),
+    "channel_affine": (1e-6, 1e-6),
+    "reshape": (0.0, 0.0),
+    "transpose": (0.0, 0.0),
+    "concat": (0.0, 0.0),
+    "reduce_mean": (1e-5, 1e-6),
+    "pad": (0.0, 0.0),
+}
+
+# Sensible act_args per activation (a, b); clip bounds sit inside N(0, 1) so both bite.
+ACT_ARGS: dict[str, tuple[float, float]] = {
+    "none": (0.0, 0.0),
+    "relu": (0.0, 0.0),
+    "leaky_relu": (0.1, 0.0),
+    "clip": (-0.5, 0.8),
+    "sigmoid": (0.0, 0.0),
+    "tanh": (0.0, 0.0),
+    "hard_sigmoid": (0.2, 0.5),
+    "hard_swish": (0.0, 0.0),
+}
+assert set(ACT_ARGS) == set(ACTIVATIONS), "a new activation needs act_args here"
+
+
+# --- cases ------------------------------------------------------------------------------
+
+Inputs = list  # list[np.ndarray | None], in the op's input order
+Make = Callable[[np.random.Generator, str], tuple[Inputs, dict]]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    make: Make  # (rng, weight dtype) -> (inputs, attrs)
+    const: tuple[int, ...] = ()  # input slots that are constants (read-only, as in a bundle)
+    inplace: bool = False  # output shares input 0's memory (the plan's in-place/alias rule)
+    onnx: dict = field(default_factory=dict)  # extra ONNX-only attributes (ceil_mode)
+
+
+def _randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(F32)
+
+
+def _store_weight(w: np.ndarray, dt: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(stored weight, int8 scale or None) the way quantize_graph stores it."""
+    if dt == "i8":
+        return quantize_int8(w)
+    if dt == "f16":
+        return w.astype(np.float16), None
+    return w.astype(F32), None
+
+
+# Weight values that stress decoders: half subnormals (smallest ~6e-8), the smallest
+# normal half, signed zeros; row 0 is all zero (int8 scale falls back to 1).
+SPECIAL_W = np.array([0.0, -0.0, 6e-8, -1e-7, 1e-5, -3e-5, 6.1e-5, -6.2e-5], F32)
+
+
+def _with_specials(w: np.ndarray) -> np.ndarray:
+    w = w.copy()
+    flat = w.reshape(-1)
+    flat[-len(SPECIAL_W) :] = SPECIAL_W
+    w[0] = 0.0
+    return w
+
+
+def _conv_out(hw, k, s, p, d) -> tuple[int, int]:
+    return (
+        (hw[0] + p[0] + p[2] - d[0] * (k[0] - 1) - 1) // s[0] + 1,
+        (hw[1] + p[1] + p[3] - d[1] * (k[1] - 1) - 1) // s[1] + 1,
+    )
+
+
+def conv_case(
+    name: str,
+    *,
+    n: int = 1,
+    c: int = 4,
+    hw: tuple[int, int] = (9, 9),
+    co: int = 6,
+    k: tuple[int, int] = (3, 3),
+    s: tuple[int, int] = (1, 1),
+    p: tuple[int, int, int, int] = (1, 1, 1, 1),
+    d: tuple[int, int] = (1, 1),
+    g: int = 1,
+    bias: bool = True,
+    res: bool = False,
+    act: str = "none",
+    dw: bool = False,
+    special: bool = False,
+) -> Case:
+    if dw:
+        co, g = c, c
+
+    def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
+        cg = c // g
+        x = _randn(rng, n, c, *hw)
+        w = _randn(rng, co, cg, *k, scale=1.0 / np.sqrt(cg * k[0] * k[1]))
+        wq, scale = _store_weight(_with_specials(w) if special else w, dt)
+        b = _randn(rng, co, scale=0.5) if bias else None
+        r = _randn(rng, n, co, *_conv_out(hw, k, s, p, d)) if res else None
+        attrs = {
+            "strides": list(s),
+            "pads": list(p),
+            "dilations": list(d),
+            "group": g,
+            "act": act,
+            "act_args": list(ACT_ARGS[act]),
+        }
+        return [x, wq, b, scale, r], attrs
+
+    return Case(name, make, const=(1, 2, 3))
+
+
+def linear_case(
+    name: str,
+    xshape: tuple[int, ...],
+    n: int,
+    *,
+    bias: bool = True,
+    act: str = "none",
+    special: bool = False,
+) -> Case:
+    def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
+        k = xshape[-1]
+        x = _randn(rng, *xshape)
+        w = _randn(rng, n, k, scale=1.0 / np.sqrt(k))
+        wq, scale = _store_weight(_with_specials(w) if special else w, dt)
+        b = _randn(rng, n, scale=0.5) if bias else None
+        return [x, wq, b, scale], {"act": act, "act_args": list(ACT_ARGS[act])}
+
+    return Case(name, make, const=(1, 2, 3))
+
+
+def matmul_case(name: str, ashape, bshape, act: str = "none") -> Case:
+    def make(rng, dt):
+        k = ashape[-1]
+        a = _randn(rng, *ashape)
+        b = _randn(rng, *bshape, scale=1.0 / np.sqrt(k))
+        return [a, b], {"act": act, "act_args": list(ACT_ARGS[act])}
+
+    return Case(name, make)
+
+
+def binary_case(
+    name: str,
+    kind: str,
+    ashape,
+    bshape,
+    *,
+    act: str = "none",
+    const_b: bool = False,
+    inplace: bool = False,
+) -> Case:
+    def make(rng, dt):
+        a = _randn(rng, *ashape)
+        b = _randn(rng, *bshape)
+        if kind == "div":  # keep the divisor away from 0
+            b = (np.sign(b) + (b == 0)) * rng.uniform(0.5, 2.0, bshape)
+        return [a, np.asarray(b, F32)], {"kind": kind, "act": act, "act_args": list(ACT_ARGS[act])}
+
+    return Case(name, make, const=(1,) if const_b else (), inplace=inplace)
+
+
+def unary_case(
+    name: str,
+    act: str,
+    *,
+    shape=(2, 3, 4, 5),
+    scale: float = 2.0,
+    args: tuple[float, float] | None = None,
+    inplace: bool = False,
+) -> Case:
+    def make(rng, dt):
+        return [_randn(rng, *shape, scale=scale)], {
+            "act": act,
+            "act_args": list(args if args is not None else ACT_ARGS[act]),
+        }
+
+    return Case(name, make, inplace=inplace)
+
+
+def softmax_case(name: str, shape, axis: int, scale: float = 3.0) -> Case:
+    return Case(name, lambda rng, dt: ([_randn(rng, *shape, scale=scale)], {"axis": axis}))
+
+
+def pool_case(
+    name: str,
+    kind: str,
+    *,
+    xshape=(2, 3, 9, 10),
+    k=(3, 3),
+    s=(2, 2),
+    p=(1, 1, 1, 1),
+    d=(1, 1),
+    ceil: int = 0,
+    cip: int = 0,
+) -> Case:
+    """IR attrs from ONNX-level parameters; out_hw exactly as the importer computes it."""
+    onnx_attrs = {"ceil_mode": ceil}
+    out_hw = _pool_out(None, onnx_attrs, xshape, list(k), list(s), list(d), list(p))
+    attrs = {"kernel": list(k), "strides": list(s), "pads": list(p), "out_hw": out_hw}
+    if kind == "max":
+        attrs["dilations"] = list(d)
+    else:
+        assert d == (1, 1), "AveragePool with dilations is refused by the importer"
+        attrs["count_include_pad"] = cip
+
+    def make(rng, dt):
+        return [_randn(rng, *xshape)], dict(attrs)
+
+    return Case(name, make, onnx=onnx_attrs)
+
+
+def shape_case(
+    name: str, shapes, attrs: dict, *, inplace: bool = False, const: tuple[int, ...] = ()
+) -> Case:
+    """Ops whose inputs are plain activations: one N(0, 1) array per shape."""
+
+    def make(rng, dt):
+        return [_randn(rng, *s) for s in shapes], dict(attrs)
+
+    return Case(name, make, const=const, inplace=inplace)
+
+
+def affine_case(name: str, xshape, act: str = "none", inplace: bool = False) -> Case:
+    def make(rng, dt):
+        c = xshape[1]
+        return [_randn(rng, *xshape), _randn(rng, c), _randn(rng, c)], {
+            "act": act,
+            "act_args": list(ACT_ARGS[act]),
+        }
+
+    return Case(name, make, const=(1, 2), inplace=inplace)
+
+
+_ACTS = [a for a in ACT_ARGS if a != "none"]
+
+CASES: dict[str, list[Case]] = {
+    "conv": [
+        conv_case("g1_k3_s1_p1"),
+        conv_case("g2_k3_s1_p1", g=2),
+        conv_case("g2_k3_s2_p1_res", g=2, s=(2, 2), res=True),
+        conv_case("k3_s2_p1", s=(2, 2)),
+        conv_case("k3_s2_odd_nopad", hw=(10, 11), s=(2, 2), p=(0, 0, 0, 0)),
+        conv_case("k3_s21", s=(2, 1), hw=(9, 7)),
+        conv_case("k3_asym_pads", p=(0, 1, 2, 0)),
+        conv_case("k3_asym_pads_s2", p=(1, 0, 0, 1), s=(2, 2), hw=(8, 8)),
+        conv_case("k3_dil2", d=(2, 2), p=(2, 2, 2, 2)),
+        conv_case("k3_dil21_g2", d=(2, 1), p=(2, 1, 2, 1), g=2, hw=(11, 7)),
+        conv_case("pw_1x1", k=(1, 1), p=(0, 0, 0, 0), c=8, co=5),
+        conv_case("pw_1x1_g2", k=(1, 1), p=(0, 0, 0, 0), c=8, co=6, g=2),
+        conv_case("pw_1x1_b2_res", k=(1, 1), p=(0, 0, 0, 0), n=2, res=True),
+        conv_case("1x1_s2", k=(1, 1), p=(0, 0, 0, 0), s=(2, 2)),
+        conv_case("1x1_pad", k=(1, 1), p=(1, 0, 0, 1)),
+        conv_case("k7_s2_p3", c=3, co=8, hw=(16, 16), k=(7, 7), s=(2, 2), p=(3, 3, 3, 3)),
+        conv_case("k7_s1_p3", c=2, co=3, hw=(9, 12), k=(7, 7), p=(3, 3, 3, 3)),
+        conv_case("k3x1_rect", k=(3, 1), p=(1, 0, 1, 0), hw=(7, 5)),
+        conv_case("k_whole_image", hw=(5, 5), k=(5, 5), p=(0, 0, 0, 0)),
+        conv_case("batch2", n=2),
+        conv_case("batch2_g2_res", n=2, g=2, res=True, act="relu"),
+        conv_case("nobias", bias=False),
+        conv_case("nobias_res", bias=False, res=True),
+        conv_case("res_s2", res=True, s=(2, 2)),
+        conv_case("special_weights", special=True),
+        conv_case("special_weights_pw", k=(1, 1), p=(0, 0, 0, 0), special=True),
+        *[conv_case(f"act_{a}", act=a, res=a in ("relu", "hard_swish")) for a in _ACTS],
+    ],
+    "dwconv": [
+        conv_case("k3_s1_p1", dw=True),
+        conv_case("k5_s1_p2", dw=True, k=(5, 5), p=(2, 2, 2, 2), hw=(11, 13)),
+        conv_case("k3_s2_p1", dw=True, s=(2, 2)),
+        conv_case("k3_s2_p1_even", dw=True, s=(2, 2), hw=(10, 12)),
+        conv_case("k5_s2_p2", dw=True, k=(5, 5), s=(2, 2), p=(2, 2, 2, 2), hw=(17, 23)),
+        conv_case("k3_s21", dw=True, s=(2, 1)),
+        conv_case("k3_s12", dw=True, s=(1, 2), hw=(6, 14)),
+        conv_case("k3_s3_nopad", dw=True, s=(3, 3), p=(0, 0, 0, 0), hw=(10, 11)),
+        conv_case("k3_asym_pads", dw=True, p=(0, 2, 1, 0)),
+        conv_case("k3_pads_gt_half", dw=True, p=(2, 3, 2, 3), hw=(5, 6)),
+        conv_case("k3_dil2", dw=True, d=(2, 2), p=(2, 2, 2, 2)),
+        conv_case("k5_dil2_s2", dw=True, k=(5, 5), d=(2, 2), s=(2, 2), p=(4, 4, 4, 4), hw=(13, 12)),
+        conv_case("k3_nopad_narrow", dw=True, p=(0, 0, 0, 0), hw=(4, 3)),
+        conv_case("k3_res", dw=True, res=True),
+        conv_case("k3_s2_res", dw=True, res=True, s=(2, 2)),
+        conv_case("batch2_res_relu", dw=True, n=2, res=True, act="relu"),
+        conv_case("nobias", dw=True, bias=False),
+        conv_case("c16", dw=True, c=16, hw=(7, 7)),
+        conv_case("special_weights", dw=True, special=True),
+        *[conv_case(f"act_{a}", dw=True, act=a) for a in _ACTS],
+    ],
+    "linear": [
+        linear_case("m1_n10", (1, 64), 10),
+        linear_case("m1_n8", (1, 40), 8),
+        linear_case("m1_n1", (1, 17), 1),
+        linear_case("m5_n12", (5, 33), 12),
+        linear_case("m5_n7", (5, 33), 7),
+        linear_case("x3d_n6", (2, 3, 20), 6),
+        linear_case("x3d_n9_relu", (2, 3, 20), 9, act="relu"),
+        linear_case("m4_k512_n13", (4, 512), 13),
+        linear_case("nobias", (3, 16), 5, bias=False),
+        linear_case("nobias_m1", (1, 16), 4, bias=False),
+        linear_case("special_weights", (2, 16), 5, special=True),
+        *[linear_case(f"act_{a}", (3, 24), 11, act=a) for a in _ACTS],
+    ],
+    "matmul": [
+        matmul_case("2d", (3, 4), (4, 5)),
+        matmul_case("batched", (2, 3, 4), (2, 4, 6)),
+        matmul_case("bcast_both", (2, 1, 3, 4), (5, 4, 6)),
+        matmul_case("bcast_left2d", (3, 8), (2, 8, 5)),
+        matmul_case("bcast_right2d", (2, 3, 8), (8, 5)),
+        matmul_case("relu", (2, 3, 4), (2, 4, 6), act="relu"),
+        matmul_case("tanh", (2, 3, 4), (4, 6), act="tanh"),
+    ],
+    "binary": [
+        *[
+            c
+            for kind in ("add", "sub", "mul", "div")
+            for c in (
+                binary_case(f"{kind}_same", kind, (2, 3, 4, 5), (2, 3, 4, 5)),
+                binary_case(f"{kind}_chan", kind, (2, 3, 4, 5), (1, 3, 1, 1), const_b=True),
+                binary_case(f"{kind}_scalar", kind, (2, 3, 4, 5), (), const_b=True),
+                binary_case(f"{kind}_scalar1", kind, (2, 3, 4, 5), (1,), const_b=True),
+                binary_case(f"{kind}_both_bcast", kind, (3, 1, 5), (2, 1, 4, 1)),
+                binary_case(f"{kind}_left_bcast", kind, (1, 3, 1, 1), (2, 3, 4, 5)),
+            )
+        ],
+        binary_case("add_relu", "add", (2, 3, 4, 5), (2, 3, 4, 5), act="relu"),
+        binary_case("mul_hard_sigmoid", "mul", (2, 8), (8,), act="hard_sigmoid"),
+        binary_case("add_inplace", "add", (2, 3, 4, 5), (2, 3, 4, 5), inplace=True),
+        # rank > 4 takes another path (the numba kernel is 4-D) on the cpu backend
+        binary_case("add_5d_chan", "add", (2, 3, 2, 2, 3), (1, 3, 1, 1, 1), const_b=True),
+        binary_case("div_5d_both_bcast", "div", (2, 1, 2, 1, 3), (3, 1, 2, 1)),
+        binary_case("mul_5d_inplace_relu", "mul", (2, 3, 2, 2, 3), (3,), act="relu", inplace=True),
+        binary_case(
+            "div_chan_inplace_clip",
+            "div",
+            (2, 3, 4, 5),
+            (1, 3, 1, 1),
+            act="clip",
+            const_b=True,
+            inplace=True,
+        ),
+    ],
+    "unary": [
+        *[unary_case(a, a) for a in ACT_ARGS],
+        unary_case("sigmoid_large", "sigmoid", scale=60.0),
+        unary_case("tanh_large", "tanh", scale=60.0),
+        unary_case("hard_swish_wide", "hard_swish", scale=6.0),
+        unary_case("clip_no_lower", "clip", args=(float(np.finfo(F32).min), 0.5)),
+        unary_case("relu_inplace", "relu", inplace=True),
+        unary_case("sigmoid_inplace_1d", "sigmoid", shape=(37,), inplace=True),
+    ],
+    "softmax": [
+        *[softmax_case(f"4d_axis{ax}", (2, 3, 4, 5), ax) for ax in (0, 1, 2, 3, -1)],
+        softmax_case("2d_long", (4, 1000), 1),
+        softmax_case("len1", (3, 1), 1),
+        softmax_case("large_values", (2, 10), 1, scale=100.0),
+    ],
+    "maxpool": [
+        pool_case("k3_s2_p1", "max"),
+        pool_case("k3_s2_p1_ceil", "max", ceil=1),
+        pool_case("k2_s2_ceil_odd", "max", k=(2, 2), p=(0, 0, 0, 0), xshape=(1, 2, 7, 9), ceil=1),
+        pool_case("k3_s2_ceil_lastwin_dropped", "max", p=(1, 1, 1, 1), xshape=(1, 2, 6, 6), ceil=1),
+        pool_case("k3_s1_p1", "max", s=(1, 1)),
+        pool_case("k3_s21", "max", s=(2, 1)),
+        pool_case("k32_asym", "max", k=(3, 2), p=(0, 1, 1, 0)),
+        pool_case("dil2", "max", d=(2, 2), p=(2, 2, 2, 2), s=(1, 1)),
+        pool_case("dil2_ceil", "max", d=(2, 2), p=(1, 1, 1, 1), ceil=1, xshape=(1, 2, 10, 11)),
+        pool_case("k2_s2_nopad", "max", k=(2, 2), p=(0, 0, 0, 0), xshape=(2, 4, 8, 8)),
+    ],
+    "avgpool": [
+        *[
+            pool_case(f"k3_s2_p1_cip{cip}_ceil{ceil}", "avg", cip=cip, ceil=ceil)
+            for cip in (0, 1)
+            for ceil in (0, 1)
+        ],
+        *[
+            pool_case(
+                f"k2_s2_ceil_odd_cip{cip}",
+                "avg",
+                k=(2, 2),
+                p=(0, 0, 0, 0),
+                xshape=(1, 2, 7, 9),
+                ceil=1,
+                cip=cip,
+            )
+            for cip in (0, 1)
+        ],
+        *[
+            pool_case(f"asym_cip{cip}", "avg", k=(3, 2), p=(0, 1, 2, 0), s=(1, 2), cip=cip)
+            for cip in (0, 1)
+        ],
+        pool_case("k3_s1_p1_cip1", "avg", s=(1, 1), cip=1),
+        pool_case("k2_s2_nopad", "avg", k=(2, 2), p=(0, 0, 0, 0), xshape=(2, 4, 8, 8)),
+    ],
+    "global_avgpool": [
+        shape_case("n2_c3_7x5", [(2, 3, 7, 5)], {}),
+        shape_case("1x1", [(1, 16, 1, 1)], {}),
+        shape_case("c8_3x3", [(1, 8, 3, 3)], {}),
+    ],
+    "channel_affine": [
+        affine_case("4d", (2, 4, 5, 6)),
+        affine_case("4d_relu", (2, 4, 5, 6), act="relu"),
+        affine_case("4d_hard_swish", (1, 3, 4, 4), act="hard_swish"),
+        affine_case("2d", (3, 4)),
+        affine_case("inplace_leaky", (2, 4, 5, 6), act="leaky_relu", inplace=True),
+    ],
+    "reshape": [
+        shape_case("3d_to_2d", [(2, 3, 4)], {"shape": [6, 4]}),
+        shape_case("flatten", [(1, 8, 1, 1)], {"shape": [1, 8]}),
+        shape_case("alias", [(2, 3, 4)], {"shape": [2, 12]}, inplace=True),
+    ],
+    "transpose": [
+        shape_case("nchw_nhwc", [(2, 3, 4, 5)], {"perm": [0, 2, 3, 1]}),
+        shape_case("nhwc_nchw", [(2, 4, 5, 3)], {"perm": [0, 3, 1, 2]}),
+        shape_case("2d", [(7, 9)], {"perm": [1, 0]}),
+        shape_case("3d_rot", [(3, 4, 5)], {"perm": [2, 0, 1]}),
+        shape_case("heads", [(2, 5, 3, 4)], {"perm": [0, 2, 1, 3]}),
+        shape_case("unit_dims", [(1, 6, 1, 4)], {"perm": [3, 1, 0, 2]}),
+    ],
+    "concat": [
+        shape_case("axis0", [(1, 3, 4, 5), (2, 3, 4, 5)], {"axis": 0}),
+        shape_case("axis1_three", [(2, 3, 4, 5), (2, 1, 4, 5), (2, 4, 4, 5)], {"axis": 1}),
+        shape_case("axis2", [(2, 3, 1, 5), (2, 3, 4, 5)], {"axis": 2}),
+        shape_case("axis3", [(2, 3, 4, 2), (2, 3, 4, 5), (2, 3, 4, 1)], {"axis": 3}),
+        shape_case("2d_axis_neg1", [(3, 4), (3, 6)], {"axis": -1}),
+    ],
+    "reduce_mean": [
+        shape_case("hw_keep", [(2, 3, 4, 5)], {"axes": [2, 3], "keepdims": 1}),
+        shape_case("c_drop", [(2, 3, 4, 5)], {"axes": [1], "keepdims": 0}),
+        shape_case("n_h_drop", [(2, 3, 4, 5)], {"axes": [0, 2], "keepdims": 0}),
+        shape_case("last_neg_keep", [(2, 3, 4, 5)], {"axes": [-1], "keepdims": 1}),
+        shape_case("all_drop", [(2, 3, 4)], {"axes": [0, 1, 2], "keepdims": 0}),
+        shape_case("long_axis", [(2, 1000)], {"axes": [1], "keepdims": 1}),
+    ],
+    "pad": [
+        shape_case(
+            "hw_asym",
+            [(2, 3, 4, 5)],
+            {"pads": [0, 0, 1, 2, 0, 0, 3, 1], "mode": "constant", "value": 0.0},
+        ),
+        shape_case(
+            "channels_value",
+            [(1, 3, 2, 2)],
+            {"pads": [0, 2, 0, 0, 0, 1, 0, 0], "mode": "constant", "value": 1.5},
+        ),
+        shape_case("2d", [(3, 4)], {"pads": [1, 0, 0, 2], "mode": "constant", "value": -2.0}),
+        shape_case("zero_pads", [(2, 3)], {"pads": [0, 0, 0, 0], "mode": "constant", "value": 0.0}),
+    ],
+}
+
+CPU_KEYS = sorted(k for k in registry.KERNELS if k[2] == "cpu")
+PARAMS = [
+    pytest.param(op, dt, case, id=f"{op}-{dt}-{case.name}")
+    for (op, dt, _) in CPU_KEYS
+    for case in CASES.get(op, [])
+]
+
+
+def _rng(*parts: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32("/".join(parts).encode()))
+
+
+def _build(op: str, dt: str, case: Case) -> tuple[Inputs, dict]:
+    ins, attrs = case.make(_rng(op, case.name), dt)
+    while len(ins) > 1 and ins[-1] is None:  # the runtime passes no trailing absent inputs
+        ins.pop()
+    for i in case.const:
+        if i < len(ins) and ins[i] is not None:
+            ins[i] = np.ascontiguousarray(ins[i])
+            ins[i].setflags(write=False)  # bundle weights are read-only mmap views
+    return ins, attrs
+
+
+# --- the kernel test --------------------------------------------------------------------
+
+
+def test_every_cpu_kernel_has_cases():
+    ops = {op for (op, _, _) in CPU_KEYS}
+    assert CPU_KEYS, "no cpu kernels registered"
+    missing = sorted(f"{op}/{dt}" for (op, dt, _) in CPU_KEYS if not CASES.get(op))
+    assert not missing, f"cpu kernels without test cases in tests/test_kernels.py: {missing}"
+    assert not sorted(ops - set(TOL)), f"no tolerance for {sorted(ops - set(TOL))}"
+    assert not sorted(ops - set(R.REFERENCE)), "a cpu kernel has no reference"
+    for op, cases in CASES.items():
+        names = [c.name for c in cases]
+        assert len(names) == len(set(names)), f"duplicate case names for {op}"
+
+
+def _guarded_f32(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A NaN-poisoned output view with sentinel guard bands on both sides."""
+    size = int(np.prod(shape, dtype=np.int64))
+    buf = np.full(size + 2 * GUARD, OUT_SENTINEL, F32)
+    buf[GUARD : GUARD + size] = np.nan
+    return buf, buf[GUARD : GUARD + size].reshape(shape)
+
+
+def _check_guards(buf: np.ndarray, sentinel, what: str) -> None:
+    head, tail = buf[:GUARD], buf[-GUARD:]
+    assert (head == sentinel).all() and (tail == sentinel).all(), f"{what}: wrote out of bounds"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(("op", "dt", "case"), PARAMS)
+def test_cpu_kernel(op: str, dt: str, case: Case) -> None:
+    kernel = registry.KERNELS[(op, dt, "cpu")]
+    ins, attrs = _build(op, dt, case)
+    assert kernel.accepts(attrs), f"{kernel.name} refuses the case's attrs {attrs}"
+    want = np.ascontiguousarray(R.REFERENCE[op](ins, attrs)).astype(F32)
+    originals = [None if a is None else a.copy() for a in ins]
+
+    buf, out = _guarded_f32(want.shape)
+    if case.inplace:  # the output takes over input 0's storage
+        assert ins[0].size == want.size
+        ins[0] = out.reshape(ins[0].shape)
+        ins[0][...] = originals[0]
+
+    specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+    need = kernel.scratch(specs, [want.shape], attrs)
+    assert need >= 0
+    sbuf = np.full(need + 2 * GUARD, SCRATCH_SENTINEL, np.uint8)
+    scratch = sbuf[GUARD : GUARD + need]  # exactly what the plan would reserve
+
+    step = kernel.bind(ins, [out], scratch, attrs)
+    if step is None:
+        assert np.shares_memory(ins[0], out), f"{kernel.name} returned no step for a copy"
+    rtol, atol = TOL[op]
+    # Run twice, re-poisoning before each run: the plan hands the same scratch bytes to
+    # other nodes between two runs of this one, so nothing may be kept there from bind
+    # or from the previous run; nor may a kernel rely on what its output held.
+    for run in range(2):
+        if step is not None:
+            scratch[...] = SCRATCH_SENTINEL
+            if case.inplace:
+                ins[0][...] = originals[0]
+            else:
+                out[...] = np.nan
+            step()
+        np.testing.assert_allclose(
+            out,
+            want,
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"{kernel.name} {case.name} dtype {dt}, run {run + 1}",
+        )
+        _check_guards(buf, OUT_SENTINEL, f"{kernel.name} output")
+        _check_guards(sbuf, SCRATCH_SENTINEL, f"{kernel.name} scratch")
+        for i, (a, a0) in enumerate(zip(ins, originals, strict=True)):
+            if a is not None and not (case.inplace and i == 0):
+                assert np.array_equal(a, a0), f"{kernel.name} modified input {i}"
+
+
+def _all_stored_values(dt: str) -> np.ndarray:
+    """Every finite float16 (63488 = 64 * 992 values), or every int8 (256 = 64 * 4)."""
+    if dt == "f16":
+        h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+        return h[np.isfinite(h)]
+    return np.arange(-128, 128).astype(np.int8)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    ("op", "dt"),
+    [(op, dt) for (op, dt, _) in CPU_KEYS if op in registry.WEIGHT_OPS and dt != "f32"],
+)
+def test_cpu_weight_decode_is_exact(op: str, dt: str) -> None:
+    """Weight decoding is exact for every value (subnormal halves, 65504, -128).
+
+    The tolerance cases cannot see a wrong tiny weight; here a one-hot input makes each
+    output element equal one stored weight (times an int8 scale of exactly 1).
+    """
+    kernel = registry.KERNELS[(op, dt, "cpu")]
+    vals = _all_stored_values(dt)
+    k = 64
+    n = vals.size // k
+    none = {"act": "none", "act_args": [0.0, 0.0]}
+    conv_attrs = {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1}
+    if op == "linear":  # y[m, n] = w[n, m]
+        w, x, attrs = vals.reshape(n, k), np.eye(k, dtype=F32), none
+        want = w.astype(F32).T
+    elif op == "conv":  # 1x1 conv over an 8x8 image whose pixel p is one-hot in channel p
+        w, x = vals.reshape(n, k, 1, 1), np.eye(k, dtype=F32).reshape(1, k, 8, 8)
+        attrs = conv_attrs | none
+        want = w.astype(F32).reshape(1, n, 8, 8)
+    else:  # depthwise 1x1 over ones: y[c] = w[c]
+        w, x = vals.reshape(-1, 1, 1, 1), np.ones((1, vals.size, 1, 1), F32)
+        attrs = conv_attrs | none | {"group": vals.size}
+        want = w.astype(F32).reshape(x.shape)
+    w.setflags(write=False)
+    scale = np.ones(w.shape[0], F32) if dt == "i8" else None
+    ins = [x, w, None, scale]
+    specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+    scratch = np.full(kernel.scratch(specs, [want.shape], attrs), SCRATCH_SENTINEL, np.uint8)
+    out = np.full(want.shape, np.nan, F32)
+    kernel.bind(ins, [out], scratch, attrs)()
+    bad = np.flatnonzero(out != want)  # float compare: -0 == 0 (sums drop the sign), NaN fails
+    assert bad.size == 0, (
+        f"{kernel.name}: {bad.size} decoded weights differ, e.g. stored "
+        f"{want.reshape(-1)[bad[:5]]} came out {out.reshape(-1)[bad[:5]]}"
+    )
+
+
+@pytest.mark.cpu
+def test_cpu_pad_refuses_other_modes() -> None:
+    # Reflect/edge pads have no cpu kernel; the packager must fall back to ref for them.
+    k = registry.KERNELS[("pad", "f32", "cpu")]
+    for mode in ("reflect", "edge"):
+        assert not k.accepts({"pads": [0, 1, 0, 1], "mode": mode, "value": 0.0})
+        backend, _ = registry.choose("pad", "f32", {"pads": [0, 1], "mode": mode}, ("cpu", "ref"))
+        assert backend == "ref"
+
+
+# --- the reference against ONNX Runtime ---------------------------------------------------
+
+OPSET = 17
+
+
+def _ort_run(node, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]) -> np.ndarray:
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    def vi(name, a):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(a.shape))
+
+    graph = helper.make_graph(
+        [node],
+        "one_node",
+        [vi(n, a) for n, a in feeds.items()],
+        [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(a, n) for n, a in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3  # ONNX shape inference and ORT disagree on some ceil_mode shapes
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+def _compare_ref(got_ref: np.ndarray, got_ort: np.ndarray, rtol: float, atol: float) -> None:
+    assert got_ref.shape == got_ort.shape, f"shape: reference {got_ref.shape}, ORT {got_ort.shape}"
+    np.testing.assert_allclose(got_ref, got_ort, rtol=rtol, atol=atol)
+
+
+_ORT_CONV = [
+    pytest.param(op, c, id=f"{op}-{c.name}")
+    for op in ("conv", "dwconv")
+    for c in CASES[op]
+    if not c.name.startswith("act_") and "res" not in c.name
+]
+
+
+@pytest.mark.parametrize(("op", "case"), _ORT_CONV)
+def test_reference_conv_matches_onnxruntime(op: str, case: Case) -> None:
+    from onnx import helper
+
+    ins, attrs = case.make(_rng("ort", op, case.name), "f32")
+    x, w, b = ins[0], ins[1], ins[2]
+    names = ["x", "w"] + (["b"] if b is not None else [])
+    node = helper.make_node(
+        "Conv",
+        names,
+        ["y"],
+        kernel_shape=list(w.shape[2:]),
+        strides=attrs["strides"],
+        pads=attrs["pads"],
+        dilations=attrs["dilations"],
+        group=attrs["group"],
+    )
+    inits = {"w": w} | ({"b": b} if b is not None else {})
+    _compare_ref(R.REFERENCE[op](ins, attrs), _ort_run(node, {"x": x}, inits), 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize(
+    ("op", "case"),
+    [pytest.param(op, c, id=f"{op}-{c.name}") for op in ("maxpool", "avgpool") for c in CASES[op]],
+)
+def test_reference_pool_matches_onnxruntime(op: str, case: Case) -> None:
+    from onnx import helper
+
+    (x,), attrs = case.make(_rng("ort", op, case.name), "f32")
+    extra = (
+        {"dilations": attrs["dilations"]}
+        if op == "maxpool"
+        else {"count_include_pad": attrs["count_include_pad"]}
+    )
+    node = helper.make_node(
+        "MaxPool" if op == "maxpool" else "AveragePool",
+        ["x"],
+        ["y"],
+        kernel_shape=attrs["kernel"],
+        strides=attrs["strides"],
+        pads=attrs["pads"],
+        ceil_mode=case.onnx["ceil_mode"],
+        **extra,
+    )
+    _compare_ref(R.REFERENCE[op]([x], attrs), _ort_run(node, {"x": x}, {}), 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("case", CASES["softmax"], ids=lambda c: c.name)
+def test_reference_softmax_matches_onnxruntime(case: Case) -> None:
+    from onnx import helper
+
+    (x,), attrs = case.make(_rng("ort", "softmax", case.name), "f32")
+    node = helper.make_node("Softmax", ["x"], ["y"], axis=attrs["axis"])
+    _compare_ref(R.softmax([x], attrs), _ort_run(node, {"x": x}, {}), 1e-5, 1e-7)
+
+
+@pytest.mark.parametrize("case", CASES["reduce_mean"], ids=lambda c: c.name)
+def test_reference_reduce_mean_matches_onnxruntime(case: Case) -> None:
+    from onnx import helper
+
+    (x,), attrs = case.make(_rng("ort", "reduce_mean", case.name), "f32")
+    node = helper.make_node(
+        "ReduceMean", ["x"], ["y"], axes=attrs["axes"], keepdims=attrs["keepdims"]
+    )  # opset 17: axes is an attribute
+    _compare_ref(R.reduce_mean([x], attrs), _ort_run(node, {"x": x}, {}), 1e-5, 1e-6)
+
+
+_PAD_ORT = [
+    *CASES["pad"],
+    shape_case("reflect", [(1, 2, 4, 5)], {"pads": [0, 0, 2, 1, 0, 0, 1, 3], "mode": "reflect"}),
+    shape_case("edge", [(1, 2, 4, 5)], {"pads": [0, 1, 2, 0, 0, 0, 1, 3], "mode": "edge"}),
+]
+
+
+@pytest.mark.parametrize("case", _PAD_ORT, ids=lambda c: c.name)
+def test_reference_pad_matches_onnxruntime(case: Case) -> None:
+    from onnx import helper
+
+    (x,), attrs = case.make(_rng("ort", "pad", case.name), "f32")
+    names = ["x", "pads"]
+    inits = {"pads": np.asarray(attrs["pads"], np.int64)}
+    if attrs["mode"] == "constant":
+        names.append("value")
+        inits["value"] = np.asarray(attrs["value"], F32)
+    node = helper.make_node("Pad", names, ["y"], mode=attrs["mode"])
+    _compare_ref(R.pad([x], attrs), _ort_run(node, {"x": x}, inits), 0.0, 0.0)
