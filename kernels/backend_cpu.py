@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import cpu_numba as K
 from .activations import act_code
+from .native import K
 from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)

@@ -2,7 +2,12 @@
 
 Conventions: activations are float32 and C-contiguous; optional inputs are passed as
 1-element (or 1x1) dummy arrays plus a bit in ``flags`` so that every call has one
-type signature (one compile, cached on disk with ``cache=True``).
+type signature (cpu_abi.py lists them for the ahead-of-time build).
+
+No ``fastmath``: without reassociation or FMA contraction every element is computed
+in the same order whatever the vector width, so the JIT build, the AOT build shipped
+in device executables, and builds for other CPUs give bit-identical results. Loops
+are written so the vectoriser can still work (elementwise inner loops).
 """
 
 from __future__ import annotations
@@ -10,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
+from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
 
 
-@njit(inline="always", fastmath=True)
+@njit(inline="always")
 def act_scalar(v, act, a, b):
     if act == 0:
         return v
@@ -57,7 +62,7 @@ def im2col(x, cols, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow):
                         cols[r, base + ox] = 0.0
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def epilogue_rows(y, bias, scale, res, flags, act, a, b):
     """In place on y[R, P]: per-row scale and bias, optional residual, activation."""
     r_, p_ = y.shape
@@ -71,7 +76,7 @@ def epilogue_rows(y, bias, scale, res, flags, act, a, b):
             y[r, p] = act_scalar(v, act, a, b)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def epilogue_cols(y, bias, scale, flags, act, a, b):
     """In place on y[M, N]: per-column scale and bias, activation (linear layers)."""
     m_, n_ = y.shape
@@ -82,14 +87,14 @@ def epilogue_cols(y, bias, scale, flags, act, a, b):
             y[m, n] = act_scalar(y[m, n] * s + bb, act, a, b)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def act_into(x, y, act, a, b):
     """y = act(x) elementwise over flat arrays (x and y may be the same buffer)."""
     for i in prange(x.size):
         y[i] = act_scalar(x[i], act, a, b)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def dwconv(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b):
     """Depthwise conv, one image: x[C,H,W], w[C,1,kh,kw] (float32 or int8), out[C,oh,ow].
 
@@ -138,7 +143,7 @@ def dwconv(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b
                 out[c, oy, ox] = act_scalar(v, act, a, b)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def linear_q(x, w, bias, scale, y, flags, act, a, b):
     """y[M,N] = act(x[M,K] @ w[N,K].T * scale + bias) reading int8 weights directly.
 
@@ -224,7 +229,7 @@ def avgpool(x, out, kh, kw, sh, sw, pt, pl, pb, pr, include_pad):
                 out[c, oy, ox] = s / n if n > 0 else np.float32(0)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def global_avgpool(x, out):
     """x[R, P] -> out[R]: mean over the spatial positions of each (n, c) row."""
     r_, p_ = x.shape
@@ -235,7 +240,7 @@ def global_avgpool(x, out):
         out[r] = s / p_
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def channel_affine(x, scale, shift, out, act, a, b):
     """x[N, C, P] -> out: x * scale[c] + shift[c], then activation."""
     n_, c_, p_ = x.shape
@@ -248,7 +253,7 @@ def channel_affine(x, scale, shift, out, act, a, b):
             out[n, c, p] = act_scalar(x[n, c, p] * s + t, act, a, b)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def softmax3(x, out):
     """Softmax over axis 1 of x[outer, L, inner]."""
     o_, l_, i_ = x.shape
@@ -314,7 +319,7 @@ def _binop(x, y, kind):
     return x / y
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def binary4(x, y, out, kind, act, a, b):
     """out = act(x (op) y) over 4-D views; x and y are broadcast views (zero strides)
     of out's shape. Elementwise at equal indices, so out may alias x or y (in place)."""

@@ -79,7 +79,9 @@ def choose(op: str, dtype: str, attrs: dict, backends: Sequence[str]) -> tuple[s
         k = KERNELS.get((op, dtype, b))
         if k is not None and k.accepts(attrs):
             return b, k
-    return backends[-1], lookup(op, dtype, backends[-1])
+    raise KeyError(
+        f"no kernel for op {op!r} ({dtype}) with these attributes on backends {', '.join(backends)}"
+    )
 
 
 _loaded = False

@@ -1,21 +1,31 @@
-"""Thread count for numba kernels and the BLAS behind NumPy's matmul."""
+"""Thread count for the kernels and for the BLAS behind NumPy's matmul.
+
+The JIT kernels run their parallel loops on numba's thread pool. The AOT kernels
+shipped in device executables are single-threaded (numba's ahead-of-time compiler
+has no parallel loops), so there ``--threads`` sets the BLAS threads only.
+"""
 
 from __future__ import annotations
 
 _limiter = None
 
 
-def set_threads(n: int | None) -> int:
-    """Use ``n`` threads (None: leave the defaults). Returns the count in force."""
-    import numba
+def set_threads(n: int | None) -> int | None:
+    """Use ``n`` threads (None: leave the defaults). Returns the count in force, if known."""
+    from ..kernels.native import K
 
     global _limiter
+    if K.build == "jit":
+        import numba
+
+        if n is None:
+            return numba.get_num_threads()
+        n = min(n, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(n)
     if n is None:
-        return numba.get_num_threads()
+        return None
     if n < 1:
         raise ValueError("--threads must be >= 1")
-    n = min(n, numba.config.NUMBA_NUM_THREADS)
-    numba.set_num_threads(n)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # optional: without it BLAS keeps its own default

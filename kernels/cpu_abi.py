@@ -1,0 +1,63 @@
+"""The calling convention of the CPU kernels, shared by the JIT and AOT builds.
+
+The same kernel source (cpu_numba.py) runs two ways: JIT-compiled by numba in a
+development install, or compiled ahead of time into a plain extension module
+(``edgepack_kernels``) that frozen device executables ship, so a device never
+needs numba or LLVM. AOT exports have exactly one signature each, listed here;
+kernels taking weights of several dtypes get one export per dtype.
+"""
+
+from __future__ import annotations
+
+HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
+
+AOT_MODULE = "edgepack_kernels"
+
+
+def aot_signatures() -> dict[str, tuple[str, object]]:
+    """export name -> (kernel function name in cpu_numba, numba signature)."""
+    from numba import types as T
+
+    def arr(dt, nd, layout="C", ro=False):
+        return T.Array(dt, nd, layout, readonly=ro)
+
+    f4, i8, i1, u2, u4 = T.float32, T.int64, T.int8, T.uint16, T.uint32
+    w1 = arr(f4, 1, ro=True)  # bias / scale / shift vectors (weights are read-only maps)
+    v = T.void
+    sigs: dict[str, tuple[str, object]] = {
+        "im2col": ("im2col", v(arr(f4, 3), arr(f4, 2), *([i8] * 10))),
+        "epilogue_rows": ("epilogue_rows", v(arr(f4, 2), w1, w1, arr(f4, 2), i8, i8, f4, f4)),
+        "epilogue_cols": ("epilogue_cols", v(arr(f4, 2), w1, w1, i8, i8, f4, f4)),
+        "act_into": ("act_into", v(arr(f4, 1), arr(f4, 1), i8, f4, f4)),
+        "linear_q": (
+            "linear_q",
+            v(arr(f4, 2), arr(i1, 2, ro=True), w1, w1, arr(f4, 2), i8, i8, f4, f4),
+        ),
+        "maxpool": ("maxpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
+        "avgpool": ("avgpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 9))),
+        "global_avgpool": ("global_avgpool", v(arr(f4, 2), arr(f4, 1))),
+        "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
+        "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3))),
+        "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),
+        "decode_f16": ("decode_f16", v(arr(u2, 1, ro=True), arr(u4, 1))),
+        "binary4": (
+            "binary4",
+            v(arr(f4, 4, "A", ro=True), arr(f4, 4, "A", ro=True), arr(f4, 4, "A"), i8, i8, f4, f4),
+        ),
+    }
+    for name, wdt in (("f32", f4), ("i8", i1)):
+        sigs[f"dwconv_{name}"] = (
+            "dwconv",
+            v(
+                arr(f4, 3),
+                arr(wdt, 4, ro=True),
+                w1,
+                w1,
+                arr(f4, 3),
+                arr(f4, 3),
+                *([i8] * 8),
+                f4,
+                f4,
+            ),
+        )
+    return sigs

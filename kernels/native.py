@@ -1,0 +1,49 @@
+"""Which build of the CPU kernels runs: ahead-of-time compiled, or numba JIT.
+
+``EDGEPACK_KERNELS`` = ``auto`` (default: the AOT module when it can be imported,
+as in frozen device executables, else JIT), ``aot`` (require it) or ``jit``.
+Both builds come from the same source (cpu_numba.py) and give bit-identical results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import numpy as np
+
+from .cpu_abi import AOT_MODULE, HAS_BIAS, HAS_RES, HAS_SCALE
+
+
+def _aot_namespace(mod) -> SimpleNamespace:
+    """The AOT exports under the JIT kernels' names (one export per weight dtype)."""
+    ns = {name: getattr(mod, name) for name in dir(mod) if not name.startswith("_")}
+    dw_f32, dw_i8 = ns.pop("dwconv_f32"), ns.pop("dwconv_i8")
+
+    def dwconv(x, w, *rest):
+        return (dw_i8 if w.dtype == np.int8 else dw_f32)(x, w, *rest)
+
+    return SimpleNamespace(dwconv=dwconv, build="aot", **ns)
+
+
+def load_kernels() -> SimpleNamespace:
+    mode = os.environ.get("EDGEPACK_KERNELS", "auto")
+    if mode not in ("auto", "aot", "jit"):
+        raise ValueError(f"EDGEPACK_KERNELS={mode!r}; use auto, aot or jit")
+    if mode in ("auto", "aot"):
+        try:
+            ns = _aot_namespace(importlib.import_module(AOT_MODULE))
+        except ImportError:
+            if mode == "aot":
+                raise
+        else:
+            ns.HAS_BIAS, ns.HAS_SCALE, ns.HAS_RES = HAS_BIAS, HAS_SCALE, HAS_RES
+            return ns
+    from . import cpu_numba
+
+    names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
+    return SimpleNamespace(build="jit", **names)
+
+
+K = load_kernels()
