@@ -1,0 +1,251 @@
+"""Options and handler of ``edgepack serve``, and the broker options ``submit`` shares.
+
+Only argparse here at import time: ``runtime/cli.py`` builds its parser from this module
+for every command, and the agent (and paho) are imported when ``serve`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+ENV_BROKER = "EDGEPACK_MQTT_BROKER"
+
+
+def size_arg(v: str) -> int:
+    """Bytes, with an optional K/M/G suffix (binary): 16M = 16 MiB."""
+    m = re.fullmatch(r"(\d+)([KMG]?)i?B?", v.strip(), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {v!r} (e.g. 65536, 64K, 16M)")
+    n = int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+    if n < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1K, got {v}")
+    return n
+
+
+def _nonneg_float(v: str) -> float:
+    x = float(v)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return x
+
+
+def _pos_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return n
+
+
+def add_broker_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("broker")
+    g.add_argument(
+        "--broker",
+        default=os.environ.get(ENV_BROKER),
+        required=ENV_BROKER not in os.environ,
+        metavar="URL",
+        help=f"mqtt://host[:1883] or mqtts://host[:8883] (default: ${ENV_BROKER})",
+    )
+    g.add_argument("--username", help="broker username (default: $EDGEPACK_MQTT_USERNAME)")
+    g.add_argument(
+        "--password",
+        help="broker password; visible to other local users in the process list, prefer "
+        "--password-file or $EDGEPACK_MQTT_PASSWORD",
+    )
+    g.add_argument(
+        "--password-file", metavar="FILE", help="read the password from FILE's first line"
+    )
+    g.add_argument("--ca", metavar="PEM", help="CA certificate(s) to verify the broker (mqtts)")
+    g.add_argument("--cert", metavar="PEM", help="client certificate (mqtts)")
+    g.add_argument("--key", metavar="PEM", help="client private key (mqtts; default: in --cert)")
+    g.add_argument(
+        "--insecure", action="store_true", help="mqtts: do not check the broker's host name"
+    )
+    g.add_argument("--prefix", default="edgepack/v1", help="topic prefix (default edgepack/v1)")
+
+
+def broker_config(a: argparse.Namespace):
+    from .agent_conn import BrokerConfig
+
+    return BrokerConfig.from_url(
+        a.broker,
+        username=a.username,
+        password=a.password,
+        password_file=a.password_file,
+        ca=a.ca,
+        cert=a.cert,
+        key=a.key,
+        insecure=a.insecure,
+    )
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Everything but the bundle and --threads (runtime/cli.py adds those)."""
+    add_broker_arguments(p)
+    g = p.add_argument_group("identity")
+    g.add_argument("--device", help="device id: its job topic and client id (default: host name)")
+    g.add_argument(
+        "--model", help="model name of the fleet topic (default: the bundle's file name stem)"
+    )
+    g.add_argument("--group", default="fleet", help="shared-subscription group (default fleet)")
+    g.add_argument(
+        "--no-fleet", action="store_true", help="take per-device jobs only (no shared subscription)"
+    )
+    g = p.add_argument_group("scheduling")
+    g.add_argument(
+        "--workers", type=_pos_int, default=1, help="concurrent runs, one arena each (default 1)"
+    )
+    g.add_argument(
+        "--queue",
+        type=_pos_int,
+        default=256,
+        help="max accepted, unfinished jobs; more get 'busy' (default 256)",
+    )
+    g.add_argument(
+        "--max-wait-ms",
+        type=_nonneg_float,
+        default=2.0,
+        help="batched bundles: wait this long for more rows before running a part-full "
+        "batch (default 2)",
+    )
+    g.add_argument("--no-batching", action="store_true", help="never combine jobs into one run")
+    g.add_argument(
+        "--inline-max-ms",
+        type=_nonneg_float,
+        default=1.0,
+        help="when runs take less than this and nothing is queued, run a job on the network "
+        "thread (saves two thread hand-offs); 0: always use the workers (default 1)",
+    )
+    g.add_argument(
+        "--max-job-bytes",
+        type=size_arg,
+        default=16 << 20,
+        help="largest job accepted (default 16M)",
+    )
+    g = p.add_argument_group("sessions")
+    g.add_argument(
+        "--session-expiry",
+        type=int,
+        default=3600,
+        metavar="S",
+        help="keep per-device jobs in the broker this long while offline (default 3600)",
+    )
+    g.add_argument(
+        "--dedup-ttl",
+        type=_nonneg_float,
+        default=600.0,
+        metavar="S",
+        help="answer a re-sent job id from memory for this long (default 600)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=_nonneg_float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, finish queued jobs for at most S seconds (default 30)",
+    )
+    g.add_argument(
+        "--metrics-interval",
+        type=_nonneg_float,
+        default=10.0,
+        metavar="S",
+        help="publish metrics every S seconds; 0: never (default 10)",
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="S",
+        help="give up if the broker is unreachable for S seconds at start; 0: keep trying "
+        "(default)",
+    )
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _bundle_stem(bundle) -> str:
+    path = getattr(bundle, "path", bundle)
+    stem = Path(str(path)).name.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9._-]", "-", stem) or "model"
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=getattr(logging, a.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from .agent import Agent, AgentConfig, default_device_id
+    from .agent_conn import ConnectError
+    from .protocol import NAME_RE
+
+    broker = broker_config(a)
+    device = a.device or default_device_id()
+    model = a.model or _bundle_stem(a.bundle)
+    for value, what in ((device, "--device"), (model, "--model"), (a.group, "--group")):
+        if not NAME_RE.match(value):
+            raise ValueError(
+                f"{what} {value!r}: use 1 to 64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+    if not a.prefix or any(c in a.prefix for c in "+#") or a.prefix.startswith(("$", "/")):
+        raise ValueError(f"--prefix {a.prefix!r}: no wildcards, no leading '/' or '$'")
+    session = _open_session(a)
+    cfg = AgentConfig(
+        broker=broker,
+        device=device,
+        model=model,
+        group=a.group,
+        fleet=not a.no_fleet,
+        prefix=a.prefix.rstrip("/"),
+        workers=a.workers,
+        max_queue=a.queue,
+        max_wait_ms=a.max_wait_ms,
+        batching=not a.no_batching,
+        max_job_bytes=a.max_job_bytes,
+        session_expiry=a.session_expiry,
+        metrics_interval=a.metrics_interval,
+        drain_timeout=a.drain_timeout,
+        dedup_ttl=a.dedup_ttl,
+        connect_timeout=a.connect_timeout or None,
+        threads=a.threads,
+        inline_max_ms=a.inline_max_ms,
+    )
+    agent = Agent(session, cfg)
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        if not agent.started:
+            raise SystemExit(128 + signum)  # still connecting: nothing accepted yet
+        if stop.is_set():
+            logging.getLogger("edgepack.agent").error("second signal: exiting without draining")
+            os._exit(1)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.start()
+    except ConnectError as e:
+        print(f"edgepack: error: {e}", file=sys.stderr)
+        return 1
+    agent.serve_forever(stop)
+    agent.shutdown()
+    return 0
+
+
+def _open_session(a: argparse.Namespace):
+    """The same bundle resolution as run/info/bench (paths, executables, signatures)."""
+    from . import cli
+
+    if hasattr(cli, "_session"):
+        return cli._session(a)
+    from .session import Session
+
+    return Session(a.bundle, threads=a.threads)
