@@ -12,18 +12,74 @@ from .runtime.cli import ERRORS, add_runtime_commands, dispatch
 
 def cmd_build(a: argparse.Namespace) -> int:
     # The packager (and onnx) is imported only for this command.
-    from .packager.build import build
     from .packager.onnx_import import parse_shape_overrides
+    from .runtime.payload import read_key
 
-    build(
-        a.model,
-        a.output,
-        quant=a.quant,
+    kw = dict(
         input_shapes=parse_shape_overrides(a.input_shape),
         calib=a.calib,
         max_error=a.max_error,
         min_weights=a.quant_min_weights,
     )
+    private = read_key(a.sign, "private key") if a.sign else None
+    embed = read_key(a.embed_pubkey) if a.embed_pubkey else None
+    if a.target:
+        from .packager.target_build import build_for_target
+        from .targets import load_target
+
+        build_for_target(a.model, load_target(a.target), a.output, a.quant, a.stub, private,
+                         embed, **kw)
+        return 0
+    if not a.output:
+        raise ValueError("-o/--output is required without --target")
+    if a.stub or embed:
+        raise ValueError("--stub and --embed-pubkey need --target (they make an executable)")
+    from .packager.build import build
+
+    result = build(a.model, a.output, quant=a.quant or "fp32", **kw)
+    if private:
+        from .packager.executable import append_trailer
+
+        append_trailer(result.path, 0, result.bundle_bytes, private, None)
+        print(f"      signed {result.path}")
+    return 0
+
+
+def cmd_keygen(a: argparse.Namespace) -> int:
+    from .packager.signing import keygen
+
+    priv, pub = keygen(a.output)
+    print(f"wrote {priv} (private: keep it off devices) and {pub} (public)")
+    return 0
+
+
+def cmd_targets(a: argparse.Namespace) -> int:
+    import json
+
+    from .targets import list_targets, load_target
+
+    targets = [load_target(t) for t in a.target] if a.target else list_targets()
+    if a.json:
+        print(json.dumps([t.as_dict() for t in targets], indent=2))
+        return 0
+    head = ("name", "arch", "cpu", "glibc", "budget MB", "quant", "threads", "backends", "cuda")
+    rows = [head] + [
+        (
+            t.name,
+            t.arch,
+            t.cpu,
+            t.min_glibc,
+            str(t.memory_budget_mb),
+            t.default_quant,
+            str(t.default_threads),
+            ",".join(t.backends),
+            t.cuda.arch if t.cuda else "-",
+        )
+        for t in targets
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
 
 
@@ -41,13 +97,21 @@ def make_parser() -> argparse.ArgumentParser:
         "a bundle.",
     )
     p.add_argument("model", help="the .onnx model")
-    p.add_argument("-o", "--output", required=True, help="the bundle to write (.epk)")
+    p.add_argument("-o", "--output", help="the bundle (.epk) or, with --target, the "
+                   "executable to write (default with --target: dist/<model>-<target>)")
     p.add_argument(
         "--quant",
         choices=("fp32", "fp16", "int8"),
-        default="fp32",
-        help="weight storage (default fp32)",
+        default=None,
+        help="weight storage (default fp32, or the target's default quantization)",
     )
+    p.add_argument("--target", help="make a device executable for this target (name or "
+                   ".toml; see `edgepack targets`)")
+    p.add_argument("--stub", help="runtime stub to use (default: the stub cache; see "
+                   "scripts/build_stub.py)")
+    p.add_argument("--sign", metavar="KEY", help="sign with this private key (edgepack keygen)")
+    p.add_argument("--embed-pubkey", metavar="PUBKEY", help="with --target: the executable "
+                   "refuses any bundle not signed by this key")
     p.add_argument(
         "--input-shape",
         action="append",
@@ -74,14 +138,34 @@ def make_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_MIN_WEIGHTS}; 0 quantizes all)",
     )
     p.set_defaults(func=cmd_build)
+    p = sub.add_parser(
+        "targets",
+        help="list the device targets",
+        description="List the shipped device targets (see docs/targets.md), or the given ones.",
+    )
+    p.add_argument("target", nargs="*", help="a target name or a .toml file (default: all shipped)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_targets)
+    p = sub.add_parser("keygen", help="make an ed25519 key pair for signing bundles",
+                       description="Write STEM.key (private) and STEM.pub (public).")
+    p.add_argument("-o", "--output", required=True, metavar="STEM")
+    p.set_defaults(func=cmd_keygen)
     add_runtime_commands(sub)
+    from .client import add_submit_arguments, cmd_submit  # no paho until a job is sent
+
+    p = sub.add_parser("submit", help="send a job to MQTT agents and wait for the answer",
+                       description="Send one inference job to a device or a fleet over MQTT "
+                       "(docs/protocol.md) and print or save the answer.")
+    add_submit_arguments(p)
+    p.set_defaults(func=cmd_submit)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from .packager.ir import PackError
+    from .targets import TargetError
 
-    return dispatch(make_parser(), argv, ERRORS + (PackError,))
+    return dispatch(make_parser(), argv, ERRORS + (PackError, TargetError, FileExistsError))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +100,8 @@ def build(
     calib: str | Path | None = None,
     max_error: float | None = None,
     min_weights: int = DEFAULT_MIN_WEIGHTS,
+    backends: Sequence[str] = ("cpu", "ref"),
+    extra_manifest: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> BuildResult:
     if quant not in MODES:
@@ -130,7 +132,7 @@ def build(
         if kept:
             log(f"      {len(kept)} layer(s) under {min_weights} weights stay fp32")
     stage(4, "plan memory")
-    plan = plan_memory(q)
+    plan = plan_memory(q, backends)
     log(
         f"      arena {plan.arena_bytes / 1e6:.2f} MB for {len(q.shapes)} tensors "
         f"(one buffer each would take {plan.naive_bytes / 1e6:.2f} MB)"
@@ -139,6 +141,7 @@ def build(
         "model": {"name": Path(model).stem, "source_file": Path(model).name, **g.meta},
         "build": build_info(),
         "quantization": {"mode": quant, "min_weights": min_weights},
+        **(extra_manifest or {}),
     }
     error = None
     if quant != "fp32":

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..kernels.registry import choose, node_dtype
 from ..runtime.bundle_format import ALIGN, align_up
-from .ir import Graph
+from .ir import Graph, PackError
 
 INPLACE_OPS = ("unary", "binary", "channel_affine")
 ALIAS_OPS = ("reshape",)
@@ -46,7 +46,13 @@ def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
             if node.op in ("conv", "dwconv", "linear")
             else "f32"
         )
-        backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
+        try:
+            backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
+        except KeyError as e:
+            raise PackError(
+                f"node {node.name!r} (from ONNX {', '.join(node.sources)}): "
+                f"{e.args[0]}; the target cannot run it"
+            ) from None
         out[node.name] = {"backend": backend, "dtype": wdt, "name": k.name}
     return out
 

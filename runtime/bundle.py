@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -243,18 +244,30 @@ def _sha256_range(f, start: int, length: int) -> bytes:
     return h.digest()
 
 
-def open_bundle(path: str | os.PathLike, offset: int = 0, size: int | None = None) -> Bundle:
+def open_bundle(
+    path: str | os.PathLike,
+    offset: int = 0,
+    size: int | None = None,
+    header_check: Callable[[bytes], None] | None = None,
+    verify_weights: bool = True,
+) -> Bundle:
     """Validate the bundle stored at ``offset`` in ``path``, then map its weights.
 
     Everything (header, ranges, both checksums, the weight table, the manifest) is
     checked with plain reads; the file is mapped only once all of it holds.
+    ``header_check`` sees the raw header first (signature checks). ``verify_weights``
+    False skips only the weight section's sha256, for a caller that has already
+    verified this very file (see runtime/verified.py).
     """
     p = str(path)
     try:
         with open(p, "rb") as f:
             fsize = os.fstat(f.fileno()).st_size
             f.seek(offset)
-            h = parse_header(f.read(HEADER_SIZE), p)
+            raw_header = f.read(HEADER_SIZE)
+            h = parse_header(raw_header, p)
+            if header_check is not None:
+                header_check(raw_header)
             available = (fsize - offset) if size is None else min(size, fsize - offset)
             _check_ranges(h, available, p)
             f.seek(offset + h.manifest_offset)
@@ -262,7 +275,7 @@ def open_bundle(path: str | os.PathLike, offset: int = 0, size: int | None = Non
             if hashlib.sha256(mbytes).digest() != h.manifest_sha256:
                 raise _fail(p, "manifest checksum mismatch (corrupt or tampered)")
             wbase = offset + h.weights_offset
-            if _sha256_range(f, wbase, h.weights_size) != h.weights_sha256:
+            if verify_weights and _sha256_range(f, wbase, h.weights_size) != h.weights_sha256:
                 raise _fail(p, "weight checksum mismatch (corrupt or tampered)")
             f.seek(wbase)
             st_len = f.read(8)

@@ -43,10 +43,22 @@ def _summary(name: str, y: np.ndarray) -> str:
     return "\n".join(lines)
 
 
-def cmd_run(a: argparse.Namespace) -> int:
+def _pubkey(a: argparse.Namespace) -> bytes | None:
+    from .payload import read_key
+
+    return read_key(a.require_signature) if a.require_signature else None
+
+
+def _session(a: argparse.Namespace):
+    """The session for ``a.bundle``: a path, or the payload of this executable."""
     from .session import Session
 
-    s = Session(a.bundle, threads=a.threads)
+    return Session(a.bundle, threads=a.threads, require_signature=_pubkey(a),
+                   verify_weights=getattr(a, "verify_weights", True))
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    s = _session(a)
     feeds = _load_inputs(a.input, s.inputs)
     outs = s.run(feeds)
     if a.output:
@@ -109,9 +121,9 @@ def describe(bundle, file_size: int) -> str:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from .bundle import open_bundle
+    from .session import open_located
 
-    bundle = open_bundle(a.bundle)
+    bundle = open_located(a.bundle, _pubkey(a), getattr(a, "verify_weights", True))
     print(describe(bundle, bundle.header.bundle_size))
     return 0
 
@@ -134,12 +146,15 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .session import Session
-
-    s = Session(a.bundle, threads=a.threads)
+    s = _session(a)
     rng = np.random.default_rng(0)
     feeds = {i["name"]: rng.standard_normal(i["shape"]).astype(np.float32) for i in s.inputs}
     ex = s.executor
+    if a.profile:
+        from .profile import format_profile, profile
+
+        print(format_profile(profile(ex, feeds, a.n)))
+        return 0
     for _ in range(a.warmup):
         ex.run_views(feeds)
     times = []
@@ -149,7 +164,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         times.append((time.perf_counter() - t) * 1e3)
     from .threads import set_threads
 
-    print(f"{a.bundle}: {a.n} runs after {a.warmup} warm-up, {set_threads(None)} thread(s)")
+    threads = a.threads or set_threads(None)
+    print(f"{getattr(a.bundle, 'path', a.bundle)}: {a.n} runs after {a.warmup} warm-up, "
+          f"{threads if threads is not None else 'default'} thread(s)")
     print(
         f"median {percentile(times, 50):.3f} ms  p99 {percentile(times, 99):.3f} ms  "
         f"min {min(times):.3f} ms  mean {np.mean(times):.3f} ms"
@@ -157,44 +174,51 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "run",
-        help="run a bundle on inputs from .npy/.npz",
-        description="Run a bundle once on the given inputs.",
-    )
-    p.add_argument("bundle")
-    p.add_argument(
-        "--input",
-        "-i",
-        required=True,
-        help=".npz keyed by input name, or .npy for a single-input model",
-    )
+def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None:
+    """The device commands. ``implicit``: the bundle of this executable (no BUNDLE
+    argument then), else each command takes a bundle path."""
+
+    def common(p: argparse.ArgumentParser, threads: bool = True) -> None:
+        if implicit is None:
+            p.add_argument("bundle", help="the .epk bundle (or an edgepack executable)")
+        else:
+            p.set_defaults(bundle=implicit)
+        if threads:
+            p.add_argument("--threads", type=positive_int, default=None,
+                           help="threads for the kernels")
+        p.add_argument("--require-signature", metavar="PUBKEY",
+                       help="refuse the bundle unless signed by this key (edgepack keygen)")
+
+    p = sub.add_parser("run", help="run the model on inputs from .npy/.npz",
+                       description="Run the model once on the given inputs.")
+    common(p)
+    p.add_argument("--input", "-i", required=True,
+                   help=".npz keyed by input name, or .npy for a single-input model")
     p.add_argument("--output", "-o", help="write outputs to this .npz (keyed by output name)")
-    p.add_argument("--threads", type=positive_int, default=None, help="threads for the kernels")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser(
-        "info",
-        help="describe a bundle",
-        description="Describe a bundle: "
-        "inputs/outputs, ops, parameters, sizes, arena, quantization error.",
-    )
-    p.add_argument("bundle")
+    p = sub.add_parser("info", help="describe the bundle", description="Describe a bundle: "
+                       "inputs/outputs, ops, parameters, sizes, arena, quantization error.")
+    common(p, threads=False)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser(
-        "bench",
-        help="time a bundle",
-        description="Time repeated runs of a bundle on seeded random inputs (median and P99).",
-    )
-    p.add_argument("bundle")
+    p = sub.add_parser("bench", help="time the model", description="Time repeated runs on "
+                       "seeded random inputs (median and P99).")
+    common(p)
     p.add_argument("-n", type=positive_int, default=100, help="timed runs (default 100)")
-    p.add_argument(
-        "--warmup", type=_int_at_least(0), default=10, help="untimed runs first (default 10)"
-    )
-    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--warmup", type=_int_at_least(0), default=10,
+                   help="untimed runs first (default 10)")
+    p.add_argument("--profile", action="store_true",
+                   help="time every op (fused group) instead; slowest first, with shares")
     p.set_defaults(func=cmd_bench)
+
+    from .agent_cli import add_serve_arguments, cmd_serve  # argparse only; paho loads on use
+
+    p = sub.add_parser("serve", help="take inference jobs from an MQTT broker",
+                       description="Serve the model to an MQTT fleet (docs/protocol.md).")
+    common(p)
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
 
 ERRORS = (BundleError, RunError, FileNotFoundError, ValueError)

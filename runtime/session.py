@@ -9,19 +9,38 @@ import numpy as np
 
 from .bundle import Bundle, open_bundle
 from .executor import Executor
+from .payload import Located, locate, verify_signature
 from .threads import set_threads
+
+
+def open_located(
+    where: str | os.PathLike | Located,
+    require_signature: bytes | None = None,
+    verify_weights: bool = True,
+) -> Bundle:
+    """Open a bundle from a .epk path, an executable, or an already located payload;
+    the signature (required key or embedded key) is checked before anything is mapped."""
+    loc = where if isinstance(where, Located) else locate(where)
+    return open_bundle(
+        loc.path,
+        offset=loc.offset,
+        size=loc.size,
+        header_check=lambda header: verify_signature(loc, header, require_signature),
+        verify_weights=verify_weights,
+    )
 
 
 class Session:
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | Located,
         threads: int | None = None,
         backend: str | None = None,
-        offset: int = 0,
+        require_signature: bytes | None = None,
+        verify_weights: bool = True,
     ) -> None:
         set_threads(threads)
-        self.bundle: Bundle = open_bundle(path, offset=offset)
+        self.bundle: Bundle = open_located(path, require_signature, verify_weights)
         self.manifest = self.bundle.manifest
         self.executor = Executor(self.manifest, self.bundle.weights, backend=backend)
 

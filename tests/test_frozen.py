@@ -1,0 +1,329 @@
+"""Device executables: a frozen runtime stub with the bundle appended.
+
+Builds the host target's stub once (PyInstaller, ~1 min), then checks what a user
+flashing a board relies on: it runs with no Python on PATH and answers exactly as
+`edgepack run`; tampering, wrong stubs, over-budget models and bad signatures are
+refused with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import DATA
+from edgepack.packager.stub import _deterministic_targz, _launcher, host_arch
+
+pytestmark = [
+    pytest.mark.frozen,
+    pytest.mark.skipif(host_arch() != "x86_64", reason="the test target is linux-x86_64"),
+]
+TARGET = "linux-x86_64"
+DIGITS = DATA / "digits_cnn.onnx"
+
+
+def ep(*args, ok=True, env=None, cwd=None) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, "-m", "edgepack.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=cwd,
+    )
+    if ok:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def stub_cache(tmp_path_factory):
+    """A private stub cache holding a freshly frozen host stub."""
+    cache = tmp_path_factory.mktemp("stubs")
+    old = os.environ.get("EDGEPACK_STUB_CACHE")
+    os.environ["EDGEPACK_STUB_CACHE"] = str(cache)
+    r = subprocess.run(
+        [sys.executable, "scripts/build_stub.py", "--target", TARGET],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    yield cache
+    if old is None:
+        os.environ.pop("EDGEPACK_STUB_CACHE", None)
+    else:
+        os.environ["EDGEPACK_STUB_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def digits_exe(stub_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exe") / f"digits-{TARGET}"
+    ep("build", DIGITS, "--target", TARGET, "--quant", "int8", "-o", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def digit_inputs(tmp_path_factory):
+    import train_digits
+
+    d = tmp_path_factory.mktemp("inputs")
+    _, x_test, _, _ = train_digits.load_split()
+    np.save(d / "x.npy", x_test[:1])
+    return d / "x.npy"
+
+
+def _no_python_path(tmp: Path) -> str:
+    """A PATH with only the tools the launcher uses (no python anywhere on it)."""
+    bin_ = tmp / "bin"
+    bin_.mkdir(exist_ok=True)
+    for tool in ("sh", "tail", "head", "gzip", "tar", "mkdir", "mktemp", "mv", "rm", "chmod", "id"):
+        src = shutil.which(tool)
+        assert src, tool
+        (bin_ / tool).symlink_to(src)
+    assert not any("python" in p.name for p in bin_.iterdir())
+    return str(bin_)
+
+
+def test_executable_runs_without_python_and_matches_edgepack_run(
+    tmp_path, digits_exe, digit_inputs
+):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {"PATH": _no_python_path(tmp_path), "EDGEPACK_CACHE_DIR": str(tmp_path / "cache")}
+    for attempt in ("first start (unpacks the runtime)", "second start"):
+        r = subprocess.run(
+            [
+                "env",
+                "-i",
+                *(f"{k}={v}" for k, v in env.items()),
+                str(digits_exe),
+                "run",
+                "--input",
+                str(digit_inputs),
+                "--output",
+                str(work / "y.npz"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=work,
+        )
+        assert r.returncode == 0, (attempt, r.stderr[-3000:])
+    assert sorted(p.name for p in work.iterdir()) == ["y.npz"]  # nothing else written here
+    ep("run", digits_exe, "--input", digit_inputs, "--output", tmp_path / "ref.npz")
+    with np.load(work / "y.npz") as got, np.load(tmp_path / "ref.npz") as ref:
+        assert got.files == ref.files == ["logits"]
+        assert np.array_equal(got["logits"], ref["logits"])  # bit for bit
+
+
+def test_version_info_and_bench_inside_the_executable(tmp_path, digits_exe):
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([str(digits_exe), "--version"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and f"target {TARGET}" in r.stdout and "bundle " in r.stdout
+    r = subprocess.run([str(digits_exe), "info"], capture_output=True, text=True, env=env)
+    assert "quant:    int8" in r.stdout and "stub" not in r.stderr
+    r = subprocess.run(
+        [str(digits_exe), "bench", "-n", "5", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert r.returncode == 0 and "median" in r.stdout
+
+
+def test_tampered_payload_is_refused_even_after_a_verified_start(
+    tmp_path, digits_exe, digit_inputs
+):
+    exe = tmp_path / "exe"
+    shutil.copy(digits_exe, exe)
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+    run = [str(exe), "run", "--input", str(digit_inputs)]
+    assert subprocess.run(run, capture_output=True, env=env).returncode == 0  # verified once
+    data = bytearray(exe.read_bytes())
+    data[-4096] ^= 0x01  # inside the bundle's weights
+    exe.write_bytes(bytes(data))
+    r = subprocess.run(run, capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "weight checksum mismatch" in r.stderr
+
+
+def _fake_stub(path: Path, arch_machine: int, meta_arch: str) -> Path:
+    """A stub whose runtime is one ELF header of the given machine (never executed)."""
+    root = path.parent / "fake-root"
+    root.mkdir()
+    elf = bytearray(64)
+    elf[:4] = b"\x7fELF"
+    elf[4], elf[5], elf[6] = 2, 1, 1  # 64-bit, little-endian, version 1
+    elf[16:18] = (3).to_bytes(2, "little")  # ET_DYN
+    elf[18:20] = arch_machine.to_bytes(2, "little")
+    elf[20:24] = (1).to_bytes(4, "little")
+    elf[52:54] = (64).to_bytes(2, "little")  # e_ehsize
+    (root / "edgepack-rt").write_bytes(bytes(elf))
+    archive = _deterministic_targz(root)
+    import hashlib
+
+    meta = {
+        "format": 1,
+        "target": "fake",
+        "arch": meta_arch,
+        "cpu": "generic",
+        "edgepack": "0",
+        "python": "3.11",
+        "glibc": "2.17",
+        "glibc_file": "",
+        "unpacked_bytes": 64,
+        "stub_id": hashlib.sha256(archive).hexdigest()[:16],
+    }
+    path.write_bytes(_launcher(meta, archive) + archive)
+    return path
+
+
+def test_wrong_architecture_stub_is_refused(tmp_path, stub_cache):
+    fake = _fake_stub(tmp_path / "arm-stub", 183, "aarch64")
+    r = ep("build", DIGITS, "--target", TARGET, "--stub", fake, "-o", tmp_path / "x", ok=False)
+    assert r.returncode == 1
+    assert "is built for aarch64, but target linux-x86_64 is x86_64" in r.stderr
+    assert not (tmp_path / "x").exists()
+    # and the host stub for an arm board: no stub cached -> how to build one
+    r = ep("build", DIGITS, "--target", "rpi5", "-o", tmp_path / "y", ok=False)
+    assert "python scripts/build_stub.py --target rpi5" in r.stderr
+    assert "aarch64 machine" in r.stderr
+
+
+def _custom_target(tmp_path: Path, name: str, **changes) -> Path:
+    src = Path(__file__).resolve().parents[1] / "targets" / f"{TARGET}.toml"
+    lines = []
+    for line in src.read_text().splitlines():
+        key = line.split("=")[0].strip()
+        if key == "name":
+            line = f'name = "{name}"'
+        elif key in changes:
+            line = f"{key} = {changes[key]}"
+        lines.append(line)
+    p = tmp_path / f"{name}.toml"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def refused_build(model: Path, target: Path, stub_cache: Path, tmp_path: Path, *extra) -> str:
+    """Build for a custom target with the host stub; must fail: returns stderr."""
+    stub = next(stub_cache.glob(f"{TARGET}-*/stub"))
+    out = tmp_path / "x"
+    r = ep("build", model, "--target", target, "--stub", stub, "-o", out, *extra, ok=False)
+    assert r.returncode == 1 and not out.exists()
+    return r.stderr
+
+
+def test_stub_needing_newer_glibc_is_refused(tmp_path, stub_cache):
+    old_os = _custom_target(tmp_path, "old-distro", min_glibc='"2.17"')
+    err = refused_build(DIGITS, old_os, stub_cache, tmp_path)
+    assert "needs glibc 2.35" in err and "guarantees only glibc 2.17" in err
+
+
+def test_model_over_memory_budget_is_refused(tmp_path, stub_cache, model_dir):
+    small = _custom_target(tmp_path, "tiny-board", memory_budget_mb="16")
+    err = refused_build(model_dir / "resnet18.onnx", small, stub_cache, tmp_path, "--quant", "fp32")
+    assert "over target tiny-board's memory budget of 16 MiB" in err and "--quant int8" in err
+
+
+def test_op_without_kernel_on_target_backends_is_refused(tmp_path, stub_cache):
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("Pad", ["x", "p"], ["y"], name="mirror_pad", mode="reflect")],
+        "t",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor("p", TensorProto.INT64, [8], [0, 0, 1, 1, 0, 0, 1, 1])],
+    )
+    model = tmp_path / "pad.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
+    cpu_only = _custom_target(tmp_path, "cpu-only", backends='["cpu"]')
+    err = refused_build(model, cpu_only, stub_cache, tmp_path)
+    assert "node 'mirror_pad'" in err and "no kernel for op 'pad'" in err
+
+
+def test_signatures(tmp_path, stub_cache, digit_inputs):
+    ep("keygen", "-o", tmp_path / "release")
+    ep("keygen", "-o", tmp_path / "other")
+    assert oct((tmp_path / "release.key").stat().st_mode & 0o777) == "0o600"
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+    signed, unsigned, locked = tmp_path / "signed", tmp_path / "unsigned", tmp_path / "locked"
+    ep("build", DIGITS, "--target", TARGET, "-o", signed, "--sign", tmp_path / "release.key")
+    ep("build", DIGITS, "--target", TARGET, "-o", unsigned)
+    ep(
+        "build",
+        DIGITS,
+        "--target",
+        TARGET,
+        "-o",
+        locked,
+        "--embed-pubkey",
+        tmp_path / "release.pub",
+    )
+
+    def run(exe, *extra):
+        return subprocess.run(
+            [str(exe), "run", "--input", str(digit_inputs), *map(str, extra)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+
+    assert run(signed, "--require-signature", tmp_path / "release.pub").returncode == 0
+    r = run(signed, "--require-signature", tmp_path / "other.pub")
+    assert r.returncode == 1 and "bad signature" in r.stderr
+    r = run(unsigned, "--require-signature", tmp_path / "release.pub")
+    assert r.returncode == 1 and "not signed" in r.stderr
+    r = run(locked)  # embedded key, unsigned payload
+    assert r.returncode == 1 and "not signed" in r.stderr
+    # A plain .epk can be signed too, and `edgepack run` checks it.
+    ep("build", DIGITS, "-o", tmp_path / "d.epk", "--sign", tmp_path / "release.key")
+    ep(
+        "run",
+        tmp_path / "d.epk",
+        "--input",
+        digit_inputs,
+        "--require-signature",
+        tmp_path / "release.pub",
+    )
+    r = ep(
+        "run",
+        tmp_path / "d.epk",
+        "--input",
+        digit_inputs,
+        "--require-signature",
+        tmp_path / "other.pub",
+        ok=False,
+    )
+    assert r.returncode == 1 and "bad signature" in r.stderr
+
+
+@pytest.mark.slow
+def test_one_gigabyte_payload(tmp_path, stub_cache):
+    """A 1 GiB weight rides along; the executable still starts and finds its bundle."""
+    from edgepack.packager.executable import assemble
+    from edgepack.packager.writer import write_bundle
+    from test_bundle_format import tiny_manifest
+
+    manifest, weights = tiny_manifest()
+    weights["big"] = np.ones(256 * 2**20, np.float32)  # 1 GiB
+    manifest["weights"]["big"] = {"shape": [256 * 2**20], "dtype": "f32"}
+    write_bundle(tmp_path / "big.epk", manifest, weights)
+    del weights
+    exe = assemble(
+        next(stub_cache.glob(f"{TARGET}-*/stub")), tmp_path / "big.epk", tmp_path / "big-exe"
+    )
+    (tmp_path / "big.epk").unlink()
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+    for _ in range(2):  # first start verifies 1 GiB, the second trusts the record
+        r = subprocess.run([str(exe), "info"], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "params:   268,435,463" in r.stdout
