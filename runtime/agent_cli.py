@@ -90,7 +90,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("identity")
     g.add_argument("--device", help="device id: its job topic and client id (default: host name)")
     g.add_argument(
-        "--model", help="model name of the fleet topic (default: the bundle's file name stem)"
+        "--model",
+        help="model name of the fleet topic (default: the model's name in the bundle, i.e. "
+        "the ONNX file's stem at build time)",
     )
     g.add_argument("--group", default="fleet", help="shared-subscription group (default fleet)")
     g.add_argument(
@@ -167,10 +169,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-def _bundle_stem(bundle) -> str:
-    path = getattr(bundle, "path", bundle)
-    stem = Path(str(path)).name.split(".")[0]
-    return re.sub(r"[^A-Za-z0-9._-]", "-", stem) or "model"
+def _model_name(session, bundle) -> str:
+    """The name recorded at build time (the ONNX file's stem), so a bundle and its
+    executables for every target serve one fleet topic; else the file's stem."""
+    name = session.manifest.get("model", {}).get("name")
+    if not name:
+        name = Path(str(getattr(bundle, "path", bundle))).name.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name)[:64] or "model"
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -187,7 +192,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     broker = broker_config(a)
     device = a.device or default_device_id()
-    model = a.model or _bundle_stem(a.bundle)
+    session = _open_session(a)
+    model = a.model or _model_name(session, a.bundle)
     for value, what in ((device, "--device"), (model, "--model"), (a.group, "--group")):
         if not NAME_RE.match(value):
             raise ValueError(
@@ -196,7 +202,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
             )
     if not a.prefix or any(c in a.prefix for c in "+#") or a.prefix.startswith(("$", "/")):
         raise ValueError(f"--prefix {a.prefix!r}: no wildcards, no leading '/' or '$'")
-    session = _open_session(a)
     cfg = AgentConfig(
         broker=broker,
         device=device,
