@@ -622,7 +622,7 @@ def cmd_submit(a) -> int:
     import sys
 
     from .runtime.agent_conn import ConnectError
-    from .runtime.cli import _summary
+    from .runtime.cli import emit_outputs
 
     if not os.path.exists(a.input):
         raise FileNotFoundError(f"--input {a.input}: no such file")
@@ -676,12 +676,7 @@ def cmd_submit(a) -> int:
         return 1
     ms = (time.perf_counter() - t0) * 1e3
     print(f"job {job.id}: answered by {job.device} in {ms:.1f} ms ({job.attempts} attempt(s))")
-    if a.output:
-        np.savez(a.output, **outs)
-        print(f"wrote {len(outs)} output(s) to {a.output}")
-    else:
-        for k, v in outs.items():
-            print(_summary(k, v))
+    emit_outputs(outs, a.output)
     return 0
 
 

@@ -57,16 +57,19 @@ def _session(a: argparse.Namespace):
                    verify_weights=getattr(a, "verify_weights", True))
 
 
-def cmd_run(a: argparse.Namespace) -> int:
-    s = _session(a)
-    feeds = _load_inputs(a.input, s.inputs)
-    outs = s.run(feeds)
-    if a.output:
-        np.savez(a.output, **outs)
-        print(f"wrote {len(outs)} output(s) to {a.output}")
+def emit_outputs(outs: dict[str, np.ndarray], path: str | None) -> None:
+    """Outputs to an .npz keyed by output name, or a readable summary on stdout."""
+    if path:
+        np.savez(path, **outs)
+        print(f"wrote {len(outs)} output(s) to {path}")
     else:
         for k, v in outs.items():
             print(_summary(k, v))
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    s = _session(a)
+    emit_outputs(s.run(_load_inputs(a.input, s.inputs)), a.output)
     return 0
 
 
