@@ -1,0 +1,69 @@
+"""The CPU kernels on aarch64, on an x86_64 host, under user-mode qemu (slow).
+
+Builds (once; idempotent) the Debian arm64 sysroot with scripts/aarch64_sysroot.sh,
+then runs scripts/check_kernels_aarch64.py: every (op, dtype) cpu kernel of the
+dispatch table against the NumPy reference, with the cases and runner of
+tests/test_kernels.py, numba compiling for a Raspberry Pi 4's cortex-a72 on a qemu
+cortex-a72. Needs Debian's apt (arm64 packages, qemu-user-static), PyPI (aarch64
+wheels) and root or sudo the first time; takes about 10 minutes. Run with
+``pytest -m slow tests/test_aarch64.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY = re.compile(r"aarch64 kernel check: (\d+) passed, (\d+) failed")
+
+
+@pytest.mark.slow
+def test_cpu_kernels_match_reference_on_aarch64(tmp_path: Path) -> None:
+    if sys.platform != "linux":
+        pytest.skip("needs Linux (user-mode qemu)")
+    if not shutil.which("qemu-aarch64-static") and not shutil.which("apt-get"):
+        pytest.skip("needs qemu-aarch64-static, or apt-get to install it")
+    if platform.machine() == "aarch64":
+        pytest.skip("on aarch64 itself tests/test_kernels.py checks the kernels natively")
+    root = os.environ.get(
+        "EDGEPACK_AARCH64_ROOT", str(Path.home() / ".cache/edgepack/aarch64-sysroot")
+    )
+    setup = subprocess.run(
+        ["bash", str(REPO / "scripts/aarch64_sysroot.sh"), root],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert setup.returncode == 0, f"sysroot setup failed:\n{setup.stdout}\n{setup.stderr}"
+    assert "on aarch64 under qemu" in setup.stdout, setup.stdout
+
+    check = subprocess.run(
+        [sys.executable, str(REPO / "scripts/check_kernels_aarch64.py"), "--sysroot", root],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    out = check.stdout + check.stderr
+    lines = check.stdout.strip().splitlines()
+    m = SUMMARY.fullmatch(lines[-1]) if lines else None
+    assert m, f"no summary line (exit status {check.returncode}):\n{out[-6000:]}"
+    passed, failed = int(m[1]), int(m[2])
+    assert failed == 0, f"{failed} kernel checks failed on aarch64:\n{out[-6000:]}"
+    # every cpu kernel of the (host's) dispatch table was run, and passed
+    from edgepack.kernels import registry
+
+    registry._load_backends()
+    keys = sorted(f"{op}/{dt}" for (op, dt, b) in registry.KERNELS if b == "cpu")
+    reported = dict(re.findall(r"^(\w+/\w+): (\d+) passed, 0 failed", check.stdout, re.M))
+    missing = [k for k in keys if int(reported.get(k, 0)) == 0]
+    assert not missing, f"no passing aarch64 checks for {missing}:\n{out[-6000:]}"
+    assert passed >= len(keys)
+    assert check.returncode == 0, out[-6000:]
