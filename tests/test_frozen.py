@@ -327,3 +327,41 @@ def test_one_gigabyte_payload(tmp_path, stub_cache):
         r = subprocess.run([str(exe), "info"], capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr
         assert "params:   268,435,463" in r.stdout
+
+
+@pytest.mark.mqtt
+def test_serve_inside_the_executable(tmp_path, digits_exe, digit_inputs):
+    """The MQTT agent runs from the executable too, answering as `edgepack run` does."""
+    import signal
+
+    import mqtt_broker as mb
+
+    from edgepack.client import Client
+
+    if not mb.have_mosquitto():
+        pytest.skip("needs mosquitto (apt-get install mosquitto)")
+    broker = mb.Broker(tmp_path / "broker").start()
+    watcher = mb.StatusWatcher(broker.url)
+    log = open(tmp_path / "agent.log", "wb")
+    agent = subprocess.Popen(
+        [str(digits_exe), "serve", "--broker", broker.url, "--device", "exe-1", "--threads", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache")),
+    )
+    try:
+        watcher.wait("exe-1", "online", timeout=120)
+        x = np.load(digit_inputs)
+        with Client(broker.url) as client:
+            got = client.submit({"image": x}, device="exe-1", timeout=30, retries=2).result()
+        ep("run", digits_exe, "--input", digit_inputs, "--output", tmp_path / "ref.npz")
+        with np.load(tmp_path / "ref.npz") as ref:
+            assert np.array_equal(got["logits"], ref["logits"])
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 0
+        watcher.wait("exe-1", "offline", timeout=30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        watcher.close()
+        broker.stop()
