@@ -26,6 +26,7 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from .runtime.agent_codec import (
     encode_binary,
     tensor_to_json,
 )
+
+if TYPE_CHECKING:
+    from .runtime.agent_conn import BrokerConfig
 from .runtime.protocol import (
     DEFAULT_PREFIX,
     NAME_RE,
@@ -185,7 +189,7 @@ class _Pending:
 class Client:
     def __init__(
         self,
-        broker: str,
+        broker: str | BrokerConfig,
         *,
         client_id: str | None = None,
         username: str | None = None,
@@ -201,21 +205,27 @@ class Client:
         connect_timeout: float = 10.0,
         session_expiry: int = 300,
     ) -> None:
-        """``max_message``: send inputs larger than this by reference (default: the
-        broker's maximum packet size from its CONNACK, if it announces one)."""
+        """``broker``: a URL plus the credential/TLS keywords, or a ready ``BrokerConfig``
+        (whose settings then win). ``max_message``: send inputs larger than this by
+        reference (default: the broker's maximum packet size from its CONNACK, if it
+        announces one)."""
         from .runtime.agent_conn import BrokerConfig, Connection
 
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}")
-        self.cfg = BrokerConfig.from_url(
-            broker,
-            username=username,
-            password=password,
-            password_file=password_file,
-            ca=ca,
-            cert=cert,
-            key=key,
-            insecure=insecure,
+        self.cfg = (
+            broker
+            if isinstance(broker, BrokerConfig)
+            else BrokerConfig.from_url(
+                broker,
+                username=username,
+                password=password,
+                password_file=password_file,
+                ca=ca,
+                cert=cert,
+                key=key,
+                insecure=insecure,
+            )
         )
         self.client_id = client_id or f"ep-client-{uuid.uuid4().hex[:12]}"
         self.prefix = prefix.rstrip("/")
@@ -640,17 +650,7 @@ def cmd_submit(a) -> int:
 
     cfg = broker_config(a)  # validates the options before connecting
     try:
-        client = Client(
-            a.broker,
-            username=cfg.username,
-            password=cfg.password,
-            ca=a.ca,
-            cert=a.cert,
-            key=a.key,
-            insecure=a.insecure,
-            prefix=a.prefix,
-            encoding=encoding,
-        )
+        client = Client(cfg, prefix=a.prefix, encoding=encoding)
     except ConnectError as e:
         print(f"edgepack: error: {e}", file=sys.stderr)
         return 1
