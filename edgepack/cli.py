@@ -20,6 +20,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         calib=a.calib,
         max_error=a.max_error,
         min_weights=a.quant_min_weights,
+        conv_algo=a.conv_algo,
     )
     private = read_key(a.sign, "private key") if a.sign else None
     embed = read_key(a.embed_pubkey) if a.embed_pubkey else None
@@ -136,6 +137,13 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="layers with fewer weights stay fp32 (default "
         f"{DEFAULT_MIN_WEIGHTS}; 0 quantizes all)",
+    )
+    p.add_argument(
+        "--conv-algo",
+        choices=("auto", "direct"),
+        default="auto",
+        help="auto (default): 3x3 stride-1 convs run as Winograd on CPU targets when it "
+        "pays (docs/bundle-format.md); direct: every conv as im2col + GEMM",
     )
     p.set_defaults(func=cmd_build)
     p = sub.add_parser(

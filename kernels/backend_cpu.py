@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import winograd
 from .activations import act_code
 from .native import K
 from .registry import Bound, Kernel, Spec, register
@@ -128,6 +129,53 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
                 matmul(wg, cols, out=yg)
         for y2, r2 in epis:
             epilogue(y2, b_, s_, r2, flags, act, a, b)
+
+    return step
+
+
+# --- 3x3 conv, Winograd (weights transformed by the packager) ----------------------
+
+# Working-row slots of the transforms: channels are dealt to slots statically, so this
+# caps the threads the transforms use (edge CPUs have 4-8 cores) and fixes the scratch
+# size at plan time whatever the device's thread count.
+WINO_SLOTS = 8
+
+
+def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> tuple:
+    m = int(attrs["tile"])
+    a2, co, ci = ushape
+    th, tw = winograd.tiles(out_shape[2:], m)
+    return m, a2, co, ci, th, tw
+
+
+def _wino_scratch(ins, outs, attrs) -> int:
+    m, a2, co, ci, th, tw = _wino_dims(ins[1][0], outs[0], attrs)
+    t = th * tw
+    return _nbytes((a2, ci, t)) + _nbytes((a2, co, t)) + _nbytes((WINO_SLOTS, 2, a2, t))
+
+
+def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
+    x, u, bias, scale, res = _opt(ins, 5)
+    y = outs[0]
+    m, a2, co, ci, th, tw = _wino_dims(u.shape, y.shape, attrs)
+    t = th * tw
+    v, off = _f32_slot(scratch, 0, (a2, ci, t))
+    mm, off = _f32_slot(scratch, off, (a2, co, t))
+    rows = _f32_slot(scratch, off, (WINO_SLOTS, 2, a2, t))[0]
+    bt, _, at = (np.ascontiguousarray(z, np.float32) for z in winograd.matrices(m))
+    pt, pl, _, _ = attrs["pads"]
+    flags = _flags(bias, scale, res)
+    b_ = bias if bias is not None else _DUMMY1
+    s_ = scale if scale is not None else _DUMMY1
+    act, a, b = _act(attrs)
+    items = [(x[n], y[n], res[n] if res is not None else _DUMMY3) for n in range(x.shape[0])]
+    fin, fout, matmul = K.wino_input, K.wino_output, np.matmul
+
+    def step() -> None:
+        for xn, yn, rn in items:
+            fin(xn, bt, rows, v, m, pt, pl, tw)
+            matmul(u, v, out=mm)  # a*a independent GEMMs U[e] @ V[e]
+            fout(mm, at, rows, yn, tw, b_, s_, rn, flags, act, a, b)
 
     return step
 
@@ -395,6 +443,7 @@ def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
 _ALL_W = ("f32", "f16", "i8")
 _cpu("conv", _bind_conv, _ALL_W, _conv_scratch)
 _cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
+_cpu("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 _cpu("linear", _bind_linear, _ALL_W, _linear_scratch)
 _cpu("matmul", _bind_matmul)
 _cpu("binary", _bind_binary)

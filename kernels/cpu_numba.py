@@ -494,3 +494,130 @@ def binary4(x, y, out, kind, act, a, b):
         for k in range(d2):
             for m in range(d3):
                 out[i, j, k, m] = act_scalar(_binop(x[i, j, k, m], y[i, j, k, m], kind), act, a, b)
+
+
+@njit(inline="always")
+def _tile_cols(shift, m, width, n_tiles):
+    """Tiles [lo, hi) whose column ``tx * m + shift`` is inside [0, width), found by
+    stepping (a couple of steps at most) rather than by a runtime-divisor division."""
+    lo = 0
+    while lo < n_tiles and lo * m + shift < 0:
+        lo += 1
+    hi = n_tiles
+    while hi > lo and (hi - 1) * m + shift >= width:
+        hi -= 1
+    return lo, hi
+
+
+@njit(parallel=True, cache=True)
+def wino_input(x, bt, buf, v, m, pt, pl, tw):
+    """Winograd input transform of one image: V[xi*a + nu, c, t] = (BT d B)[xi, nu] for
+    each a x a input tile d (t = ty * tw + tx; zero outside the image).
+
+    Per channel the a*a tile elements are gathered into rows D[r*a + k, t] (the only
+    strided access), then BT is applied along r and along k, each pass a set of row
+    combinations vectorised over all T tiles (zero coefficients skipped, so one code
+    serves every tile size). ``buf[slot]`` holds one channel's working rows; channels
+    are dealt to the slots statically, so no two threads share one. No views are made
+    in the loops (each costs ~20 ns, more than a row of work) and the tile index is
+    unsigned, so LLVM vectorises without wraparound checks.
+    """
+    c_, h, wd = x.shape
+    a = bt.shape[0]
+    t_ = v.shape[2]
+    th = t_ // tw
+    slots = buf.shape[0]
+    for sl in prange(slots):
+        for c in range(sl, c_, slots):
+            for r in range(a):  # gather: D = buf[sl, 0]
+                for k in range(a):
+                    row = r * a + k
+                    lo, hi = _tile_cols(k - pl, m, wd, tw)
+                    for ty in range(th):
+                        t0 = ty * tw
+                        iy = ty * m - pt + r
+                        if iy < 0 or iy >= h:
+                            lo_y, hi_y = tw, tw
+                        else:
+                            lo_y, hi_y = lo, hi
+                        for tx in range(min(lo_y, tw)):
+                            buf[sl, 0, row, np.uintp(t0 + tx)] = 0.0
+                        for tx in range(lo_y, hi_y):
+                            buf[sl, 0, row, np.uintp(t0 + tx)] = x[c, iy, np.uintp(tx * m + k - pl)]
+                        for tx in range(hi_y, tw):
+                            buf[sl, 0, row, np.uintp(t0 + tx)] = 0.0
+            for xi in range(a):  # along r: E[xi*a + k] = sum_r BT[xi, r] D[r*a + k]
+                for k in range(a):
+                    dst = xi * a + k
+                    for t in range(t_):
+                        buf[sl, 1, dst, np.uintp(t)] = 0.0
+                    for r in range(a):
+                        coef = bt[xi, r]
+                        if coef != 0:
+                            src = r * a + k
+                            for t in range(t_):
+                                buf[sl, 1, dst, np.uintp(t)] += coef * buf[sl, 0, src, np.uintp(t)]
+            for xi in range(a):  # along k: V[xi*a + nu] = sum_k BT[nu, k] E[xi*a + k]
+                for nu in range(a):
+                    e = xi * a + nu
+                    for t in range(t_):
+                        v[e, c, np.uintp(t)] = 0.0
+                    for k in range(a):
+                        coef = bt[nu, k]
+                        if coef != 0:
+                            src = xi * a + k
+                            for t in range(t_):
+                                v[e, c, np.uintp(t)] += coef * buf[sl, 1, src, np.uintp(t)]
+
+
+@njit(parallel=True, cache=True)
+def wino_output(mm, at, buf, y, tw, bias, scale, res, flags, act, a_, b_):
+    """Winograd output transform of one image plus the fused epilogue:
+    y[o, ty*m + i, tx*m + j] = (AT M A)[i, j] over M[e, o, t], then scale, bias,
+    residual and activation per output row. Overhanging tile rows/columns are dropped.
+    Same pass structure, slots and indexing rules as ``wino_input``."""
+    c_, oh, ow = y.shape
+    m, a = at.shape
+    t_ = mm.shape[2]
+    th = t_ // tw
+    has_res = (flags & HAS_RES) != 0
+    rstep = 1 if has_res else 0  # the dummy residual is 1x1x1
+    slots = buf.shape[0]
+    for sl in prange(slots):
+        for o in range(sl, c_, slots):
+            for i in range(m):  # along xi: F[i*a + nu] = sum_xi AT[i, xi] M[xi*a + nu]
+                for nu in range(a):
+                    dst = i * a + nu
+                    for t in range(t_):
+                        buf[sl, 0, dst, np.uintp(t)] = 0.0
+                    for xi in range(a):
+                        coef = at[i, xi]
+                        if coef != 0:
+                            e = xi * a + nu
+                            for t in range(t_):
+                                buf[sl, 0, dst, np.uintp(t)] += coef * mm[e, o, np.uintp(t)]
+            for i in range(m):  # along nu: Y[i*m + j] = sum_nu AT[j, nu] F[i*a + nu]
+                for j in range(m):
+                    dst = i * m + j
+                    for t in range(t_):
+                        buf[sl, 1, dst, np.uintp(t)] = 0.0
+                    for nu in range(a):
+                        coef = at[j, nu]
+                        if coef != 0:
+                            src = i * a + nu
+                            for t in range(t_):
+                                buf[sl, 1, dst, np.uintp(t)] += coef * buf[sl, 0, src, np.uintp(t)]
+            s = scale[o] if flags & HAS_SCALE else np.float32(1)
+            bb = bias[o] if flags & HAS_BIAS else np.float32(0)
+            for ty in range(th):
+                t0 = ty * tw
+                for i in range(m):
+                    oy = ty * m + i
+                    if oy >= oh:
+                        break
+                    for j in range(m):
+                        src = i * m + j
+                        nx = tw if (tw - 1) * m + j < ow else tw - 1  # last tile overhangs
+                        for tx in range(nx):
+                            y[o, oy, np.uintp(tx * m + j)] = buf[sl, 1, src, np.uintp(t0 + tx)]
+                    epilogue_row(y[o, oy], s, bb, res[o * rstep, oy * rstep], has_res, act, a_, b_)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .activations import apply_act_ref
+from .winograd import untransform_weights
 
 Array = np.ndarray
 RefFn = Callable[[Sequence[Array | None], dict], Array]
@@ -62,6 +63,15 @@ def conv(inputs: Sequence[Array | None], attrs: dict) -> Array:
     if residual is not None:
         y += residual
     return _act(y.astype(np.float32), attrs)
+
+
+def conv_wino(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """A 3x3 stride-1 conv whose weights the packager stored Winograd-transformed:
+    inputs as ``conv`` with U[a*a, Co, C] for w. The weights are transformed back and
+    the direct reference runs, so this checks the transform as well as the kernel."""
+    x, u, *rest = list(inputs) + [None] * 3
+    w = untransform_weights(u, int(attrs["tile"]))
+    return conv([x, w, *rest[:3]], attrs)
 
 
 def linear(inputs: Sequence[Array | None], attrs: dict) -> Array:
@@ -180,6 +190,7 @@ def pad(inputs: Sequence[Array | None], attrs: dict) -> Array:
 REFERENCE: dict[str, RefFn] = {
     "conv": conv,
     "dwconv": conv,
+    "conv_wino": conv_wino,
     "linear": linear,
     "matmul": matmul,
     "binary": binary,

@@ -13,6 +13,7 @@ import numpy as np
 from .. import __version__
 from ..runtime.errortable import format_error_table
 from ..runtime.executor import Executor
+from .conv_algo import choose_conv_algorithms
 from .fuse import optimise
 from .ir import Graph, PackError
 from .manifest import make_manifest
@@ -102,6 +103,7 @@ def build(
     min_weights: int = DEFAULT_MIN_WEIGHTS,
     backends: Sequence[str] = ("cpu", "ref"),
     extra_manifest: dict | None = None,
+    conv_algo: str = "auto",
     log: Callable[[str], None] = print,
 ) -> BuildResult:
     if quant not in MODES:
@@ -131,6 +133,9 @@ def build(
         ]
         if kept:
             log(f"      {len(kept)} layer(s) under {min_weights} weights stay fp32")
+    n_wino = choose_conv_algorithms(q, backends, conv_algo)
+    if n_wino:
+        log(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
     stage(4, "plan memory")
     plan = plan_memory(q, backends)
     log(

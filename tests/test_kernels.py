@@ -22,6 +22,7 @@ import pytest
 from edgepack.kernels import reference as R
 from edgepack.kernels import registry
 from edgepack.kernels.activations import ACTIVATIONS
+from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import _pool_out
 from edgepack.packager.quantize import quantize_int8
 
@@ -38,6 +39,7 @@ SCRATCH_SENTINEL = 0xFF  # 0xFFFFFFFF read as float32 is a NaN
 TOL: dict[str, tuple[float, float]] = {
     "conv": (1e-4, 1e-4),
     "dwconv": (1e-4, 1e-4),
+    "conv_wino": (1e-4, 1e-4),
     "linear": (1e-4, 1e-4),
     "matmul": (1e-4, 1e-4),
     "binary": (1e-6, 1e-6),
@@ -155,6 +157,19 @@ def conv_case(
         return [x, wq, b, scale, r], attrs
 
     return Case(name, make, const=(1, 2, 3))
+
+
+def wino_case(name: str, m: int, **kw) -> Case:
+    """A 3x3 stride-1 conv case with its weights Winograd-transformed as the packager
+    stores them (kernels/winograd.py); float32 weights only."""
+    base = conv_case(name, **kw)
+
+    def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
+        ins, attrs = base.make(rng, dt)
+        ins[1] = transform_weights(ins[1], m)
+        return ins, {**attrs, "tile": m}
+
+    return Case(name, make, const=base.const)
 
 
 def linear_case(
@@ -310,6 +325,20 @@ CASES: dict[str, list[Case]] = {
         conv_case("special_weights", special=True),
         conv_case("special_weights_pw", k=(1, 1), p=(0, 0, 0, 0), special=True),
         *[conv_case(f"act_{a}", act=a, res=a in ("relu", "hard_swish")) for a in _ACTS],
+    ],
+    "conv_wino": [
+        c
+        for m in (2, 4)
+        for c in (
+            wino_case(f"f{m}_9x9_overhang", m),
+            wino_case(f"f{m}_exact_tiles", m, hw=(2 * m, 3 * m), c=5, co=7),
+            wino_case(f"f{m}_valid_nopad", m, hw=(11, 10), p=(0, 0, 0, 0)),
+            wino_case(f"f{m}_asym_pads", m, hw=(7, 9), p=(0, 1, 2, 0)),
+            wino_case(f"f{m}_res_relu_b2", m, n=2, res=True, act="relu"),
+            wino_case(f"f{m}_nobias_clip", m, bias=False, act="clip"),
+            wino_case(f"f{m}_c20_14x14", m, c=20, co=24, hw=(14, 14), act="hard_swish"),
+            wino_case(f"f{m}_tiny_3x3", m, hw=(3, 3)),
+        )
     ],
     "dwconv": [
         conv_case("k3_s1_p1", dw=True),

@@ -1,0 +1,111 @@
+"""Winograd convolution F(m x m, 3 x 3) (Lavin & Gray, 2015): the transforms and a reference.
+
+A 3x3 stride-1 convolution computes each m x m output tile from an a x a input tile
+(a = m + 2) with a*a multiplies per (in, out) channel pair instead of 9*m*m: 2.25x
+fewer for m = 2, 4x fewer for m = 4. In matrix form, per tile and channel pair::
+
+    Y = AT [ (G g GT) * (BT d B) ] A          (* is elementwise)
+
+The packager transforms the weights once (``transform_weights``: U = G g GT, stored in
+the bundle as U[a*a, Cout, Cin]); at run time the input transform, a*a independent
+GEMMs U[e] @ V[e] and the output transform run per image (kernels/cpu_numba.py).
+
+Numerics: the m = 4 transforms have coefficients up to 8 (AT) and 1/24 (G); in
+float32 the output error is ~1e-6 relative on ResNet-sized layers (measured in
+tests/test_kernels.py against the float64 direct reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# The standard matrices for interpolation points 0, +-1 (m=2) and 0, +-1, +-2 (m=4).
+_F2 = {
+    "BT": [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
+    "G": [[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]],
+    "AT": [[1, 1, 1, 0], [0, 1, -1, -1]],
+}
+_F4 = {
+    "BT": [
+        [4, 0, -5, 0, 1, 0],
+        [0, -4, -4, 1, 1, 0],
+        [0, 4, -4, -1, 1, 0],
+        [0, -2, -1, 2, 1, 0],
+        [0, 2, -1, -2, 1, 0],
+        [0, 4, 0, -5, 0, 1],
+    ],
+    "G": [
+        [1 / 4, 0, 0],
+        [-1 / 6, -1 / 6, -1 / 6],
+        [-1 / 6, 1 / 6, -1 / 6],
+        [1 / 24, 1 / 12, 1 / 6],
+        [1 / 24, -1 / 12, 1 / 6],
+        [0, 0, 1],
+    ],
+    "AT": [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]],
+}
+TILES = {2: _F2, 4: _F4}
+
+
+def matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(BT, G, AT) for F(m, 3) as float64: BT[a, a], G[a, 3], AT[m, a]."""
+    try:
+        t = TILES[m]
+    except KeyError:
+        raise ValueError(f"Winograd tile {m}: supported {sorted(TILES)}") from None
+    return tuple(np.array(t[k], np.float64) for k in ("BT", "G", "AT"))  # type: ignore[return-value]
+
+
+def _check_1d(m: int) -> None:
+    # F(m, 3) in 1-D must equal the direct correlation: checked once per m at import,
+    # so a typo in a matrix cannot ship.
+    bt, g, at = matrices(m)
+    rng = np.random.default_rng(m)
+    d, w = rng.standard_normal(m + 2), rng.standard_normal(3)
+    direct = np.array([d[i : i + 3] @ w for i in range(m)])
+    assert np.allclose(at @ ((g @ w) * (bt @ d)), direct, atol=1e-12), f"F({m},3) matrices"
+
+
+for _m in TILES:
+    _check_1d(_m)
+
+
+def transform_weights(w: np.ndarray, m: int) -> np.ndarray:
+    """w[Cout, Cin, 3, 3] -> U[a*a, Cout, Cin] float32 (U[e] is the GEMM's left operand)."""
+    _, g, _ = matrices(m)
+    a = m + 2
+    u = np.einsum("ik,ockl,jl->ijoc", g, w.astype(np.float64), g)  # G w GT per (o, c)
+    return np.ascontiguousarray(u.reshape(a * a, w.shape[0], w.shape[1]).astype(np.float32))
+
+
+def untransform_weights(u: np.ndarray, m: int) -> np.ndarray:
+    """U[a*a, Cout, Cin] -> w[Cout, Cin, 3, 3] (G has full column rank: its pseudo-inverse
+    recovers w exactly up to rounding). Lets the reference run a Winograd node directly."""
+    _, g, _ = matrices(m)
+    a = m + 2
+    gp = np.linalg.pinv(g)  # [3, a]
+    u4 = u.astype(np.float64).reshape(a, a, u.shape[1], u.shape[2])
+    return np.einsum("ki,ijoc,lj->ockl", gp, u4, gp)
+
+
+def tiles(out_hw: Sequence[int], m: int) -> tuple[int, int]:
+    """Tile rows and columns covering an output of out_hw (the last ones overhang)."""
+    return -(-int(out_hw[0]) // m), -(-int(out_hw[1]) // m)
+
+
+def scratch_shapes(
+    cin: int, cout: int, out_hw: Sequence[int], m: int
+) -> dict[str, tuple[int, ...]]:
+    """The float32 scratch one image needs: V (transformed input), M (GEMM products),
+    and the row buffers of the input and output transforms."""
+    a = m + 2
+    th, tw = tiles(out_hw, m)
+    t = th * tw
+    return {
+        "V": (a * a, cin, t),
+        "M": (a * a, cout, t),
+        "rows_in": (cin, a, (tw - 1) * m + a),
+        "rows_out": (cout, m, a, tw),
+    }

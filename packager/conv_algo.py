@@ -1,0 +1,76 @@
+"""Choose each convolution's algorithm at pack time (the bundle carries the choice).
+
+3x3 stride-1 convolutions become ``conv_wino`` nodes, whose weights are stored
+Winograd-transformed (kernels/winograd.py), when the node will run on the CPU backend.
+The rule is from `scripts/bench_conv_algo.py` on ResNet-18's layers (1 thread):
+
+- F(4x4, 3x3) for outputs of at least 28x28: 4x fewer multiplies, and enough tiles
+  (>= 49) for the a*a = 36 GEMMs to run at BLAS speed;
+- F(2x2, 3x3) for outputs from 7x7 to 27x27: 2.25x fewer multiplies; F(4x4) there
+  has too few tiles per GEMM and wastes the overhanging ones;
+- direct (im2col + GEMM) below 16 input or output channels, where the transforms
+  cost more than the multiplies they save, and for every quantized weight (the
+  transformed weights would have to be stored in float32).
+
+Transformed weights take (a/3)^2 times the fp32 bytes: 1.8x for F(2x2), 4x for F(4x4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..kernels.winograd import transform_weights
+from .ir import Graph, Node
+
+MIN_CHANNELS = 16
+CONV_ALGOS = ("auto", "direct")
+
+
+def winograd_tile(node: Node, g: Graph) -> int | None:
+    """The Winograd tile size m for this node, or None to keep the direct conv."""
+    if node.op != "conv":
+        return None
+    w = g.consts.get(node.inputs[1])
+    if w is None or w.dtype != np.float32 or w.shape[2:] != (3, 3):
+        return None
+    a = node.attrs
+    if a["group"] != 1 or list(a["strides"]) != [1, 1] or list(a["dilations"]) != [1, 1]:
+        return None
+    if min(w.shape[0], w.shape[1]) < MIN_CHANNELS:
+        return None
+    oh, ow = g.shapes[node.outputs[0]][2:]
+    side = min(oh, ow)
+    if side >= 28:
+        return 4
+    if side >= 7:
+        return 2
+    return None
+
+
+def choose_conv_algorithms(g: Graph, backends: Sequence[str], algo: str = "auto") -> int:
+    """Rewrite eligible convs as ``conv_wino`` in place; returns how many were rewritten.
+
+    Only when the CPU backend is the target's first choice: the CUDA path keeps plain
+    convs, and ``algo="direct"`` keeps every conv as imported.
+    """
+    if algo not in CONV_ALGOS:
+        raise ValueError(f"conv algorithm {algo!r}; choose from {', '.join(CONV_ALGOS)}")
+    if algo == "direct" or not backends or backends[0] != "cpu":
+        return 0
+    n = 0
+    for node in g.nodes:
+        m = winograd_tile(node, g)
+        if m is None:
+            continue
+        wname = node.inputs[1]
+        uname = f"{wname}.wino{m}"
+        g.consts[uname] = transform_weights(g.consts[wname], m)
+        node.inputs[1] = uname
+        node.op = "conv_wino"
+        node.attrs = {**node.attrs, "tile": m}
+        n += 1
+    if n:
+        g.remove_dead()  # the untransformed weights, unless another node shares them
+    return n
