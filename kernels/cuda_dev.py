@@ -207,7 +207,9 @@ class CudaDevice:
             raise ValueError(f"gpu weights {weights_mode!r}: use upload or map")
         self.dev = dev()
         self.weights_mode = weights_mode
-        self._weights: dict[int, Mapping[str, Any]] = {}
+        # id(host mapping) -> (host mapping, device mapping); the host mapping is kept so
+        # its id cannot be reused by another while the entry exists.
+        self._weights: dict[int, tuple[Mapping[str, np.ndarray], Mapping[str, Any]]] = {}
 
     def describe(self) -> str:
         return probe()[1]
@@ -221,10 +223,11 @@ class CudaDevice:
         key = id(weights)
         if key not in self._weights:
             if self.weights_mode == "map":
-                self._weights[key] = self.dev.map_host(weights)
+                up = self.dev.map_host(weights)
             else:
-                self._weights[key] = {k: self.dev.upload(v) for k, v in weights.items()}
-        return self._weights[key]
+                up = {k: self.dev.upload(v) for k, v in weights.items()}
+            self._weights[key] = (weights, up)
+        return self._weights[key][1]
 
     def host_outputs(self, views: Sequence[Any]) -> list[np.ndarray]:
         return [self.dev.host_buffer(v.shape, v.dtype) for v in views]
