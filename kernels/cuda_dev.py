@@ -28,8 +28,10 @@ SIM_THREADS = 16  # the simulator runs a Python thread per CUDA thread: few, loo
 
 def simulated() -> bool:
     """True when numba.cuda is (or will be) the simulator."""
-    import numba
-
+    try:
+        import numba
+    except ImportError:  # a frozen cpu-only runtime: no numba at all
+        return False
     # numba reads the variable when it is first imported; the env covers a later import.
     return bool(numba.config.ENABLE_CUDASIM) or os.environ.get(SIM_ENV, "0") == "1"
 
@@ -40,6 +42,10 @@ def probe() -> tuple[bool, str]:
         return False, f"disabled by {OFF_ENV}=1"
     if simulated():
         return True, "numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False, "this runtime has no numba (a stub built for a target without cuda)"
     try:
         import cupy
     except ImportError as e:

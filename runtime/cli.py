@@ -59,7 +59,7 @@ def _session(a: argparse.Namespace):
         threads=a.threads,
         require_signature=_pubkey(a),
         verify_weights=getattr(a, "verify_weights", True),
-        device=getattr(a, "device", None),
+        device=getattr(a, "compute_device", None),
         require_gpu=getattr(a, "require_gpu", False),
         gpu_weights=getattr(a, "gpu_weights", "upload"),
     )
@@ -192,7 +192,9 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
     """The device commands. ``implicit``: the bundle of this executable (no BUNDLE
     argument then), else each command takes a bundle path."""
 
-    def common(p: argparse.ArgumentParser, threads: bool = True) -> None:
+    def common(
+        p: argparse.ArgumentParser, threads: bool = True, device_flag: str = "--device"
+    ) -> None:
         if implicit is None:
             p.add_argument("bundle", help="the .epk bundle (or an edgepack executable)")
         else:
@@ -202,7 +204,8 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
                 "--threads", type=positive_int, default=None, help="threads for the kernels"
             )
             p.add_argument(
-                "--device",
+                device_flag,
+                dest="compute_device",
                 choices=DEVICES,
                 default=None,
                 help="run on the host CPU or the GPU (default: as the bundle was "
@@ -274,7 +277,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
         help="take inference jobs from an MQTT broker",
         description="Serve the model to an MQTT fleet (docs/protocol.md).",
     )
-    common(p)
+    common(p, device_flag="--compute-device")  # serve's --device is its fleet id
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
 
