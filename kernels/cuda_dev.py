@@ -60,7 +60,16 @@ def probe() -> tuple[bool, str]:
         from numba import cuda
 
         if not cuda.is_available():
-            return False, "numba.cuda finds no usable GPU (driver or NVVM missing)"
+            return False, "numba.cuda finds no usable GPU (driver missing or too old)"
+        from numba.cuda.cudadrv import nvvm
+
+        # Without libNVVM numba.cuda sees the GPU but cannot compile a kernel: better to
+        # fall back now than to fail on the first run.
+        if not nvvm.is_available():
+            return False, (
+                "numba.cuda cannot find libNVVM (set CUDA_HOME to a CUDA toolkit, e.g. "
+                "JetPack's /usr/local/cuda, or pip install numba-cuda[cu12])"
+            )
     except Exception as e:
         return False, f"numba.cuda cannot start ({e})"
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())

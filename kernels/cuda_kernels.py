@@ -388,6 +388,6 @@ def avgpool(x, y, kh, kw, sh, sw, pt, pl, pb, pr, include_pad):
                 if 0 <= iy < h and 0 <= ix < w:
                     s += x[ni, c, iy, ix]
                     cnt += 1
-                elif include_pad and -pt <= iy < h + pb and -pl <= ix < w + pr:
+                elif include_pad != 0 and -pt <= iy < h + pb and -pl <= ix < w + pr:
                     cnt += 1
         y[ni, c, oy, ox] = s / f32(cnt)
