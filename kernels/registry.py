@@ -28,7 +28,7 @@ DTYPES: dict[str, np.dtype] = {
     "i8": np.dtype(np.int8),
 }
 WEIGHT_OPS = ("conv", "dwconv", "linear")
-BACKENDS = ("ref", "cpu")
+BACKENDS = ("ref", "cpu", "cuda")
 
 
 def _no_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
@@ -89,8 +89,9 @@ _loaded = False
 
 def _load_backends() -> None:
     # Backends register themselves on import; done lazily so importing the table
-    # does not compile numba kernels.
+    # does not compile numba kernels. backend_cuda only registers: numba.cuda and cupy
+    # load when one of its kernels is bound.
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import backend_cpu, backend_ref  # noqa: F401
+        from . import backend_cpu, backend_cuda, backend_ref  # noqa: F401

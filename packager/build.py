@@ -153,8 +153,10 @@ def build(
         stage(5, "measure quantization error on calibration inputs")
         feeds = load_calibration(calib, g)
         ref_plan = plan_memory(g)
-        ref_exec = Executor(make_manifest(g, ref_plan), g.consts)
-        q_exec = Executor(make_manifest(q, plan), q.consts)
+        # On the host: the packager needs no GPU, and a cuda plan's recorded cpu
+        # fallbacks compute the same function (checked kernel by kernel in the tests).
+        ref_exec = Executor(make_manifest(g, ref_plan), g.consts, device="cpu")
+        q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")
         ref_tr = [ref_exec.run_traced(f) for f in feeds]
         q_tr = [q_exec.run_traced(f) for f in feeds]
         nodes = make_manifest(q, plan)["graph"]["nodes"]

@@ -39,6 +39,10 @@ def _short_dtype(a: np.ndarray) -> str:
 
 
 def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
+    """Per node: the first backend in ``backends`` that takes it. A node given to cuda
+    also records ``fallback``, the host kernel the runtime binds instead when the device
+    has no usable GPU (the plan reserves scratch for both)."""
+    host = [b for b in backends if b != "cuda"]
     out = {}
     for node in g.nodes:
         wdt = (
@@ -54,6 +58,12 @@ def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
                 f"{e.args[0]}; the target cannot run it"
             ) from None
         out[node.name] = {"backend": backend, "dtype": wdt, "name": k.name}
+        if backend == "cuda" and host:
+            try:
+                fb, fk = choose(node.op, node_dtype(node.op, wdt), node.attrs, host)
+            except KeyError:
+                continue  # no host kernel: the bundle then needs its GPU
+            out[node.name]["fallback"] = {"backend": fb, "name": fk.name}
     return out
 
 
@@ -63,7 +73,10 @@ def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
     out = {}
     for node in g.nodes:
         kinfo = kernels[node.name]
-        k = lookup(node.op, node_dtype(node.op, kinfo["dtype"]), kinfo["backend"])
+        dt = node_dtype(node.op, kinfo["dtype"])
+        chosen = [kinfo["backend"]]
+        if "fallback" in kinfo:
+            chosen.append(kinfo["fallback"]["backend"])
         specs = [
             None
             if not t
@@ -74,7 +87,9 @@ def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
             )
             for t in node.inputs
         ]
-        need = k.scratch(specs, [g.shapes[o] for o in node.outputs], node.attrs)
+        outs = [g.shapes[o] for o in node.outputs]
+        # The larger of the kernel and its fallback: either may bind to these bytes.
+        need = max(lookup(node.op, dt, b).scratch(specs, outs, node.attrs) for b in chosen)
         if need:
             out[node.name] = need
     return out

@@ -104,6 +104,66 @@ EDGEPACK_SELF=$self exec "$rt/{runtime}" "$@"
 """
 
 
+# The cupy wheel per CUDA major version on the device (JetPack 6: CUDA 12.x, JetPack 5:
+# CUDA 11.4). cupy-cudaNNx wheels link against the CUDA runtime the board's JetPack
+# installs, so the stub carries cupy but not CUDA itself.
+CUPY_WHEELS = {12: "cupy-cuda12x", 11: "cupy-cuda11x"}
+# numba/llvmlite stay out of cpu stubs (their kernels are compiled ahead of time); the
+# cuda kernels are compiled on the device by numba.cuda (with the board's NVVM), so a
+# cuda stub keeps them.
+CUDA_NEEDS = ("numba", "llvmlite")
+
+
+def cuda_packages(target: Target) -> list[str]:
+    """The distributions the cuda path adds to a stub for ``target`` ([] without cuda)."""
+    if target.cuda is None or "cuda" not in target.backends:
+        return []
+    major = int(target.cuda.cuda_version.split(".")[0])
+    if major not in CUPY_WHEELS:
+        raise PackError(
+            f"target {target.name}: no cupy wheel known for CUDA {target.cuda.cuda_version} "
+            f"(known: {', '.join(f'CUDA {k}.x: {v}' for k, v in CUPY_WHEELS.items())})"
+        )
+    return [CUPY_WHEELS[major], *CUDA_NEEDS]
+
+
+def stub_modules(target: Target) -> tuple[list[str], list[str]]:
+    """(hidden imports, excluded modules) for freezing ``target``'s runtime."""
+    hidden = [
+        "edgepack_kernels",
+        "edgepack_stub_info",
+        "edgepack.kernels.backend_cpu",
+        "edgepack.kernels.backend_ref",
+        "edgepack.kernels.backend_cuda",  # registers names only; safe without a GPU
+    ]
+    excludes = list(EXCLUDES)
+    if cuda_packages(target):
+        hidden += [
+            "edgepack.kernels.cuda_dev",
+            "edgepack.kernels.cuda_kernels",
+            "numba.cuda",
+            "cupy",
+            "cupyx",
+        ]
+        excludes = [m for m in excludes if m not in CUDA_NEEDS]
+    return hidden, excludes
+
+
+def check_cuda_packages(target: Target) -> None:
+    """Refuse to freeze a cuda target's stub without the cupy wheel it needs installed."""
+    from importlib import metadata
+
+    for dist in cuda_packages(target):
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            raise PackError(
+                f"target {target.name} runs cuda kernels, so its stub carries {dist}: "
+                f"`pip install {dist}` on this build machine (the board itself for a "
+                "Jetson, see docs/targets.md) and build again"
+            ) from None
+
+
 def host_arch() -> str:
     m = platform.machine().lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
@@ -319,6 +379,7 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
             f"and the kernel compiler only build for the machine they run on; "
             f"{how_to_build(target)}"
         )
+    check_cuda_packages(target)
     out = out or cached_stub(target)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgepack-stub-") as tmp:
@@ -362,15 +423,10 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
             str(src),
             "--paths",
             str(aot),
-            "--hidden-import",
-            "edgepack_kernels",
-            "--hidden-import",
-            "edgepack_stub_info",
-            "--hidden-import",
-            "edgepack.kernels.backend_cpu",
-            "--hidden-import",
-            "edgepack.kernels.backend_ref",
         ]
+        hidden, excludes = stub_modules(target)
+        for mod in hidden:
+            cmd += ["--hidden-import", mod]
         # nacl's C binding loads through cffi's backend, which the import scan misses
         for mod in ("nacl.signing", "_cffi_backend", "paho.mqtt.client", "threadpoolctl"):
             try:
@@ -378,7 +434,7 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
                 cmd += ["--hidden-import", mod]
             except ImportError:
                 log(f"      {mod} not installed: the stub will lack it")
-        for mod in EXCLUDES:
+        for mod in excludes:
             cmd += ["--exclude-module", mod]
         r = subprocess.run(cmd + [str(entry)], capture_output=True, text=True)
         if r.returncode:

@@ -33,16 +33,35 @@ def find_stub(target: Target, stub: str | Path | None) -> Path:
     return p
 
 
+def memory_parts(result: BuildResult, target: Target) -> dict[str, int]:
+    """The bytes the target's memory budget has to hold, by part."""
+    arena, weights = result.plan.arena_bytes, result.weight_bytes
+    if target.cuda is not None and target.cuda.unified_memory and "cuda" in target.backends:
+        # Tegra: CPU and GPU share one physical memory, so the device arena and the
+        # uploaded weight copy come out of the same budget as the mmap'd weights and the
+        # host arena (the cpu fallback's, and what the runtime maps before uploading).
+        # Counted as uploaded (the default); --gpu-weights map would save one copy.
+        return {
+            "host arena": arena,
+            "device arena": arena,
+            "weights": weights,
+            "device weights": weights,
+        }
+    return {"arena": arena, "weights": weights}
+
+
 def check_budget(result: BuildResult, target: Target) -> None:
-    arena = result.plan.arena_bytes
-    need = arena + result.weight_bytes
+    parts = memory_parts(result, target)
+    need = sum(parts.values())
     budget = target.memory_budget_mb * 2**20
     if need > budget:
+        shared = " (CPU and GPU share it)" if len(parts) > 2 else ""
+        detail = " + ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in parts.items())
         raise PackError(
-            f"the model needs {need / 2**20:.0f} MiB (arena {arena / 2**20:.0f} MiB + weights "
-            f"{result.weight_bytes / 2**20:.0f} MiB), over target {target.name}'s memory budget "
-            f"of {target.memory_budget_mb} MiB: quantize further (--quant int8), use a smaller "
-            "input shape or batch, or pick a target with more memory"
+            f"the model needs {need / 2**20:.0f} MiB ({detail}), over target {target.name}'s "
+            f"memory budget of {target.memory_budget_mb} MiB{shared}: quantize further "
+            "(--quant int8), use a smaller input shape or batch, or pick a target with more "
+            "memory"
         )
 
 

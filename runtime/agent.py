@@ -95,7 +95,9 @@ class Agent:
         self.cfg = cfg
         self.session = session
         executors = [session.executor] + [
-            Executor(session.manifest, session.bundle.weights) for _ in range(cfg.workers - 1)
+            # The session's device: one GPU probe, one weight upload for all workers.
+            Executor(session.manifest, session.bundle.weights, device=session.executor.device)
+            for _ in range(cfg.workers - 1)
         ]
         run_s = self._warm_up(executors)
         self.sched = Scheduler(

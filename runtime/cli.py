@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 
 from .bundle import BundleError
+from .device import DEVICES, GPU_WEIGHTS, DeviceError
 from .executor import RunError
 
 
@@ -53,8 +54,15 @@ def _session(a: argparse.Namespace):
     """The session for ``a.bundle``: a path, or the payload of this executable."""
     from .session import Session
 
-    return Session(a.bundle, threads=a.threads, require_signature=_pubkey(a),
-                   verify_weights=getattr(a, "verify_weights", True))
+    return Session(
+        a.bundle,
+        threads=a.threads,
+        require_signature=_pubkey(a),
+        verify_weights=getattr(a, "verify_weights", True),
+        device=getattr(a, "compute_device", None),
+        require_gpu=getattr(a, "require_gpu", False),
+        gpu_weights=getattr(a, "gpu_weights", "upload"),
+    )
 
 
 def emit_outputs(outs: dict[str, np.ndarray], path: str | None) -> None:
@@ -168,8 +176,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .threads import set_threads
 
     threads = a.threads or set_threads(None)
-    print(f"{getattr(a.bundle, 'path', a.bundle)}: {a.n} runs after {a.warmup} warm-up, "
-          f"{threads if threads is not None else 'default'} thread(s)")
+    print(
+        f"{getattr(a.bundle, 'path', a.bundle)}: {a.n} runs after {a.warmup} warm-up, "
+        f"{threads if threads is not None else 'default'} thread(s), "
+        f"device {s.device} ({ex.device.describe()})"
+    )
     print(
         f"median {percentile(times, 50):.3f} ms  p99 {percentile(times, 99):.3f} ms  "
         f"min {min(times):.3f} ms  mean {np.mean(times):.3f} ms"
@@ -181,50 +192,97 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
     """The device commands. ``implicit``: the bundle of this executable (no BUNDLE
     argument then), else each command takes a bundle path."""
 
-    def common(p: argparse.ArgumentParser, threads: bool = True) -> None:
+    def common(
+        p: argparse.ArgumentParser, threads: bool = True, device_flag: str = "--device"
+    ) -> None:
         if implicit is None:
             p.add_argument("bundle", help="the .epk bundle (or an edgepack executable)")
         else:
             p.set_defaults(bundle=implicit)
         if threads:
-            p.add_argument("--threads", type=positive_int, default=None,
-                           help="threads for the kernels")
-        p.add_argument("--require-signature", metavar="PUBKEY",
-                       help="refuse the bundle unless signed by this key (edgepack keygen)")
+            p.add_argument(
+                "--threads", type=positive_int, default=None, help="threads for the kernels"
+            )
+            p.add_argument(
+                device_flag,
+                dest="compute_device",
+                choices=DEVICES,
+                default=None,
+                help="run on the host CPU or the GPU (default: as the bundle was "
+                "planned; a cuda bundle without a GPU falls back to cpu)",
+            )
+            p.add_argument(
+                "--require-gpu",
+                action="store_true",
+                help="fail instead of falling back to the CPU when no GPU is usable",
+            )
+            p.add_argument(
+                "--gpu-weights",
+                choices=GPU_WEIGHTS,
+                default="upload",
+                help="upload: copy weights to the GPU once (default); map: let the "
+                "GPU read the mapped file (unified-memory boards, docs/cuda.md)",
+            )
+        p.add_argument(
+            "--require-signature",
+            metavar="PUBKEY",
+            help="refuse the bundle unless signed by this key (edgepack keygen)",
+        )
 
-    p = sub.add_parser("run", help="run the model on inputs from .npy/.npz",
-                       description="Run the model once on the given inputs.")
+    p = sub.add_parser(
+        "run",
+        help="run the model on inputs from .npy/.npz",
+        description="Run the model once on the given inputs.",
+    )
     common(p)
-    p.add_argument("--input", "-i", required=True,
-                   help=".npz keyed by input name, or .npy for a single-input model")
+    p.add_argument(
+        "--input",
+        "-i",
+        required=True,
+        help=".npz keyed by input name, or .npy for a single-input model",
+    )
     p.add_argument("--output", "-o", help="write outputs to this .npz (keyed by output name)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("info", help="describe the bundle", description="Describe a bundle: "
-                       "inputs/outputs, ops, parameters, sizes, arena, quantization error.")
+    p = sub.add_parser(
+        "info",
+        help="describe the bundle",
+        description="Describe a bundle: "
+        "inputs/outputs, ops, parameters, sizes, arena, quantization error.",
+    )
     common(p, threads=False)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("bench", help="time the model", description="Time repeated runs on "
-                       "seeded random inputs (median and P99).")
+    p = sub.add_parser(
+        "bench",
+        help="time the model",
+        description="Time repeated runs on seeded random inputs (median and P99).",
+    )
     common(p)
     p.add_argument("-n", type=positive_int, default=100, help="timed runs (default 100)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=10,
-                   help="untimed runs first (default 10)")
-    p.add_argument("--profile", action="store_true",
-                   help="time every op (fused group) instead; slowest first, with shares")
+    p.add_argument(
+        "--warmup", type=_int_at_least(0), default=10, help="untimed runs first (default 10)"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time every op (fused group) instead; slowest first, with shares",
+    )
     p.set_defaults(func=cmd_bench)
 
     from .agent_cli import add_serve_arguments, cmd_serve  # argparse only; paho loads on use
 
-    p = sub.add_parser("serve", help="take inference jobs from an MQTT broker",
-                       description="Serve the model to an MQTT fleet (docs/protocol.md).")
-    common(p)
+    p = sub.add_parser(
+        "serve",
+        help="take inference jobs from an MQTT broker",
+        description="Serve the model to an MQTT fleet (docs/protocol.md).",
+    )
+    common(p, device_flag="--compute-device")  # serve's --device is its fleet id
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
 
 
-ERRORS = (BundleError, RunError, FileNotFoundError, ValueError)
+ERRORS = (BundleError, RunError, DeviceError, FileNotFoundError, ValueError)
 
 
 def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None, errors=ERRORS) -> int:

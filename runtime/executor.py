@@ -2,34 +2,33 @@
 
 Everything that can be decided before the first inference is decided in ``__init__``
 (views, kernel lookup, argument binding), so ``run`` is a loop over closures that
-writes into memory that already exists.
+writes into memory that already exists. Where that memory lives (host or GPU) is the
+``Device``'s business (runtime/device.py); the executor only goes through it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from ..kernels.registry import DTYPES, lookup, node_dtype
-from .bundle_format import ALIGN
+from .device import Device, aligned_arena, node_backend, select_device
+
+__all__ = ["Executor", "RunError", "aligned_arena"]
 
 
 class RunError(ValueError):
     """Bad inputs to ``run`` (wrong names, shapes or dtypes)."""
 
 
-def aligned_arena(nbytes: int, align: int = ALIGN) -> np.ndarray:
-    """A zeroed uint8 buffer of ``nbytes`` whose first byte is ``align``-aligned."""
-    raw = np.zeros(nbytes + align, np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + nbytes]
-
-
 class Executor:
     """Binds a manifest (graph + plan) and its weights to one arena.
 
-    ``backend`` overrides the kernels chosen at pack time (``None`` keeps them).
+    ``backend`` overrides the kernels chosen at pack time (``None`` keeps them; a host
+    backend implies ``device="cpu"``). ``device`` is a ``Device`` (shared, e.g. by the
+    agent's workers) or a name for ``select_device`` (``None``: as planned).
     """
 
     def __init__(
@@ -37,16 +36,25 @@ class Executor:
         manifest: Mapping,
         weights: Mapping[str, np.ndarray],
         backend: str | None = None,
+        device: Device | str | None = None,
+        require_gpu: bool = False,
+        gpu_weights: str = "upload",
     ) -> None:
         g, plan = manifest["graph"], manifest["plan"]
         self.graph = g
         self.inputs = g["inputs"]
         self.outputs = g["outputs"]
+        if device is None and backend is not None:
+            device = "cuda" if backend == "cuda" else "cpu"
+        if device is None or isinstance(device, str):
+            device = select_device(manifest, device, require_gpu, gpu_weights)
+        self.device: Device = device
+        if device.kind == "cuda":
+            backend = None  # every node binds its cuda kernel
+        weights = device.weights(weights)
         arena_bytes = int(plan["arena_bytes"])
-        self.arena = aligned_arena(arena_bytes)
-        if self.arena.nbytes != arena_bytes or self.arena.ctypes.data % ALIGN:
-            raise RuntimeError("arena allocation does not match the plan")
-        self.views: dict[str, np.ndarray] = {}
+        self.arena = device.arena(arena_bytes)
+        self.views: dict[str, Any] = {}
         for name, off in plan["tensors"].items():
             t = g["tensors"][name]
             n = int(np.prod(t["shape"], dtype=np.int64)) * DTYPES[t["dtype"]].itemsize
@@ -61,9 +69,10 @@ class Executor:
             outs = [self.views[n] for n in node["outputs"]]
             kinfo = node["kernel"]
             wdt = kinfo["dtype"]
-            kern = lookup(node["op"], node_dtype(node["op"], wdt), backend or kinfo["backend"])
+            bname = node_backend(node, device, backend)
+            kern = lookup(node["op"], node_dtype(node["op"], wdt), bname)
             off, planned = plan["scratch"].get(node["name"], (0, 0))
-            specs = [None if a is None else (a.shape, _short(a.dtype)) for a in ins]
+            specs = [None if a is None else (tuple(a.shape), _short(a.dtype)) for a in ins]
             need = kern.scratch(specs, [o.shape for o in outs], node["attrs"])
             if need > planned:
                 raise RuntimeError(
@@ -76,8 +85,9 @@ class Executor:
         self._in_views = [self.views[i["name"]] for i in self.inputs]
         self._in_specs = [(i["name"], DTYPES[i["dtype"]], tuple(i["shape"])) for i in self.inputs]
         self._out_views = [self.views[o["name"]] for o in self.outputs]
+        self._out_host = device.host_outputs(self._out_views)
 
-    def _resolve(self, name: str, weights: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    def _resolve(self, name: str, weights: Mapping[str, Any]) -> Any:
         if not name:
             return None
         if name in weights:
@@ -119,12 +129,15 @@ class Executor:
         return arrays
 
     def run_views(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Run and return the output arena views (valid until the next run)."""
+        """Run and return the outputs as host arrays owned by the executor (the arena
+        views on the host) - valid until the next run."""
+        dev = self.device
         for dst, src in zip(self._in_views, self.check_inputs(feeds)):
-            np.copyto(dst, src)
+            dev.copy_in(dst, src)
         for step in self.steps:
             step()
-        return self._out_views
+        dev.fetch(self._out_host, self._out_views)
+        return self._out_host
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once; returns fresh copies of the outputs keyed by output name."""
@@ -134,14 +147,15 @@ class Executor:
     def run_traced(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once and copy every node's output as it is produced (for error tables;
         the arena reuses memory, so intermediates must be captured step by step)."""
+        dev = self.device
         for dst, src in zip(self._in_views, self.check_inputs(feeds)):
-            np.copyto(dst, src)
+            dev.copy_in(dst, src)
         trace: dict[str, np.ndarray] = {}
         for node, step in self.bound:
             if step is not None:
                 step()
             for o in node["outputs"]:
-                trace[o] = self.views[o].copy()
+                trace[o] = dev.to_host(self.views[o])
         return trace
 
 

@@ -38,11 +38,30 @@ class Session:
         backend: str | None = None,
         require_signature: bytes | None = None,
         verify_weights: bool = True,
+        device: str | None = None,
+        require_gpu: bool = False,
+        gpu_weights: str = "upload",
     ) -> None:
+        """``device``: ``"cpu"``, ``"cuda"`` or None (as the bundle was planned); without a
+        usable GPU a cuda bundle falls back to the cpu kernels with one warning, unless
+        ``require_gpu``. ``gpu_weights``: ``"upload"`` (a device copy, made once) or
+        ``"map"`` (the GPU reads the mmap'd file pages; for unified-memory boards)."""
         set_threads(threads)
         self.bundle: Bundle = open_located(path, require_signature, verify_weights)
         self.manifest = self.bundle.manifest
-        self.executor = Executor(self.manifest, self.bundle.weights, backend=backend)
+        self.executor = Executor(
+            self.manifest,
+            self.bundle.weights,
+            backend=backend,
+            device=device,
+            require_gpu=require_gpu,
+            gpu_weights=gpu_weights,
+        )
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda"``: where this session's kernels run."""
+        return self.executor.device.kind
 
     @property
     def inputs(self) -> list[dict]:

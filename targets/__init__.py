@@ -33,8 +33,8 @@ __all__ = [
 ]
 
 ARCHES = ("x86_64", "aarch64")
-# "cuda" is accepted ahead of its kernels so the Jetson files can state their preference
-# now; the packager falls back along this list when a backend lacks a kernel.
+# The packager falls back along a target's list when a backend lacks a kernel; a node
+# planned for "cuda" also records its host fallback (docs/cuda.md).
 BACKENDS = ("cuda", "cpu", "ref")
 QUANTS = ("fp32", "fp16", "int8")
 

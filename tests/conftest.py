@@ -3,11 +3,17 @@ pack -> write -> mmap -> run (the serialise-and-reload cycle)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# The `cuda` tests run the cuda backend's kernels in numba's CUDA simulator unless told
+# otherwise: scripts/gpu_check.sh sets NUMBA_ENABLE_CUDASIM=0 to run them on a real GPU.
+# numba reads the variable when first imported, which is after this file.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

@@ -2,7 +2,9 @@
 
 ``test_cpu_kernel`` is parametrised over the registry itself: every ``(op, dtype, "cpu")``
 key in ``KERNELS`` times the cases listed for that op in ``CASES``. A kernel registered
-without cases fails ``test_every_cpu_kernel_has_cases``, so nothing untested can ship.
+without cases fails ``test_every_kernel_has_cases``, so nothing untested can ship.
+``test_cuda_kernel`` does the same for every ``(op, dtype, "cuda")`` key, with buffers
+on the device (numba's CUDA simulator on a machine without a GPU, see conftest.py).
 
 Each case is run the way the runtime runs it: outputs and scratch are preallocated (and
 poisoned with NaN bytes, inside guard bands), weights are read-only, the kernel is bound
@@ -524,11 +526,18 @@ CASES: dict[str, list[Case]] = {
 }
 
 CPU_KEYS = sorted(k for k in registry.KERNELS if k[2] == "cpu")
-PARAMS = [
-    pytest.param(op, dt, case, id=f"{op}-{dt}-{case.name}")
-    for (op, dt, _) in CPU_KEYS
-    for case in CASES.get(op, [])
-]
+CUDA_KEYS = sorted(k for k in registry.KERNELS if k[2] == "cuda")
+
+
+def _params(keys) -> list:
+    return [
+        pytest.param(op, dt, case, id=f"{op}-{dt}-{case.name}")
+        for (op, dt, _) in keys
+        for case in CASES.get(op, [])
+    ]
+
+
+PARAMS = _params(CPU_KEYS)
 
 
 def _rng(*parts: str) -> np.random.Generator:
@@ -549,79 +558,141 @@ def _build(op: str, dt: str, case: Case) -> tuple[Inputs, dict]:
 # --- the kernel test --------------------------------------------------------------------
 
 
-def test_every_cpu_kernel_has_cases():
-    ops = {op for (op, _, _) in CPU_KEYS}
-    assert CPU_KEYS, "no cpu kernels registered"
-    missing = sorted(f"{op}/{dt}" for (op, dt, _) in CPU_KEYS if not CASES.get(op))
-    assert not missing, f"cpu kernels without test cases in tests/test_kernels.py: {missing}"
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_every_kernel_has_cases(backend: str):
+    keys = CPU_KEYS if backend == "cpu" else CUDA_KEYS
+    ops = {op for (op, _, _) in keys}
+    assert keys, f"no {backend} kernels registered"
+    missing = sorted(f"{op}/{dt}" for (op, dt, _) in keys if not CASES.get(op))
+    assert not missing, f"{backend} kernels without test cases in tests/test_kernels.py: {missing}"
     assert not sorted(ops - set(TOL)), f"no tolerance for {sorted(ops - set(TOL))}"
-    assert not sorted(ops - set(R.REFERENCE)), "a cpu kernel has no reference"
+    assert not sorted(ops - set(R.REFERENCE)), f"a {backend} kernel has no reference"
     for op, cases in CASES.items():
         names = [c.name for c in cases]
         assert len(names) == len(set(names)), f"duplicate case names for {op}"
 
 
-def _guarded_f32(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def test_cuda_covers_every_cpu_kernel():
+    # Issue 6: the cuda backend runs every op/dtype the cpu backend does.
+    cpu = {(op, dt) for (op, dt, _) in CPU_KEYS}
+    cuda = {(op, dt) for (op, dt, _) in CUDA_KEYS}
+    assert cpu <= cuda, f"no cuda kernel for {sorted(cpu - cuda)}"
+
+
+class HostMem:
+    """Buffers as the cpu runtime has them: NumPy arrays."""
+
+    def full(self, n: int, value, dtype) -> np.ndarray:
+        return np.full(n, value, dtype)
+
+    def put(self, a: np.ndarray, const: bool) -> np.ndarray:
+        return a
+
+    def get(self, a) -> np.ndarray:
+        return np.asarray(a)
+
+
+class DevMem:
+    """Buffers as the cuda runtime has them: device arrays from the cuda backend's
+    ``dev`` (NumPy under the simulator, cupy on a GPU); weights uploaded once."""
+
+    def __init__(self) -> None:
+        from edgepack.kernels.cuda_dev import dev
+
+        self.d = dev()
+
+    def full(self, n: int, value, dtype):
+        xp = self.d.xp
+        return xp.full(n, value, dtype)
+
+    def put(self, a: np.ndarray, const: bool):
+        if const:
+            return self.d.upload(a)
+        out = self.full(a.size, 0, a.dtype).reshape(a.shape)
+        self.d.copy_in(out, a)
+        return out
+
+    def get(self, a) -> np.ndarray:
+        out = np.empty(a.shape, a.dtype)
+        self.d.copy_out(out, a)
+        return out
+
+
+def _guarded(mem, shape: tuple[int, ...]):
     """A NaN-poisoned output view with sentinel guard bands on both sides."""
     size = int(np.prod(shape, dtype=np.int64))
-    buf = np.full(size + 2 * GUARD, OUT_SENTINEL, F32)
+    buf = mem.full(size + 2 * GUARD, OUT_SENTINEL, F32)
     buf[GUARD : GUARD + size] = np.nan
     return buf, buf[GUARD : GUARD + size].reshape(shape)
 
 
-def _check_guards(buf: np.ndarray, sentinel, what: str) -> None:
-    head, tail = buf[:GUARD], buf[-GUARD:]
+def _check_guards(mem, buf, sentinel, what: str) -> None:
+    b = mem.get(buf)
+    head, tail = b[:GUARD], b[-GUARD:]
     assert (head == sentinel).all() and (tail == sentinel).all(), f"{what}: wrote out of bounds"
 
 
-@pytest.mark.cpu
-@pytest.mark.parametrize(("op", "dt", "case"), PARAMS)
-def test_cpu_kernel(op: str, dt: str, case: Case) -> None:
-    kernel = registry.KERNELS[(op, dt, "cpu")]
+def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2) -> None:
+    kernel = registry.KERNELS[(op, dt, backend)]
     ins, attrs = _build(op, dt, case)
     assert kernel.accepts(attrs), f"{kernel.name} refuses the case's attrs {attrs}"
     want = np.ascontiguousarray(R.REFERENCE[op](ins, attrs)).astype(F32)
     originals = [None if a is None else a.copy() for a in ins]
+    specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+    ins = [None if a is None else mem.put(a, i in case.const) for i, a in enumerate(ins)]
 
-    buf, out = _guarded_f32(want.shape)
+    buf, out = _guarded(mem, want.shape)
     if case.inplace:  # the output takes over input 0's storage
         assert ins[0].size == want.size
         ins[0] = out.reshape(ins[0].shape)
-        ins[0][...] = originals[0]
+        ins[0][...] = mem.put(originals[0], False)
 
-    specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
     need = kernel.scratch(specs, [want.shape], attrs)
     assert need >= 0
-    sbuf = np.full(need + 2 * GUARD, SCRATCH_SENTINEL, np.uint8)
+    sbuf = mem.full(need + 2 * GUARD, SCRATCH_SENTINEL, np.uint8)
     scratch = sbuf[GUARD : GUARD + need]  # exactly what the plan would reserve
 
     step = kernel.bind(ins, [out], scratch, attrs)
     if step is None:
-        assert np.shares_memory(ins[0], out), f"{kernel.name} returned no step for a copy"
+        assert case.inplace, f"{kernel.name} returned no step for a copy"
     rtol, atol = TOL[op]
     # Run twice, re-poisoning before each run: the plan hands the same scratch bytes to
     # other nodes between two runs of this one, so nothing may be kept there from bind
     # or from the previous run; nor may a kernel rely on what its output held.
-    for run in range(2):
+    for run in range(runs):
         if step is not None:
             scratch[...] = SCRATCH_SENTINEL
             if case.inplace:
-                ins[0][...] = originals[0]
+                ins[0][...] = mem.put(originals[0], False)
             else:
                 out[...] = np.nan
             step()
         np.testing.assert_allclose(
-            out,
+            mem.get(out),
             want,
             rtol=rtol,
             atol=atol,
             err_msg=f"{kernel.name} {case.name} dtype {dt}, run {run + 1}",
         )
-        _check_guards(buf, OUT_SENTINEL, f"{kernel.name} output")
-        _check_guards(sbuf, SCRATCH_SENTINEL, f"{kernel.name} scratch")
+        _check_guards(mem, buf, OUT_SENTINEL, f"{kernel.name} output")
+        _check_guards(mem, sbuf, SCRATCH_SENTINEL, f"{kernel.name} scratch")
         for i, (a, a0) in enumerate(zip(ins, originals, strict=True)):
             if a is not None and not (case.inplace and i == 0):
-                assert np.array_equal(a, a0), f"{kernel.name} modified input {i}"
+                assert np.array_equal(mem.get(a), a0), f"{kernel.name} modified input {i}"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(("op", "dt", "case"), PARAMS)
+def test_cpu_kernel(op: str, dt: str, case: Case) -> None:
+    _check_kernel("cpu", HostMem(), op, dt, case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("op", "dt", "case"), _params(CUDA_KEYS))
+def test_cuda_kernel(op: str, dt: str, case: Case) -> None:
+    # Under the simulator (the CPU-only default, see conftest.py) this checks the
+    # kernels' logic; scripts/gpu_check.sh runs the same test on a real GPU.
+    _check_kernel("cuda", DevMem(), op, dt, case)
 
 
 def _all_stored_values(dt: str) -> np.ndarray:
@@ -632,18 +703,22 @@ def _all_stored_values(dt: str) -> np.ndarray:
     return np.arange(-128, 128).astype(np.int8)
 
 
-@pytest.mark.cpu
-@pytest.mark.parametrize(
-    ("op", "dt"),
-    [(op, dt) for (op, dt, _) in CPU_KEYS if op in registry.WEIGHT_OPS and dt != "f32"],
-)
-def test_cpu_weight_decode_is_exact(op: str, dt: str) -> None:
+_DECODE = [
+    pytest.param(b, op, dt, marks=getattr(pytest.mark, b), id=f"{b}-{op}-{dt}")
+    for (op, dt, b) in CPU_KEYS + CUDA_KEYS
+    if op in registry.WEIGHT_OPS and dt != "f32"
+]
+
+
+@pytest.mark.parametrize(("backend", "op", "dt"), _DECODE)
+def test_weight_decode_is_exact(backend: str, op: str, dt: str) -> None:
     """Weight decoding is exact for every value (subnormal halves, 65504, -128).
 
     The tolerance cases cannot see a wrong tiny weight; here a one-hot input makes each
     output element equal one stored weight (times an int8 scale of exactly 1).
     """
-    kernel = registry.KERNELS[(op, dt, "cpu")]
+    kernel = registry.KERNELS[(op, dt, backend)]
+    mem = HostMem() if backend == "cpu" else DevMem()
     vals = _all_stored_values(dt)
     k = 64
     n = vals.size // k
@@ -664,9 +739,11 @@ def test_cpu_weight_decode_is_exact(op: str, dt: str) -> None:
     scale = np.ones(w.shape[0], F32) if dt == "i8" else None
     ins = [x, w, None, scale]
     specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
-    scratch = np.full(kernel.scratch(specs, [want.shape], attrs), SCRATCH_SENTINEL, np.uint8)
-    out = np.full(want.shape, np.nan, F32)
+    ins = [None if a is None else mem.put(a, i > 0) for i, a in enumerate(ins)]
+    scratch = mem.full(kernel.scratch(specs, [want.shape], attrs), SCRATCH_SENTINEL, np.uint8)
+    out = mem.full(want.size, np.nan, F32).reshape(want.shape)
     kernel.bind(ins, [out], scratch, attrs)()
+    out = mem.get(out)
     bad = np.flatnonzero(out != want)  # float compare: -0 == 0 (sums drop the sign), NaN fails
     assert bad.size == 0, (
         f"{kernel.name}: {bad.size} decoded weights differ, e.g. stored "
@@ -812,3 +889,16 @@ def test_reference_pad_matches_onnxruntime(case: Case) -> None:
         inits["value"] = np.asarray(attrs["value"], F32)
     node = helper.make_node("Pad", names, ["y"], mode=attrs["mode"])
     _compare_ref(R.pad([x], attrs), _ort_run(node, {"x": x}, inits), 0.0, 0.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", _PAD_ORT[-2:], ids=lambda c: c.name)
+def test_cuda_pad_reflect_and_edge(case: Case) -> None:
+    # The cuda backend takes every Pad mode (the cpu backend leaves these to ref).
+    assert (
+        registry.choose("pad", "f32", case.make(_rng("pad", case.name), "f32")[1], ("cuda", "ref"))[
+            0
+        ]
+        == "cuda"
+    )
+    _check_kernel("cuda", DevMem(), "pad", "f32", case)

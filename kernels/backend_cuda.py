@@ -1,0 +1,487 @@
+"""The cuda backend: numba.cuda kernels plus cuBLAS (through cupy) for matrix products.
+
+Bind functions receive device arrays (``xp`` arrays: cupy on a GPU, NumPy under the
+numba CUDA simulator), already in the device arena; weights were uploaded once by the
+executor's device (kernels/cuda_dev.py). Binding wraps every argument for numba and
+configures every launch, so a step is a few kernel calls and nothing else.
+
+Design per op (same split as the cpu backend, so scratch sizes line up):
+
+- conv: im2col kernel -> GEMM (``xp.matmul`` into the output slot) -> fused epilogue
+  kernel (scale, bias, residual, activation). int8/fp16 weights are decoded into
+  scratch by a kernel each run; the int8 scale is applied in the epilogue.
+- dwconv: one direct kernel with the epilogue fused; int8 weights are read as they
+  are, fp16 ones decoded into scratch first.
+- linear: decode (int8/fp16) -> GEMM -> column epilogue kernel.
+- matmul: GEMM (batched, broadcasting) -> activation kernel.
+- pooling, softmax, means, elementwise, pad (all modes), transpose, concat: kernels.
+
+Importing this module registers the kernels and imports neither numba.cuda nor cupy:
+they load when a kernel is first bound (``_k()``, ``_d()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .activations import act_code
+from .registry import Bound, Kernel, Spec, register
+
+F32 = np.dtype(np.float32)
+MAX_RANK = 6  # the strided kernels index 6-D views
+
+
+def _k():
+    from . import cuda_kernels
+
+    return cuda_kernels
+
+
+def _d():
+    from .cuda_dev import dev
+
+    return dev()
+
+
+def _act(attrs: dict) -> tuple[int, np.float32, np.float32]:
+    a, b = attrs.get("act_args", (0.0, 0.0))
+    return act_code(attrs.get("act", "none")), np.float32(a), np.float32(b)
+
+
+def _opt(ins: Sequence, n: int) -> list:
+    return (list(ins) + [None] * n)[:n]
+
+
+def _flags(bias, scale, res) -> int:
+    return (
+        (1 if bias is not None else 0)
+        | (2 if scale is not None else 0)
+        | (4 if res is not None else 0)
+    )
+
+
+def _nbytes(shape: Sequence[int], itemsize: int = 4) -> int:
+    return int(np.prod(shape)) * itemsize
+
+
+def _f32_slot(scratch: Any, offset: int, shape: tuple[int, ...]) -> tuple[Any, int]:
+    n = _nbytes(shape)
+    return scratch[offset : offset + n].view(np.float32).reshape(shape), offset + n
+
+
+class _Dummies:
+    """Placeholders for absent optional inputs (kernels still need an array there)."""
+
+    def __init__(self, d) -> None:
+        xp = d.xp
+        self.v1 = d.arg(xp.zeros(1, xp.float32))
+        self.v3 = d.arg(xp.zeros((1, 1, 1), xp.float32))
+        self.v4 = d.arg(xp.zeros((1, 1, 1, 1), xp.float32))
+
+
+_DUMMIES: _Dummies | None = None
+
+
+def _dummies(d) -> _Dummies:
+    global _DUMMIES
+    if _DUMMIES is None:
+        _DUMMIES = _Dummies(d)
+    return _DUMMIES
+
+
+def _decoder(d, w: Any, dst: Any):
+    """A step that widens int8 / fp16 device weights into the float32 scratch ``dst``."""
+    K = _k()
+    src, out = w.reshape(-1), dst.reshape(-1)
+    if w.dtype == np.float16:  # bit-exact integer decode: no reliance on GPU fp16 units
+        kern = d.launch(K.decode_f16, src.size)
+        a, b = d.arg(src.view(np.uint16)), d.arg(out.view(np.uint32))
+    else:
+        kern = d.launch(K.decode_i8, src.size)
+        a, b = d.arg(src), d.arg(out)
+    return lambda: kern(a, b)
+
+
+def _as6(a: Any) -> Any:
+    """A view with leading unit axes up to 6-D (strides kept, so broadcasts survive)."""
+    if a.ndim > MAX_RANK:
+        raise NotImplementedError(f"cuda kernels take tensors of rank <= {MAX_RANK}")
+    return a.reshape((1,) * (MAX_RANK - a.ndim) + a.shape) if a.ndim < MAX_RANK else a
+
+
+def _view6(a: Any) -> Any:
+    """Like ``_as6`` for strided views, which reshape may refuse: index with None."""
+    if a.ndim > MAX_RANK:
+        raise NotImplementedError(f"cuda kernels take tensors of rank <= {MAX_RANK}")
+    return a[(None,) * (MAX_RANK - a.ndim)]
+
+
+# --- conv ---------------------------------------------------------------------------
+
+
+def _is_pointwise(wshape: Sequence[int], attrs: dict) -> bool:
+    return (
+        tuple(wshape[2:]) == (1, 1) and tuple(attrs["strides"]) == (1, 1) and not any(attrs["pads"])
+    )
+
+
+def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
+    (wshape, wdt) = ins[1]
+    co, cg, kh, kw = wshape
+    oh, ow = outs[0][2], outs[0][3]
+    need = 0 if wdt == "f32" else _nbytes((co, cg * kh * kw))
+    if not _is_pointwise(wshape, attrs):
+        need += _nbytes((cg * kh * kw, oh * ow))
+    return need
+
+
+def _bind_conv(ins, outs, scratch, attrs) -> Bound:
+    d, K = _d(), _k()
+    x, w, bias, scale, res = _opt(ins, 5)
+    y = outs[0]
+    n_, _, h, wd = x.shape
+    co, cg, kh, kw = w.shape
+    g = attrs["group"]
+    cog, kk = co // g, cg * kh * kw
+    oh, ow = y.shape[2], y.shape[3]
+    p = oh * ow
+    sh, sw = attrs["strides"]
+    pt, pl, _, _ = attrs["pads"]
+    dh, dw = attrs["dilations"]
+    off = 0
+    w2 = w.reshape(co, kk)
+    decode = None
+    if w.dtype != F32:
+        wf, off = _f32_slot(scratch, off, (co, kk))
+        decode = _decoder(d, w2, wf)
+        w2 = wf
+    pointwise = _is_pointwise(w.shape, attrs)
+    cols = None if pointwise else _f32_slot(scratch, off, (kk, p))[0]
+    col_kern = None if pointwise else d.launch(K.im2col, kk * p)
+    gemms = []
+    for n in range(n_):
+        for gi in range(g):
+            xg = x[n, gi * cg : (gi + 1) * cg]
+            yg = y[n, gi * cog : (gi + 1) * cog].reshape(cog, p)
+            wg = w2[gi * cog : (gi + 1) * cog]
+            if pointwise:
+                gemms.append((None, wg, xg.reshape(cg, h * wd), yg))
+            else:
+                gemms.append((d.arg(xg), wg, cols, yg))
+    cols_arg = None if pointwise else d.arg(cols)
+    dm = _dummies(d)
+    y3 = d.arg(y.reshape(n_, co, p))
+    r3 = d.arg(res.reshape(n_, co, p)) if res is not None else dm.v3
+    b_ = d.arg(bias) if bias is not None else dm.v1
+    s_ = d.arg(scale) if scale is not None else dm.v1
+    flags = _flags(bias, scale, res)
+    act, a, b = _act(attrs)
+    epi = d.launch(K.epilogue_rows, n_ * co * p)
+    matmul = d.matmul
+
+    def step() -> None:
+        if decode is not None:
+            decode()
+        for xa, wg, rhs, yg in gemms:
+            if xa is not None:
+                col_kern(xa, cols_arg, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow)
+            matmul(wg, rhs, yg)
+        if flags or act:
+            epi(y3, b_, s_, r3, flags, act, a, b)
+
+    return step
+
+
+# --- depthwise conv -------------------------------------------------------------------
+
+
+def _dw_scratch(ins, outs, attrs) -> int:
+    wshape, wdt = ins[1]
+    return _nbytes(wshape) if wdt == "f16" else 0
+
+
+def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
+    d, K = _d(), _k()
+    x, w, bias, scale, res = _opt(ins, 5)
+    y = outs[0]
+    decode = None
+    if w.dtype == np.float16:
+        wf = _f32_slot(scratch, 0, w.shape)[0]
+        decode = _decoder(d, w, wf)
+        w = wf
+    sh, sw = attrs["strides"]
+    pt, pl, _, _ = attrs["pads"]
+    dh, dw = attrs["dilations"]
+    dm = _dummies(d)
+    args = (
+        d.arg(x),
+        d.arg(w),
+        d.arg(bias) if bias is not None else dm.v1,
+        d.arg(scale) if scale is not None else dm.v1,
+        d.arg(res) if res is not None else dm.v4,
+        d.arg(y),
+    )
+    rest = (sh, sw, pt, pl, dh, dw, _flags(bias, scale, res), *_act(attrs))
+    kern = d.launch(K.dwconv, y.size)
+
+    def step() -> None:
+        if decode is not None:
+            decode()
+        kern(*args, *rest)
+
+    return step
+
+
+# --- linear ---------------------------------------------------------------------------
+
+
+def _linear_scratch(ins, outs, attrs) -> int:
+    wshape, wdt = ins[1]
+    return 0 if wdt == "f32" else _nbytes(wshape)  # the GEMM reads float32 weights
+
+
+def _bind_linear(ins, outs, scratch, attrs) -> Bound:
+    d, K = _d(), _k()
+    x, w, bias, scale = _opt(ins, 4)
+    y = outs[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    y2 = y.reshape(-1, w.shape[0])
+    decode = None
+    if w.dtype != F32:
+        wf = _f32_slot(scratch, 0, w.shape)[0]
+        decode = _decoder(d, w, wf)
+        w = wf
+    wt = w.T  # cuBLAS takes the transpose as a flag: no copy
+    dm = _dummies(d)
+    flags = _flags(bias, scale, None)
+    act, a, b = _act(attrs)
+    epi = d.launch(K.epilogue_cols, y2.size)
+    y_arg = d.arg(y2)
+    b_ = d.arg(bias) if bias is not None else dm.v1
+    s_ = d.arg(scale) if scale is not None else dm.v1
+    matmul = d.matmul
+
+    def step() -> None:
+        if decode is not None:
+            decode()
+        matmul(x2, wt, y2)
+        if flags or act:
+            epi(y_arg, b_, s_, flags, act, a, b)
+
+    return step
+
+
+# --- matmul, elementwise ----------------------------------------------------------------
+
+
+def _act_step(d, y: Any, attrs: dict):
+    act, a, b = _act(attrs)
+    if act == 0:
+        return None
+    yf = d.arg(y.reshape(-1))
+    kern = d.launch(_k().act_into, y.size)
+    return lambda: kern(yf, yf, act, a, b)
+
+
+def _bind_matmul(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    a_, b_, y = ins[0], ins[1], outs[0]
+    post = _act_step(d, y, attrs)
+    matmul = d.matmul
+
+    def step() -> None:
+        matmul(a_, b_, y)
+        if post is not None:
+            post()
+
+    return step
+
+
+_KIND = {"add": 0, "sub": 1, "mul": 2, "div": 3}
+
+
+def _bind_binary(ins, outs, scratch, attrs) -> Bound:
+    d, K = _d(), _k()
+    a_, b_, y = ins[0], ins[1], outs[0]
+    xp = d.xp
+    y6 = _as6(y)
+    args = (
+        d.arg(xp.broadcast_to(_as6(a_), y6.shape)),
+        d.arg(xp.broadcast_to(_as6(b_), y6.shape)),
+        d.arg(y6),
+        _KIND[attrs["kind"]],
+        *_act(attrs),
+    )
+    kern = d.launch(K.binary6, y.size)
+    return lambda: kern(*args)
+
+
+def _bind_unary(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    xf, yf = d.arg(ins[0].reshape(-1)), d.arg(outs[0].reshape(-1))
+    kern = d.launch(_k().act_into, outs[0].size)
+    act, a, b = _act(attrs)
+    return lambda: kern(xf, yf, act, a, b)
+
+
+def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    x, y = ins[0], outs[0]
+    ax = attrs["axis"] % x.ndim
+    outer = int(np.prod(x.shape[:ax]))
+    inner = int(np.prod(x.shape[ax + 1 :]))
+    shape3 = (outer, x.shape[ax], inner)
+    x3, y3 = d.arg(x.reshape(shape3)), d.arg(y.reshape(shape3))
+    kern = d.launch(_k().softmax3, outer * inner)
+    return lambda: kern(x3, y3)
+
+
+def _bind_channel_affine(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    x, scale, shift, y = ins[0], ins[1], ins[2], outs[0]
+    n_, c_ = x.shape[0], x.shape[1]
+    args = (
+        d.arg(x.reshape(n_, c_, -1)),
+        d.arg(scale),
+        d.arg(shift),
+        d.arg(y.reshape(n_, c_, -1)),
+        *_act(attrs),
+    )
+    kern = d.launch(_k().channel_affine, y.size)
+    return lambda: kern(*args)
+
+
+# --- pooling ---------------------------------------------------------------------------
+
+
+def _bind_pool(kind: str):
+    def bind(ins, outs, scratch, attrs) -> Bound:
+        d, K = _d(), _k()
+        x, y = ins[0], outs[0]
+        kh, kw = attrs["kernel"]
+        sh, sw = attrs["strides"]
+        pt, pl, pb, pr = attrs["pads"]
+        xa, ya = d.arg(x), d.arg(y)
+        if kind == "max":
+            dh, dw = attrs.get("dilations", (1, 1))
+            kern = d.launch(K.maxpool, y.size)
+            return lambda: kern(xa, ya, kh, kw, sh, sw, pt, pl, dh, dw)
+        inc = 1 if attrs.get("count_include_pad", 0) else 0
+        kern = d.launch(K.avgpool, y.size)
+        return lambda: kern(xa, ya, kh, kw, sh, sw, pt, pl, pb, pr, inc)
+
+    return bind
+
+
+def _bind_global_avgpool(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    x, y = ins[0], outs[0]
+    rows = x.shape[0] * x.shape[1]
+    x2, y1 = d.arg(x.reshape(rows, -1)), d.arg(y.reshape(rows))
+    kern = d.launch(_k().global_avgpool, rows)
+    return lambda: kern(x2, y1)
+
+
+def _bind_reduce_mean(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    x, y = ins[0], outs[0]
+    axes = sorted({a % x.ndim for a in attrs["axes"]})
+    kept = [i for i in range(x.ndim) if i not in axes]
+    xt = _view6(x.transpose(kept + axes))  # kept axes lead, in y's order
+    xa, ya = d.arg(xt), d.arg(y.reshape(-1))
+    kern = d.launch(_k().reduce_mean6, y.size)
+    nred = len(axes)
+    return lambda: kern(xa, ya, nred)
+
+
+# --- data movement -----------------------------------------------------------------------
+
+
+def _copy_step(d, src: Any, dst: Any):
+    kern = d.launch(_k().copy6, dst.size)
+    s, t = d.arg(_view6(src)), d.arg(_view6(dst))
+    return lambda: kern(s, t)
+
+
+def _shares(a: Any, b: Any) -> bool:
+    # Both modes: same base pointer and size means the plan aliased them.
+    if isinstance(a, np.ndarray):
+        return bool(np.shares_memory(a, b))
+    return a.data.ptr == b.data.ptr and a.nbytes == b.nbytes
+
+
+def _bind_reshape(ins, outs, scratch, attrs) -> Bound:
+    x, y = ins[0], outs[0]
+    if _shares(x, y):
+        return None
+    d = _d()
+    return _copy_step(d, x.reshape(y.shape), y)
+
+
+def _bind_transpose(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    return _copy_step(d, ins[0].transpose(attrs["perm"]), outs[0])
+
+
+def _bind_concat(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    y = outs[0]
+    ax = attrs["axis"] % y.ndim
+    steps, start = [], 0
+    for x in ins:
+        idx = [slice(None)] * y.ndim
+        idx[ax] = slice(start, start + x.shape[ax])
+        steps.append(_copy_step(d, x, y[tuple(idx)]))
+        start += x.shape[ax]
+
+    def step() -> None:
+        for s in steps:
+            s()
+
+    return step
+
+
+_PAD_MODE = {"constant": 0, "reflect": 1, "edge": 2}
+
+
+def _bind_pad(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    x, y = ins[0], outs[0]
+    r = x.ndim
+    p = attrs["pads"]
+    before = np.zeros(MAX_RANK, np.int64)
+    before[MAX_RANK - r :] = p[:r]
+    # A constant is an argument, uploaded once: kernels read it like any array.
+    b_dev = d.arg(d.upload(before))
+    xa, ya = d.arg(_as6(x)), d.arg(_as6(y))
+    mode = _PAD_MODE[attrs.get("mode", "constant")]
+    value = np.float32(attrs.get("value", 0.0))
+    kern = d.launch(_k().pad6, y.size)
+    return lambda: kern(xa, ya, b_dev, mode, value)
+
+
+def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
+    k = Kernel(f"cuda.{op}", bind, scratch or (lambda i, o, a: 0), accepts or (lambda a: True))
+    register(op, dtypes, "cuda", k)
+
+
+_ALL_W = ("f32", "f16", "i8")
+_cuda("conv", _bind_conv, _ALL_W, _conv_scratch)
+_cuda("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
+_cuda("linear", _bind_linear, _ALL_W, _linear_scratch)
+_cuda("matmul", _bind_matmul)
+_cuda("binary", _bind_binary)
+_cuda("unary", _bind_unary)
+_cuda("softmax", _bind_softmax)
+_cuda("maxpool", _bind_pool("max"))
+_cuda("avgpool", _bind_pool("avg"))
+_cuda("global_avgpool", _bind_global_avgpool)
+_cuda("channel_affine", _bind_channel_affine)
+_cuda("reshape", _bind_reshape)
+_cuda("transpose", _bind_transpose)
+_cuda("concat", _bind_concat)
+_cuda("reduce_mean", _bind_reduce_mean)
+_cuda("pad", _bind_pad, accepts=lambda a: a.get("mode", "constant") in _PAD_MODE)

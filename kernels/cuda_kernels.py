@@ -1,0 +1,393 @@
+"""numba.cuda kernels of the cuda backend (imported only when that backend binds).
+
+Written once for both places they run: on a GPU (numba compiles them to PTX) and in
+numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where each thread is a Python
+thread. Every kernel is a grid-stride loop, so the launch shape is free: the GPU gets
+one thread per element, the simulator a handful of threads that each loop (the
+simulator's cost is per thread, ~0.2 ms each, not per element).
+
+Arithmetic is float32 (literals wrapped in ``f32``) because Jetson GPUs run float64 at
+1/32 of the float32 rate; reductions whose length is data-dependent (softmax, means)
+accumulate in float64, which costs nothing measurable at their sizes.
+
+Epilogue flag bits match ``kernels/native.py``'s ``K.HAS_*`` (bias 1, scale 2, residual 4).
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, float64, int64
+
+f32 = float32
+HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
+
+
+@cuda.jit(device=True, inline=True)
+def act(v, code, a, b):
+    """The activation epilogues of kernels/activations.py, by integer code."""
+    if code == 0:
+        return v
+    if code == 1:
+        return v if v > f32(0.0) else f32(0.0)
+    if code == 2:
+        return v if v >= f32(0.0) else v * a
+    if code == 3:
+        return min(max(v, a), b)
+    if code == 4:  # the stable form: exp of a non-positive number never overflows
+        if v >= f32(0.0):
+            return f32(1.0) / (f32(1.0) + math.exp(-v))
+        e = math.exp(v)
+        return e / (f32(1.0) + e)
+    if code == 5:
+        return math.tanh(v)
+    if code == 6:
+        return min(max(v * a + b, f32(0.0)), f32(1.0))
+    if code == 7:
+        return v * min(max(v / f32(6.0) + f32(0.5), f32(0.0)), f32(1.0))
+    return v
+
+
+# --- weight decoding (run every inference into scratch; weights stay int8/fp16) --------
+
+
+@cuda.jit
+def decode_i8(src, dst):
+    for i in range(cuda.grid(1), src.size, cuda.gridsize(1)):
+        dst[i] = f32(src[i])
+
+
+@cuda.jit
+def decode_f16(src, dst):
+    """IEEE half bits (uint16) -> float32 bits (uint32), exact for every value
+    (subnormals, signed zeros, inf/nan) and independent of the GPU's fp16 support."""
+    for i in range(cuda.grid(1), src.size, cuda.gridsize(1)):
+        h = int64(src[i])
+        sign = (h & 0x8000) << 16
+        e = (h >> 10) & 0x1F
+        m = h & 0x3FF
+        if e == 0:
+            if m == 0:
+                bits = sign
+            else:  # subnormal half: normalise into a float32 exponent
+                e32 = 113
+                while (m & 0x400) == 0:
+                    m <<= 1
+                    e32 -= 1
+                bits = sign | (e32 << 23) | ((m & 0x3FF) << 13)
+        elif e == 31:
+            bits = sign | 0x7F800000 | (m << 13)
+        else:
+            bits = sign | ((e + 112) << 23) | (m << 13)
+        dst[i] = bits
+
+
+# --- conv pieces ----------------------------------------------------------------------
+
+
+@cuda.jit
+def im2col(x, cols, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow):
+    """x[C, H, W] -> cols[C*kh*kw, oh*ow] with zeros where the window is in the pads."""
+    h, w = x.shape[1], x.shape[2]
+    p = oh * ow
+    n = cols.shape[0] * p
+    for t in range(cuda.grid(1), n, cuda.gridsize(1)):
+        r = t // p
+        q = t - r * p
+        c = r // (kh * kw)
+        k = r - c * (kh * kw)
+        i = k // kw
+        j = k - i * kw
+        oy = q // ow
+        ox = q - oy * ow
+        iy = oy * sh - pt + i * dh
+        ix = ox * sw - pl + j * dw
+        v = f32(0.0)
+        if 0 <= iy < h and 0 <= ix < w:
+            v = x[c, iy, ix]
+        cols[r, q] = v
+
+
+@cuda.jit
+def epilogue_rows(y, bias, scale, res, flags, code, a, b):
+    """y[N, C, P] = act(y * scale[c] + bias[c] + res[n, c, p]) in place."""
+    cn, pn = y.shape[1], y.shape[2]
+    n = y.shape[0] * cn * pn
+    for t in range(cuda.grid(1), n, cuda.gridsize(1)):
+        ni = t // (cn * pn)
+        rem = t - ni * cn * pn
+        c = rem // pn
+        q = rem - c * pn
+        v = y[ni, c, q]
+        if flags & HAS_SCALE:
+            v = v * scale[c]
+        if flags & HAS_BIAS:
+            v = v + bias[c]
+        if flags & HAS_RES:
+            v = v + res[ni, c, q]
+        y[ni, c, q] = act(v, code, a, b)
+
+
+@cuda.jit
+def epilogue_cols(y, bias, scale, flags, code, a, b):
+    """y[M, N] = act(y * scale[n] + bias[n]) in place (linear)."""
+    cn = y.shape[1]
+    for t in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        m = t // cn
+        c = t - m * cn
+        v = y[m, c]
+        if flags & HAS_SCALE:
+            v = v * scale[c]
+        if flags & HAS_BIAS:
+            v = v + bias[c]
+        y[m, c] = act(v, code, a, b)
+
+
+@cuda.jit
+def dwconv(x, w, bias, scale, res, y, sh, sw, pt, pl, dh, dw, flags, code, a, b):
+    """Depthwise conv, one output element per loop turn, epilogue fused.
+    x[N, C, H, W], w[C, 1, kh, kw] (float32 or int8; the int8 scale is in the epilogue)."""
+    cn, h, wd = x.shape[1], x.shape[2], x.shape[3]
+    kh, kw = w.shape[2], w.shape[3]
+    oh, ow = y.shape[2], y.shape[3]
+    n = y.size
+    for t in range(cuda.grid(1), n, cuda.gridsize(1)):
+        ox = t % ow
+        r = t // ow
+        oy = r % oh
+        r = r // oh
+        c = r % cn
+        ni = r // cn
+        acc = f32(0.0)
+        for i in range(kh):
+            iy = oy * sh - pt + i * dh
+            if 0 <= iy < h:
+                for j in range(kw):
+                    ix = ox * sw - pl + j * dw
+                    if 0 <= ix < wd:
+                        acc += x[ni, c, iy, ix] * f32(w[c, 0, i, j])
+        if flags & HAS_SCALE:
+            acc = acc * scale[c]
+        if flags & HAS_BIAS:
+            acc = acc + bias[c]
+        if flags & HAS_RES:
+            acc = acc + res[ni, c, oy, ox]
+        y[ni, c, oy, ox] = act(acc, code, a, b)
+
+
+# --- elementwise ----------------------------------------------------------------------
+
+
+@cuda.jit
+def act_into(x, y, code, a, b):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        y[i] = act(x[i], code, a, b)
+
+
+@cuda.jit
+def binary6(x, z, y, kind, code, a, b):
+    """y = act(x op z) over 6-D views; x and z may broadcast (stride-0 axes)."""
+    s1, s2, s3, s4, s5 = y.shape[1], y.shape[2], y.shape[3], y.shape[4], y.shape[5]
+    for t in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        r = t
+        i5 = r % s5
+        r //= s5
+        i4 = r % s4
+        r //= s4
+        i3 = r % s3
+        r //= s3
+        i2 = r % s2
+        r //= s2
+        i1 = r % s1
+        i0 = r // s1
+        u = x[i0, i1, i2, i3, i4, i5]
+        v = z[i0, i1, i2, i3, i4, i5]
+        if kind == 0:
+            o = u + v
+        elif kind == 1:
+            o = u - v
+        elif kind == 2:
+            o = u * v
+        else:
+            o = u / v
+        y[i0, i1, i2, i3, i4, i5] = act(o, code, a, b)
+
+
+@cuda.jit
+def copy6(src, dst):
+    """dst = src over two 6-D views of one shape (either may be strided): transpose,
+    concat parts, reshape copies."""
+    s1, s2, s3, s4, s5 = dst.shape[1], dst.shape[2], dst.shape[3], dst.shape[4], dst.shape[5]
+    for t in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        r = t
+        i5 = r % s5
+        r //= s5
+        i4 = r % s4
+        r //= s4
+        i3 = r % s3
+        r //= s3
+        i2 = r % s2
+        r //= s2
+        i1 = r % s1
+        i0 = r // s1
+        dst[i0, i1, i2, i3, i4, i5] = src[i0, i1, i2, i3, i4, i5]
+
+
+@cuda.jit
+def channel_affine(x, scale, shift, y, code, a, b):
+    """y[N, C, P] = act(x * scale[c] + shift[c])."""
+    cn, pn = x.shape[1], x.shape[2]
+    for t in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        ni = t // (cn * pn)
+        rem = t - ni * cn * pn
+        c = rem // pn
+        q = rem - c * pn
+        y[ni, c, q] = act(x[ni, c, q] * scale[c] + shift[c], code, a, b)
+
+
+@cuda.jit
+def pad6(x, y, before, mode, value):
+    """y = pad(x) over 6-D views; mode 0 constant, 1 reflect, 2 edge (ONNX Pad)."""
+    for t in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        src = cuda.local.array(6, int64)
+        r = t
+        inside = True
+        for d in range(5, -1, -1):
+            i = r % y.shape[d] - before[d]
+            r //= y.shape[d]
+            n = x.shape[d]
+            if i < 0 or i >= n:
+                if mode == 0:
+                    inside = False
+                elif mode == 1:  # reflect without repeating the edge (pads < n)
+                    i = -i if i < 0 else 2 * (n - 1) - i
+                else:
+                    i = 0 if i < 0 else n - 1
+            src[d] = i
+        o = t
+        i5 = o % y.shape[5]
+        o //= y.shape[5]
+        i4 = o % y.shape[4]
+        o //= y.shape[4]
+        i3 = o % y.shape[3]
+        o //= y.shape[3]
+        i2 = o % y.shape[2]
+        o //= y.shape[2]
+        i1 = o % y.shape[1]
+        i0 = o // y.shape[1]
+        if inside:
+            y[i0, i1, i2, i3, i4, i5] = x[src[0], src[1], src[2], src[3], src[4], src[5]]
+        else:
+            y[i0, i1, i2, i3, i4, i5] = value
+
+
+# --- reductions -----------------------------------------------------------------------
+
+
+@cuda.jit
+def softmax3(x, y):
+    """Softmax over axis 1 of x[outer, n, inner]; one (outer, inner) row per loop turn."""
+    n, inner = x.shape[1], x.shape[2]
+    rows = x.shape[0] * inner
+    for t in range(cuda.grid(1), rows, cuda.gridsize(1)):
+        o = t // inner
+        q = t - o * inner
+        m = x[o, 0, q]
+        for k in range(1, n):
+            m = max(m, x[o, k, q])
+        s = float64(0.0)
+        for k in range(n):
+            e = math.exp(float64(x[o, k, q] - m))
+            y[o, k, q] = e
+            s += e
+        inv = 1.0 / s
+        for k in range(n):
+            y[o, k, q] = f32(y[o, k, q] * inv)
+
+
+@cuda.jit
+def global_avgpool(x, y):
+    """y[r] = mean(x[r, :]) for x[rows, H*W]."""
+    n = x.shape[1]
+    for r in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        s = float64(0.0)
+        for k in range(n):
+            s += x[r, k]
+        y[r] = f32(s / n)
+
+
+@cuda.jit
+def reduce_mean6(x, y, nred):
+    """Mean over the last ``nred`` axes of a 6-D (possibly transposed) view of x; the
+    leading axes are the kept ones, in y's flat order."""
+    rcount = 1
+    for d in range(6 - nred, 6):
+        rcount *= x.shape[d]
+    for t in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        idx = cuda.local.array(6, int64)
+        r = t
+        for d in range(5 - nred, -1, -1):
+            idx[d] = r % x.shape[d]
+            r //= x.shape[d]
+        s = float64(0.0)
+        for k in range(rcount):
+            r = k
+            for d in range(5, 5 - nred, -1):
+                idx[d] = r % x.shape[d]
+                r //= x.shape[d]
+            s += x[idx[0], idx[1], idx[2], idx[3], idx[4], idx[5]]
+        y[t] = f32(s / rcount)
+
+
+# --- pooling ----------------------------------------------------------------------------
+
+
+@cuda.jit
+def maxpool(x, y, kh, kw, sh, sw, pt, pl, dh, dw):
+    """Max over the real pixels of each window (pads and the ceil_mode overhang are
+    -inf in the reference, so they never win)."""
+    cn, h, w = x.shape[1], x.shape[2], x.shape[3]
+    oh, ow = y.shape[2], y.shape[3]
+    for t in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        ox = t % ow
+        r = t // ow
+        oy = r % oh
+        r = r // oh
+        c = r % cn
+        ni = r // cn
+        m = f32(-math.inf)
+        for i in range(kh):
+            iy = oy * sh - pt + i * dh
+            if 0 <= iy < h:
+                for j in range(kw):
+                    ix = ox * sw - pl + j * dw
+                    if 0 <= ix < w:
+                        m = max(m, x[ni, c, iy, ix])
+        y[ni, c, oy, ox] = m
+
+
+@cuda.jit
+def avgpool(x, y, kh, kw, sh, sw, pt, pl, pb, pr, include_pad):
+    """ONNX AveragePool: count_include_pad counts the explicit pads, never the ceil_mode
+    overhang past them."""
+    cn, h, w = x.shape[1], x.shape[2], x.shape[3]
+    oh, ow = y.shape[2], y.shape[3]
+    for t in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        ox = t % ow
+        r = t // ow
+        oy = r % oh
+        r = r // oh
+        c = r % cn
+        ni = r // cn
+        s = f32(0.0)
+        cnt = 0
+        for i in range(kh):
+            iy = oy * sh - pt + i
+            for j in range(kw):
+                ix = ox * sw - pl + j
+                if 0 <= iy < h and 0 <= ix < w:
+                    s += x[ni, c, iy, ix]
+                    cnt += 1
+                elif include_pad != 0 and -pt <= iy < h + pb and -pl <= ix < w + pr:
+                    cnt += 1
+        y[ni, c, oy, ox] = s / f32(cnt)

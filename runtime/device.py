@@ -1,0 +1,140 @@
+"""Where a bundle's arena lives and which backend each node binds to.
+
+A ``Device`` is chosen once per Session (``select_device``) and handed to the
+Executor, which then never asks which device it has: it allocates the arena through
+the device, passes weights through it (the GPU uploads them once), copies inputs in
+and outputs out through it. ``HostDevice`` is the NumPy arena the cpu and ref
+backends use; ``CudaDevice`` (kernels/cuda_dev.py, imported only when chosen) puts the
+arena on the GPU.
+
+Selection: a bundle whose nodes were planned for cuda runs on the GPU when one is
+usable; ``device="cpu"`` / ``"cuda"`` overrides the plan. Without a usable GPU the
+cuda nodes rebind to the cpu fallback kernel the packager recorded for them, after
+one warning, or ``require_gpu`` turns that into a ``DeviceError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .bundle_format import ALIGN
+
+log = logging.getLogger("edgepack")
+
+DEVICES = ("cpu", "cuda")
+HOST_BACKENDS = ("cpu", "ref")  # fallback order for a cuda node on the host
+GPU_WEIGHTS = ("upload", "map")
+
+
+class DeviceError(RuntimeError):
+    """A GPU was required (``--require-gpu``) but none is usable."""
+
+
+class Device(Protocol):
+    kind: str  # "cpu" or "cuda": the backend family this device binds
+
+    def describe(self) -> str: ...
+    def arena(self, nbytes: int) -> Any: ...
+    def weights(self, weights: Mapping[str, np.ndarray]) -> Mapping[str, Any]: ...
+    def host_outputs(self, views: Sequence[Any]) -> list[np.ndarray]: ...
+    def copy_in(self, dst: Any, src: np.ndarray) -> None: ...
+    def fetch(self, hosts: Sequence[np.ndarray], views: Sequence[Any]) -> None: ...
+    def to_host(self, view: Any) -> np.ndarray: ...
+    def synchronize(self) -> None: ...
+
+
+def aligned_arena(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """A zeroed uint8 buffer of ``nbytes`` whose first byte is ``align``-aligned."""
+    raw = np.zeros(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes]
+
+
+class HostDevice:
+    """The host: a NumPy arena; outputs are returned as the arena views themselves."""
+
+    kind = "cpu"
+
+    def describe(self) -> str:
+        return "host CPU"
+
+    def arena(self, nbytes: int) -> np.ndarray:
+        a = aligned_arena(nbytes)
+        if a.nbytes != nbytes or a.ctypes.data % ALIGN:
+            raise RuntimeError("arena allocation does not match the plan")
+        return a
+
+    def weights(self, weights: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        return weights  # the mmap'd views, zero-copy
+
+    def host_outputs(self, views: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return list(views)
+
+    def copy_in(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.copyto(dst, src)
+
+    def fetch(self, hosts: Sequence[np.ndarray], views: Sequence[np.ndarray]) -> None:
+        pass  # host_outputs are the views
+
+    def to_host(self, view: np.ndarray) -> np.ndarray:
+        return view.copy()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def planned_device(manifest: Mapping) -> str:
+    """``"cuda"`` when the packager planned any node for the cuda backend."""
+    nodes = manifest["graph"]["nodes"]
+    return "cuda" if any(n["kernel"]["backend"] == "cuda" for n in nodes) else "cpu"
+
+
+def select_device(
+    manifest: Mapping,
+    device: str | None = None,
+    require_gpu: bool = False,
+    gpu_weights: str = "upload",
+) -> Device:
+    """The device a bundle runs on (see the module doc); warns at most once per call."""
+    if device not in (None, *DEVICES):
+        raise ValueError(f"device {device!r}: choose from {', '.join(DEVICES)}")
+    if gpu_weights not in GPU_WEIGHTS:
+        raise ValueError(f"gpu weights {gpu_weights!r}: choose from {', '.join(GPU_WEIGHTS)}")
+    if device == "cpu" and require_gpu:
+        raise ValueError("--require-gpu contradicts --device cpu")
+    want = device or ("cuda" if require_gpu else planned_device(manifest))
+    if want == "cpu":
+        return HostDevice()
+    from ..kernels import cuda_dev  # numba.cuda/cupy themselves load only if usable
+
+    ok, why = cuda_dev.probe()
+    if ok:
+        return cuda_dev.CudaDevice(gpu_weights)
+    if require_gpu:
+        raise DeviceError(f"a GPU is required (--require-gpu) but none is usable: {why}")
+    log.warning(
+        "edgepack: no usable GPU (%s); running the cuda-planned nodes on the cpu backend", why
+    )
+    return HostDevice()
+
+
+def node_backend(node: Mapping, device: Device, override: str | None = None) -> str:
+    """The backend a node binds to on ``device``."""
+    if device.kind == "cuda":
+        return "cuda"
+    kinfo = node["kernel"]
+    backend = override or kinfo["backend"]
+    if backend != "cuda":
+        return backend
+    fallback = kinfo.get("fallback")
+    if fallback:
+        return fallback["backend"]
+    # A bundle without recorded fallbacks: the first host backend that takes the node.
+    from ..kernels.registry import choose, node_dtype
+
+    op = node["op"]
+    return choose(op, node_dtype(op, kinfo["dtype"]), node["attrs"], HOST_BACKENDS)[0]
