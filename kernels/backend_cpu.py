@@ -148,21 +148,45 @@ def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> 
     return m, a2, co, ci, th, tw
 
 
-def _wino_scratch(ins, outs, attrs) -> int:
-    m, a2, co, ci, th, tw = _wino_dims(ins[1][0], outs[0], attrs)
+def _up64(n: int) -> int:
+    return -(-n // 64) * 64  # buffers start on cache lines (the arena is 64-byte aligned)
+
+
+def _wino_layout(ushape, out_shape, attrs) -> tuple[dict[str, tuple[tuple[int, ...], type]], dict]:
+    """The scratch buffers of one Winograd conv, in order: name -> (shape, dtype)."""
+    m, a2, co, ci, th, tw = _wino_dims(ushape, out_shape, attrs)
     t = th * tw
-    return _nbytes((a2, ci, t)) + _nbytes((a2, co, t)) + _nbytes((WINO_SLOTS, 2, a2, t))
+    a = m + 2
+    bufs = {
+        "v": ((a2, ci, t), np.float32),  # transformed input
+        "mm": ((a2, co, t), np.float32),  # GEMM products
+        "rows": ((WINO_SLOTS, 2, a2, t), np.float32),  # per-slot working rows
+        "xpad": ((WINO_SLOTS, (th - 1) * m + a, (tw - 1) * m + a), np.float32),  # padded planes
+        "idx": ((t,), np.int64),  # tile origins in a padded plane
+    }
+    return bufs, {"m": m, "tw": tw}
+
+
+def _up64(n: int) -> int:
+    return -(-n // 64) * 64  # buffers start on cache lines (the arena is 64-byte aligned)
+
+
+def _wino_scratch(ins, outs, attrs) -> int:
+    bufs, _ = _wino_layout(ins[1][0], outs[0], attrs)
+    return sum(_up64(_nbytes(shape, np.dtype(dt).itemsize)) for shape, dt in bufs.values())
 
 
 def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     x, u, bias, scale, res = _opt(ins, 5)
     y = outs[0]
-    m, a2, co, ci, th, tw = _wino_dims(u.shape, y.shape, attrs)
-    t = th * tw
-    v, off = _f32_slot(scratch, 0, (a2, ci, t))
-    mm, off = _f32_slot(scratch, off, (a2, co, t))
-    rows = _f32_slot(scratch, off, (WINO_SLOTS, 2, a2, t))[0]
-    bt, _, at = (np.ascontiguousarray(z, np.float32) for z in winograd.matrices(m))
+    bufs, dims = _wino_layout(u.shape, y.shape, attrs)
+    views, off = {}, 0
+    for name, (shape, dt) in bufs.items():
+        n = _nbytes(shape, np.dtype(dt).itemsize)
+        views[name] = scratch[off : off + n].view(dt).reshape(shape)
+        off += _up64(n)
+    v, mm, rows, xpad, idx = (views[k] for k in ("v", "mm", "rows", "xpad", "idx"))
+    m, tw = dims["m"], dims["tw"]
     pt, pl, _, _ = attrs["pads"]
     flags = _flags(bias, scale, res)
     b_ = bias if bias is not None else _DUMMY1
@@ -173,9 +197,9 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
 
     def step() -> None:
         for xn, yn, rn in items:
-            fin(xn, bt, rows, v, m, pt, pl, tw)
+            fin(xn, xpad, idx, rows, v, m, pt, pl, tw)
             matmul(u, v, out=mm)  # a*a independent GEMMs U[e] @ V[e]
-            fout(mm, at, rows, yn, tw, b_, s_, rn, flags, act, a, b)
+            fout(mm, rows, yn, m, tw, b_, s_, rn, flags, act, a, b)
 
     return step
 

@@ -42,24 +42,11 @@ def aot_signatures() -> dict[str, tuple[str, object]]:
         "decode_f16": ("decode_f16", v(arr(u2, 1, ro=True), arr(u4, 1))),
         "wino_input": (
             "wino_input",
-            v(arr(f4, 3), arr(f4, 2, ro=True), arr(f4, 4), arr(f4, 3), *([i8] * 4)),
+            v(arr(f4, 3), arr(f4, 3), arr(i8, 1), arr(f4, 4), arr(f4, 3), *([i8] * 4)),
         ),
         "wino_output": (
             "wino_output",
-            v(
-                arr(f4, 3),
-                arr(f4, 2, ro=True),
-                arr(f4, 4),
-                arr(f4, 3),
-                i8,
-                w1,
-                w1,
-                arr(f4, 3),
-                i8,
-                i8,
-                f4,
-                f4,
-            ),
+            v(arr(f4, 3), arr(f4, 4), arr(f4, 3), i8, i8, w1, w1, arr(f4, 3), i8, i8, f4, f4),
         ),
         "binary4": (
             "binary4",

@@ -40,26 +40,42 @@ def act_scalar(v, act, a, b):
 
 @njit(parallel=True, cache=True)
 def im2col(x, cols, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow):
-    """x[C,H,W] -> cols[C*kh*kw, oh*ow], zero outside the image (implicit padding)."""
+    """x[C,H,W] -> cols[C*kh*kw, oh*ow], zero outside the image (implicit padding).
+
+    Per row of cols the valid output columns depend only on the tap's column, so they
+    are found once (``valid_cols`` divides at stride > 1); the copy loops then run
+    without bounds tests on unsigned indices, with the stride a constant in the
+    common cases so LLVM vectorises (stride 1) or strides its loads (stride 2).
+    """
     c_, h, w = x.shape
     khw = kh * kw
     for r in prange(c_ * khw):
         c = r // khw
         i = (r % khw) // kw
         j = r % kw
+        shift = j * dw - pl
+        lo, hi = valid_cols(shift, sw, w, ow)
+        hi = max(hi, lo)
         for oy in range(oh):
             iy = oy * sh - pt + i * dh
             base = oy * ow
             if iy < 0 or iy >= h:
                 for ox in range(ow):
-                    cols[r, base + ox] = 0.0
+                    cols[r, np.uintp(base + ox)] = 0.0
+                continue
+            for ox in range(lo):
+                cols[r, np.uintp(base + ox)] = 0.0
+            if sw == 1:
+                for ox in range(lo, hi):
+                    cols[r, np.uintp(base + ox)] = x[c, iy, np.uintp(ox + shift)]
+            elif sw == 2:
+                for ox in range(lo, hi):
+                    cols[r, np.uintp(base + ox)] = x[c, iy, np.uintp(2 * ox + shift)]
             else:
-                for ox in range(ow):
-                    ix = ox * sw - pl + j * dw
-                    if ix >= 0 and ix < w:
-                        cols[r, base + ox] = x[c, iy, ix]
-                    else:
-                        cols[r, base + ox] = 0.0
+                for ox in range(lo, hi):
+                    cols[r, np.uintp(base + ox)] = x[c, iy, np.uintp(ox * sw + shift)]
+            for ox in range(hi, ow):
+                cols[r, np.uintp(base + ox)] = 0.0
 
 
 @njit(inline="always")
@@ -335,38 +351,50 @@ def linear_q(x, w, bias, scale, y, flags, act, a, b):
 def maxpool(x, out, kh, kw, sh, sw, pt, pl, dh, dw):
     """x[C,H,W] -> out[C,oh,ow]; padding never wins (it is -inf in ONNX semantics).
 
-    Row-wise like dwconv: per tap, the valid output columns are computed once and the
-    inner loop runs over views that start there, with no bounds test.
+    Row-wise like dwconv: per tap the valid output columns are found once per call,
+    and the inner loops run over unsigned indices with no bounds test. A 3-wide window
+    takes its three columns in one pass where all are inside (one gather plus shuffles
+    at stride 2 instead of three gathers).
     """
     c_, h, wd = x.shape
     oh, ow = out.shape[1], out.shape[2]
+    lo3, hi3 = valid_cols(-pl, sw, wd - 2 * dw, ow)  # columns whose 3 taps are inside
+    hi3 = max(hi3, lo3)
+    w3 = kw == 3
     for c in prange(c_):
         for oy in range(oh):
-            orow = out[c, oy]
             for ox in range(ow):
-                orow[ox] = -np.inf
+                out[c, oy, ox] = -np.inf
             for i in range(kh):
                 iy = oy * sh - pt + i * dh
                 if iy < 0 or iy >= h:
                     continue
+                if w3:
+                    for k in range(lo3, hi3):
+                        b0 = k * sw - pl
+                        v0 = x[c, iy, np.uintp(b0)]
+                        v1 = x[c, iy, np.uintp(b0 + dw)]
+                        v2 = x[c, iy, np.uintp(b0 + 2 * dw)]
+                        m = out[c, oy, np.uintp(k)]  # compare-selects that skip NaN, as before
+                        m = v0 if v0 > m else m
+                        m = v1 if v1 > m else m
+                        out[c, oy, np.uintp(k)] = v2 if v2 > m else m
+                    for kb in range(ow - (hi3 - lo3)):  # border columns, checked
+                        k = kb if kb < lo3 else kb + (hi3 - lo3)
+                        for j in range(3):
+                            ix = k * sw - pl + j * dw
+                            if ix >= 0 and ix < wd:
+                                v = x[c, iy, ix]
+                                if v > out[c, oy, k]:
+                                    out[c, oy, k] = v
+                    continue
                 for j in range(kw):
                     shift = j * dw - pl
-                    lo = 0 if shift >= 0 else (-shift + sw - 1) // sw
-                    hi = (wd - 1 - shift) // sw + 1 if wd - 1 - shift >= 0 else 0
-                    if hi > ow:
-                        hi = ow
-                    if hi <= lo:
-                        continue
-                    ov = orow[lo:hi]
-                    xrow = x[c, iy, lo * sw + shift :]
-                    if sw == 1:
-                        for k in range(hi - lo):
-                            v = xrow[k]
-                            ov[k] = v if v > ov[k] else ov[k]
-                    else:
-                        for k in range(hi - lo):
-                            v = xrow[k * sw]
-                            ov[k] = v if v > ov[k] else ov[k]
+                    lo, hi = valid_cols(shift, sw, wd, ow)
+                    for k in range(lo, hi):
+                        v = x[c, iy, np.uintp(k * sw + shift)]
+                        cur = out[c, oy, np.uintp(k)]
+                        out[c, oy, np.uintp(k)] = v if v > cur else cur
 
 
 @njit(parallel=True, cache=True)
@@ -509,75 +537,150 @@ def _tile_cols(shift, m, width, n_tiles):
     return lo, hi
 
 
-@njit(parallel=True, cache=True)
-def wino_input(x, bt, buf, v, m, pt, pl, tw):
-    """Winograd input transform of one image: V[xi*a + nu, c, t] = (BT d B)[xi, nu] for
-    each a x a input tile d (t = ty * tw + tx; zero outside the image).
+# Winograd transforms with the matrices of kernels/winograd.py written out, so each
+# pass reads its a source rows once and writes its outputs once, vectorised along the
+# tile axis (a generic coefficient loop made ~5x more memory passes). float32
+# constants: a Python int times a float32 would compute in float64.
+_2, _4, _5, _8 = np.float32(2), np.float32(4), np.float32(5), np.float32(8)
 
-    Per channel the a*a tile elements are gathered into rows D[r*a + k, t] (the only
-    strided access), then BT is applied along r and along k, each pass a set of row
-    combinations vectorised over all T tiles (zero coefficients skipped, so one code
-    serves every tile size). ``buf[slot]`` holds one channel's working rows; channels
-    are dealt to the slots statically, so no two threads share one. No views are made
-    in the loops (each costs ~20 ns, more than a row of work) and the tile index is
-    unsigned, so LLVM vectorises without wraparound checks.
+
+@njit(inline="always")
+def _bt6(z0, z1, z2, z3, z4, z5):  # BT of F(4x4, 3x3)
+    return (
+        _4 * z0 - _5 * z2 + z4,
+        z3 + z4 - _4 * (z1 + z2),
+        z4 - z3 + _4 * (z1 - z2),
+        z4 - z2 + _2 * (z3 - z1),
+        z4 - z2 + _2 * (z1 - z3),
+        _4 * z1 - _5 * z3 + z5,
+    )
+
+
+@njit(inline="always")
+def _at6(z0, z1, z2, z3, z4, z5):  # AT of F(4x4, 3x3)
+    p, q = z1 + z2, z1 - z2
+    r, u = z3 + z4, z3 - z4
+    return z0 + p + r, q + _2 * u, p + _4 * r, q + _8 * u + z5
+
+
+@njit(inline="always")
+def _bt4(z0, z1, z2, z3):  # BT of F(2x2, 3x3)
+    return z0 - z2, z1 + z2, z2 - z1, z1 - z3
+
+
+@njit(inline="always")
+def _at4(z0, z1, z2, z3):  # AT of F(2x2, 3x3)
+    return z0 + z1 + z2, z1 - z2 - z3
+
+
+@njit(parallel=True, cache=True)
+def wino_input(x, xpad, idx, buf, v, m, pt, pl, tw):
+    """Winograd input transform of one image: V[xi*a + nu, c, t] = (BT d B)[xi, nu] for
+    each a x a input tile d (t = ty * tw + tx; zero outside the image); m is 2 or 4.
+
+    Per channel the image is copied into a zero-bordered plane ``xpad[slot]`` covering
+    every tile, and the a*a tile elements are gathered into rows D[r*a + k, t] =
+    xpad[idx[t] + r*Wp + k] (idx: each tile's origin; one long gather per row, no
+    bounds tests). Then BT is applied along r (D -> E) and along k (E -> V), each a
+    pass over all T tiles with unit stride. Channels are dealt to the slots statically,
+    so no two threads share one. No views are made in the inner loops (each costs
+    ~20 ns) and the tile index is unsigned, so LLVM vectorises without wraparound checks.
     """
     c_, h, wd = x.shape
-    a = bt.shape[0]
+    a = m + 2
     t_ = v.shape[2]
-    th = t_ // tw
+    hp, wp = xpad.shape[1], xpad.shape[2]
+    for t in range(t_):
+        idx[t] = (t // tw) * m * wp + (t % tw) * m
     slots = buf.shape[0]
     for sl in prange(slots):
+        flat = xpad[sl].reshape(hp * wp)
         for c in range(sl, c_, slots):
+            for p in range(hp * wp):
+                flat[np.uintp(p)] = 0.0
+            for iy in range(h):
+                o = (iy + pt) * wp + pl
+                for ix in range(wd):
+                    flat[np.uintp(o + ix)] = x[c, iy, np.uintp(ix)]
             for r in range(a):  # gather: D = buf[sl, 0]
                 for k in range(a):
                     row = r * a + k
-                    lo, hi = _tile_cols(k - pl, m, wd, tw)
-                    for ty in range(th):
-                        t0 = ty * tw
-                        iy = ty * m - pt + r
-                        if iy < 0 or iy >= h:
-                            lo_y, hi_y = tw, tw
-                        else:
-                            lo_y, hi_y = lo, hi
-                        for tx in range(min(lo_y, tw)):
-                            buf[sl, 0, row, np.uintp(t0 + tx)] = 0.0
-                        for tx in range(lo_y, hi_y):
-                            buf[sl, 0, row, np.uintp(t0 + tx)] = x[c, iy, np.uintp(tx * m + k - pl)]
-                        for tx in range(hi_y, tw):
-                            buf[sl, 0, row, np.uintp(t0 + tx)] = 0.0
-            for xi in range(a):  # along r: E[xi*a + k] = sum_r BT[xi, r] D[r*a + k]
-                for k in range(a):
-                    dst = xi * a + k
+                    base = r * wp + k
                     for t in range(t_):
-                        buf[sl, 1, dst, np.uintp(t)] = 0.0
-                    for r in range(a):
-                        coef = bt[xi, r]
-                        if coef != 0:
-                            src = r * a + k
-                            for t in range(t_):
-                                buf[sl, 1, dst, np.uintp(t)] += coef * buf[sl, 0, src, np.uintp(t)]
-            for xi in range(a):  # along k: V[xi*a + nu] = sum_k BT[nu, k] E[xi*a + k]
-                for nu in range(a):
-                    e = xi * a + nu
+                        buf[sl, 0, row, np.uintp(t)] = flat[np.uintp(idx[t] + base)]
+            if m == 4:
+                for k in range(6):  # along r: E[xi*6 + k] = BT[xi, :] . D[:, k]
                     for t in range(t_):
-                        v[e, c, np.uintp(t)] = 0.0
-                    for k in range(a):
-                        coef = bt[nu, k]
-                        if coef != 0:
-                            src = xi * a + k
-                            for t in range(t_):
-                                v[e, c, np.uintp(t)] += coef * buf[sl, 1, src, np.uintp(t)]
+                        tt = np.uintp(t)
+                        e0, e1, e2, e3, e4, e5 = _bt6(
+                            buf[sl, 0, k, tt],
+                            buf[sl, 0, 6 + k, tt],
+                            buf[sl, 0, 12 + k, tt],
+                            buf[sl, 0, 18 + k, tt],
+                            buf[sl, 0, 24 + k, tt],
+                            buf[sl, 0, 30 + k, tt],
+                        )
+                        buf[sl, 1, k, tt] = e0
+                        buf[sl, 1, 6 + k, tt] = e1
+                        buf[sl, 1, 12 + k, tt] = e2
+                        buf[sl, 1, 18 + k, tt] = e3
+                        buf[sl, 1, 24 + k, tt] = e4
+                        buf[sl, 1, 30 + k, tt] = e5
+                for xi in range(6):  # along k: V[xi*6 + nu] = BT[nu, :] . E[xi, :]
+                    b = xi * 6
+                    for t in range(t_):
+                        tt = np.uintp(t)
+                        v0, v1, v2, v3, v4, v5 = _bt6(
+                            buf[sl, 1, b, tt],
+                            buf[sl, 1, b + 1, tt],
+                            buf[sl, 1, b + 2, tt],
+                            buf[sl, 1, b + 3, tt],
+                            buf[sl, 1, b + 4, tt],
+                            buf[sl, 1, b + 5, tt],
+                        )
+                        v[b, c, tt] = v0
+                        v[b + 1, c, tt] = v1
+                        v[b + 2, c, tt] = v2
+                        v[b + 3, c, tt] = v3
+                        v[b + 4, c, tt] = v4
+                        v[b + 5, c, tt] = v5
+            else:
+                for k in range(4):
+                    for t in range(t_):
+                        tt = np.uintp(t)
+                        e0, e1, e2, e3 = _bt4(
+                            buf[sl, 0, k, tt],
+                            buf[sl, 0, 4 + k, tt],
+                            buf[sl, 0, 8 + k, tt],
+                            buf[sl, 0, 12 + k, tt],
+                        )
+                        buf[sl, 1, k, tt] = e0
+                        buf[sl, 1, 4 + k, tt] = e1
+                        buf[sl, 1, 8 + k, tt] = e2
+                        buf[sl, 1, 12 + k, tt] = e3
+                for xi in range(4):
+                    b = xi * 4
+                    for t in range(t_):
+                        tt = np.uintp(t)
+                        v0, v1, v2, v3 = _bt4(
+                            buf[sl, 1, b, tt],
+                            buf[sl, 1, b + 1, tt],
+                            buf[sl, 1, b + 2, tt],
+                            buf[sl, 1, b + 3, tt],
+                        )
+                        v[b, c, tt] = v0
+                        v[b + 1, c, tt] = v1
+                        v[b + 2, c, tt] = v2
+                        v[b + 3, c, tt] = v3
 
 
 @njit(parallel=True, cache=True)
-def wino_output(mm, at, buf, y, tw, bias, scale, res, flags, act, a_, b_):
+def wino_output(mm, buf, y, m, tw, bias, scale, res, flags, act, a_, b_):
     """Winograd output transform of one image plus the fused epilogue:
     y[o, ty*m + i, tx*m + j] = (AT M A)[i, j] over M[e, o, t], then scale, bias,
     residual and activation per output row. Overhanging tile rows/columns are dropped.
     Same pass structure, slots and indexing rules as ``wino_input``."""
     c_, oh, ow = y.shape
-    m, a = at.shape
     t_ = mm.shape[2]
     th = t_ // tw
     has_res = (flags & HAS_RES) != 0
@@ -585,28 +688,59 @@ def wino_output(mm, at, buf, y, tw, bias, scale, res, flags, act, a_, b_):
     slots = buf.shape[0]
     for sl in prange(slots):
         for o in range(sl, c_, slots):
-            for i in range(m):  # along xi: F[i*a + nu] = sum_xi AT[i, xi] M[xi*a + nu]
-                for nu in range(a):
-                    dst = i * a + nu
+            if m == 4:
+                for nu in range(6):  # along xi: F[i*6 + nu] = AT[i, :] . M[:, nu]
                     for t in range(t_):
-                        buf[sl, 0, dst, np.uintp(t)] = 0.0
-                    for xi in range(a):
-                        coef = at[i, xi]
-                        if coef != 0:
-                            e = xi * a + nu
-                            for t in range(t_):
-                                buf[sl, 0, dst, np.uintp(t)] += coef * mm[e, o, np.uintp(t)]
-            for i in range(m):  # along nu: Y[i*m + j] = sum_nu AT[j, nu] F[i*a + nu]
-                for j in range(m):
-                    dst = i * m + j
+                        tt = np.uintp(t)
+                        f0, f1, f2, f3 = _at6(
+                            mm[nu, o, tt],
+                            mm[6 + nu, o, tt],
+                            mm[12 + nu, o, tt],
+                            mm[18 + nu, o, tt],
+                            mm[24 + nu, o, tt],
+                            mm[30 + nu, o, tt],
+                        )
+                        buf[sl, 0, nu, tt] = f0
+                        buf[sl, 0, 6 + nu, tt] = f1
+                        buf[sl, 0, 12 + nu, tt] = f2
+                        buf[sl, 0, 18 + nu, tt] = f3
+                for i in range(4):  # along nu: Y[i*4 + j] = AT[j, :] . F[i, :]
+                    b = i * 6
                     for t in range(t_):
-                        buf[sl, 1, dst, np.uintp(t)] = 0.0
-                    for nu in range(a):
-                        coef = at[j, nu]
-                        if coef != 0:
-                            src = i * a + nu
-                            for t in range(t_):
-                                buf[sl, 1, dst, np.uintp(t)] += coef * buf[sl, 0, src, np.uintp(t)]
+                        tt = np.uintp(t)
+                        y0, y1, y2, y3 = _at6(
+                            buf[sl, 0, b, tt],
+                            buf[sl, 0, b + 1, tt],
+                            buf[sl, 0, b + 2, tt],
+                            buf[sl, 0, b + 3, tt],
+                            buf[sl, 0, b + 4, tt],
+                            buf[sl, 0, b + 5, tt],
+                        )
+                        buf[sl, 1, i * 4, tt] = y0
+                        buf[sl, 1, i * 4 + 1, tt] = y1
+                        buf[sl, 1, i * 4 + 2, tt] = y2
+                        buf[sl, 1, i * 4 + 3, tt] = y3
+            else:
+                for nu in range(4):
+                    for t in range(t_):
+                        tt = np.uintp(t)
+                        f0, f1 = _at4(
+                            mm[nu, o, tt], mm[4 + nu, o, tt], mm[8 + nu, o, tt], mm[12 + nu, o, tt]
+                        )
+                        buf[sl, 0, nu, tt] = f0
+                        buf[sl, 0, 4 + nu, tt] = f1
+                for i in range(2):
+                    b = i * 4
+                    for t in range(t_):
+                        tt = np.uintp(t)
+                        y0, y1 = _at4(
+                            buf[sl, 0, b, tt],
+                            buf[sl, 0, b + 1, tt],
+                            buf[sl, 0, b + 2, tt],
+                            buf[sl, 0, b + 3, tt],
+                        )
+                        buf[sl, 1, i * 2, tt] = y0
+                        buf[sl, 1, i * 2 + 1, tt] = y1
             s = scale[o] if flags & HAS_SCALE else np.float32(1)
             bb = bias[o] if flags & HAS_BIAS else np.float32(0)
             for ty in range(th):

@@ -2,13 +2,15 @@
 
 3x3 stride-1 convolutions become ``conv_wino`` nodes, whose weights are stored
 Winograd-transformed (kernels/winograd.py), when the node will run on the CPU backend.
-The rule is from `scripts/bench_conv_algo.py` on ResNet-18's layers (1 thread):
+The rule is from `scripts/bench_conv_algo.py` on ResNet-18's layer shapes (1 thread,
+median speed-up over direct on this project's 2-core Xeon):
 
-- F(4x4, 3x3) for outputs of at least 28x28: 4x fewer multiplies, and enough tiles
-  (>= 49) for the a*a = 36 GEMMs to run at BLAS speed;
-- F(2x2, 3x3) for outputs from 7x7 to 27x27: 2.25x fewer multiplies; F(4x4) there
-  has too few tiles per GEMM and wastes the overhanging ones;
-- direct (im2col + GEMM) below 16 input or output channels, where the transforms
+- F(4x4, 3x3) for outputs of at least 28x28: 4x fewer multiplies and enough tiles
+  (>= 49) per GEMM (1.61x at 64ch 56x56, 1.40x at 128ch 28x28);
+- F(2x2, 3x3) for outputs from 14x14 to 27x27: 2.25x fewer multiplies, and F(4x4)
+  there has too few tiles per GEMM (1.10x at 256ch 14x14; F(4x4) 0.87x);
+- direct (im2col + GEMM) below 14x14, where the a*a GEMMs are too thin for BLAS
+  (512ch 7x7: F(2x2) 0.77x), below 16 input or output channels, where the transforms
   cost more than the multiplies they save, and for every quantized weight (the
   transformed weights would have to be stored in float32).
 
@@ -44,7 +46,7 @@ def winograd_tile(node: Node, g: Graph) -> int | None:
     side = min(oh, ow)
     if side >= 28:
         return 4
-    if side >= 7:
+    if side >= 14:
         return 2
     return None
 

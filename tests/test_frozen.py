@@ -365,3 +365,65 @@ def test_serve_inside_the_executable(tmp_path, digits_exe, digit_inputs):
             agent.kill()
         watcher.close()
         broker.stop()
+
+
+def _winograd_onnx(path: Path) -> None:
+    """conv 3x3 16->16 at 28x28 (F(4x4)), stride-2 conv to 14x14, conv 3x3 at 14x14
+    (F(2x2)) with a residual add and ReLUs: every Winograd kernel of the AOT build."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+
+    def w(name, *shape):
+        return numpy_helper.from_array(
+            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32), name
+        )
+
+    inits = [
+        w("w0", 16, 3, 3, 3),
+        w("w1", 16, 16, 3, 3),
+        w("w2", 16, 16, 3, 3),
+        w("w3", 16, 16, 3, 3),
+        w("b1", 16),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["c0", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Conv", ["c2", "w3"], ["c3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c3", "c2"], ["s"]),
+        helper.make_node("Relu", ["s"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "wino",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 28, 28])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 14, 14])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_winograd_convs_in_the_executable_match_edgepack_run(tmp_path, stub_cache):
+    """The AOT-compiled Winograd kernels give the JIT build's answer bit for bit."""
+    model = tmp_path / "wino.onnx"
+    _winograd_onnx(model)
+    exe = tmp_path / "wino-exe"
+    r = ep("build", model, "--target", TARGET, "-o", exe)
+    assert "2 3x3 conv(s) -> Winograd" in r.stdout
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(4).standard_normal((1, 3, 28, 28)).astype(np.float32))
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run(
+        [str(exe), "run", "--input", str(x), "--output", str(tmp_path / "got.npz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ep("run", exe, "--input", x, "--output", tmp_path / "ref.npz")
+    with np.load(tmp_path / "got.npz") as got, np.load(tmp_path / "ref.npz") as ref:
+        assert np.array_equal(got["y"], ref["y"])
