@@ -10,6 +10,10 @@ Design per op (same split as the cpu backend, so scratch sizes line up):
 - conv: im2col kernel -> GEMM (``xp.matmul`` into the output slot) -> fused epilogue
   kernel (scale, bias, residual, activation). int8/fp16 weights are decoded into
   scratch by a kernel each run; the int8 scale is applied in the epilogue.
+- conv_wino (3x3 stride-1, weights stored Winograd-transformed U[a*a, Cout, Cin]):
+  per image an input-transform kernel into V[a*a, Cin, T] -> a*a batched GEMMs
+  U[e] @ V[e] -> M (``xp.matmul``) -> an output-transform kernel with the conv
+  epilogue fused. Scratch is V and M only, less than the cpu kernel's.
 - dwconv: one direct kernel with the epilogue fused; int8 weights are read as they
   are, fp16 ones decoded into scratch first.
 - linear: decode (int8/fp16) -> GEMM -> column epilogue kernel.
@@ -27,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from . import winograd
 from .activations import act_code
 from .registry import Bound, Kernel, Spec, register
 
@@ -191,6 +196,55 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
             matmul(wg, rhs, yg)
         if flags or act:
             epi(y3, b_, s_, r3, flags, act, a, b)
+
+    return step
+
+
+# --- 3x3 conv, Winograd (weights transformed by the packager) --------------------------
+
+
+def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> tuple:
+    m = int(attrs["tile"])
+    a2, co, ci = ushape
+    th, tw = winograd.tiles(out_shape[2:], m)
+    return m, a2, co, ci, th * tw, tw
+
+
+def _wino_scratch(ins, outs, attrs) -> int:
+    # V and M of one image; no row buffers (each thread transforms one tile in
+    # registers), so this is below the cpu kernel's need: a cpu-planned bundle fits.
+    m, a2, co, ci, t, _ = _wino_dims(ins[1][0], outs[0], attrs)
+    return _nbytes((a2, ci, t)) + _nbytes((a2, co, t))
+
+
+def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
+    d, K = _d(), _k()
+    x, u, bias, scale, res = _opt(ins, 5)
+    y = outs[0]
+    m, a2, co, ci, t, tw = _wino_dims(u.shape, y.shape, attrs)
+    v, off = _f32_slot(scratch, 0, (a2, ci, t))
+    mm = _f32_slot(scratch, off, (a2, co, t))[0]
+    # The transform matrices are arguments, uploaded once (like pad's offsets).
+    bt, _, at = (d.arg(d.upload(np.asarray(z, np.float32))) for z in winograd.matrices(m))
+    pt, pl, _, _ = attrs["pads"]
+    dm = _dummies(d)
+    b_ = d.arg(bias) if bias is not None else dm.v1
+    s_ = d.arg(scale) if scale is not None else dm.v1
+    flags = _flags(bias, scale, res)
+    act, a, b = _act(attrs)
+    v_arg, mm_arg = d.arg(v), d.arg(mm)
+    fin, fout = d.launch(K.wino_input, ci * t), d.launch(K.wino_output, co * t)
+    items = [
+        (d.arg(x[n]), d.arg(y[n]), d.arg(res[n]) if res is not None else dm.v3)
+        for n in range(x.shape[0])
+    ]
+    matmul = d.matmul
+
+    def step() -> None:
+        for xn, yn, rn in items:
+            fin(xn, bt, v_arg, m, pt, pl, tw)
+            matmul(u, v, mm)  # a*a independent GEMMs U[e] @ V[e]
+            fout(mm_arg, at, yn, tw, b_, s_, rn, flags, act, a, b)
 
     return step
 
@@ -470,6 +524,7 @@ def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
 
 _ALL_W = ("f32", "f16", "i8")
 _cuda("conv", _bind_conv, _ALL_W, _conv_scratch)
+_cuda("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 _cuda("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
 _cuda("linear", _bind_linear, _ALL_W, _linear_scratch)
 _cuda("matmul", _bind_matmul)

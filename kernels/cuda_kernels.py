@@ -129,6 +129,93 @@ def epilogue_rows(y, bias, scale, res, flags, code, a, b):
 
 
 @cuda.jit
+def wino_input(x, bt, v, m, pt, pl, tw):
+    """Winograd input transform of one image x[C, H, W]: V[xi*a + nu, c, t] =
+    (BT d B)[xi, nu] for the a x a input tile d of tile t = ty * tw + tx (rows from
+    ty*m - pt, columns from tx*m - pl; zero outside the image). One (c, t) per loop turn;
+    zero coefficients of BT are skipped. a <= 6 (F(4x4, 3x3))."""
+    h, w = x.shape[1], x.shape[2]
+    a = bt.shape[0]
+    cn, tn = v.shape[1], v.shape[2]
+    for q in range(cuda.grid(1), cn * tn, cuda.gridsize(1)):
+        c = q // tn
+        t = q - c * tn
+        ty = t // tw
+        tx = t - ty * tw
+        y0 = ty * m - pt
+        x0 = tx * m - pl
+        d = cuda.local.array(36, float32)
+        e = cuda.local.array(36, float32)
+        for r in range(a):  # gather the tile: d[r*a + k]
+            iy = y0 + r
+            for k in range(a):
+                ix = x0 + k
+                val = f32(0.0)
+                if 0 <= iy < h and 0 <= ix < w:
+                    val = x[c, iy, ix]
+                d[r * a + k] = val
+        for xi in range(a):  # along r: e[xi*a + k] = sum_r BT[xi, r] d[r*a + k]
+            for k in range(a):
+                s = f32(0.0)
+                for r in range(a):
+                    coef = bt[xi, r]
+                    if coef != f32(0.0):
+                        s += coef * d[r * a + k]
+                e[xi * a + k] = s
+        for xi in range(a):  # along k: V[xi*a + nu] = sum_k BT[nu, k] e[xi*a + k]
+            for nu in range(a):
+                s = f32(0.0)
+                for k in range(a):
+                    coef = bt[nu, k]
+                    if coef != f32(0.0):
+                        s += coef * e[xi * a + k]
+                v[xi * a + nu, c, t] = s
+
+
+@cuda.jit
+def wino_output(mm, at, y, tw, bias, scale, res, flags, code, a_, b_):
+    """Winograd output transform of one image plus the conv epilogue: the m x m tile
+    (AT M A) of tile t over M[e, o, t], then y[o, oy, ox] = act(v * scale[o] + bias[o]
+    + res[o, oy, ox]) (``epilogue_rows``' order). One (o, t) per loop turn; the
+    overhanging rows and columns of the last tiles are dropped."""
+    oh, ow = y.shape[1], y.shape[2]
+    m, a = at.shape[0], at.shape[1]
+    cn, tn = mm.shape[1], mm.shape[2]
+    for q in range(cuda.grid(1), cn * tn, cuda.gridsize(1)):
+        o = q // tn
+        t = q - o * tn
+        ty = t // tw
+        tx = t - ty * tw
+        f = cuda.local.array(24, float32)
+        for i in range(m):  # along xi: f[i*a + nu] = sum_xi AT[i, xi] M[xi*a + nu]
+            for nu in range(a):
+                s = f32(0.0)
+                for xi in range(a):
+                    coef = at[i, xi]
+                    if coef != f32(0.0):
+                        s += coef * mm[xi * a + nu, o, t]
+                f[i * a + nu] = s
+        for i in range(m):
+            oy = ty * m + i
+            if oy < oh:
+                for j in range(m):
+                    ox = tx * m + j
+                    if ox < ow:
+                        val = f32(0.0)  # along nu: sum_nu AT[j, nu] f[i*a + nu]
+                        for nu in range(a):
+                            coef = at[j, nu]
+                            if coef != f32(0.0):
+                                val += coef * f[i * a + nu]
+                        if flags & HAS_SCALE:
+                            val = val * scale[o]
+                        if flags & HAS_BIAS:
+                            val = val + bias[o]
+                        if flags & HAS_RES:
+                            val = val + res[o, oy, ox]
+                        y[o, oy, ox] = act(val, code, a_, b_)
+
+
+@cuda.jit
 def epilogue_cols(y, bias, scale, flags, code, a, b):
     """y[M, N] = act(y * scale[n] + bias[n]) in place (linear)."""
     cn = y.shape[1]

@@ -579,6 +579,20 @@ def test_cuda_covers_every_cpu_kernel():
     assert cpu <= cuda, f"no cuda kernel for {sorted(cpu - cuda)}"
 
 
+def test_cuda_conv_wino_scratch_fits_a_cpu_plan():
+    # conv_wino nodes are only planned on cpu (packager/conv_algo.py), so the plan
+    # reserves the cpu kernel's scratch; --device cuda binds the cuda kernel there.
+    for case in CASES["conv_wino"]:
+        ins, attrs = _build("conv_wino", "f32", case)
+        specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+        out = R.REFERENCE["conv_wino"](ins, attrs).shape
+        need = {
+            b: registry.KERNELS[("conv_wino", "f32", b)].scratch(specs, [out], attrs)
+            for b in ("cpu", "cuda")
+        }
+        assert 0 < need["cuda"] <= need["cpu"], (case.name, need)
+
+
 class HostMem:
     """Buffers as the cpu runtime has them: NumPy arrays."""
 
