@@ -41,6 +41,11 @@ def load_kernels() -> SimpleNamespace:
         else:
             ns.HAS_BIAS, ns.HAS_SCALE, ns.HAS_RES = HAS_BIAS, HAS_SCALE, HAS_RES
             return ns
+    # GNU OpenMP (numba's default threading layer here) spins its idle threads; so do
+    # OpenBLAS's between GEMMs. Alternating numba kernels and BLAS calls at 2 threads
+    # each made ResNet-18 take 188 ms instead of 60 (scripts/bench_cnn.py, 2 threads):
+    # idle OpenMP threads must sleep. Read when numba first loads its OpenMP pool.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from . import cpu_numba
 
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
