@@ -68,13 +68,26 @@ def _is_pointwise(wshape: Sequence[int], attrs: dict) -> bool:
     )
 
 
+# im2col runs in bands of output rows whose columns fit in L2, each band's GEMM reading
+# them from cache: ResNet-18's 7x7 stem has 7.4 MB of columns, and its GEMM took 5.1 ms
+# reading them from memory against 3.7 ms from cache. Bands stay wide enough for BLAS.
+BAND_BYTES = 512 * 1024
+MIN_BAND_COLS = 512
+
+
+def _band_rows(kk: int, oh: int, ow: int) -> int:
+    rows = max(1, BAND_BYTES // (kk * ow * 4))
+    return oh if rows >= oh or rows * ow < MIN_BAND_COLS else rows
+
+
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
     (wshape, wdt) = ins[1]
     co, cg, kh, kw = wshape
     oh, ow = outs[0][2], outs[0][3]
-    need = 0 if wdt == "f32" else _nbytes((co, cg * kh * kw))  # decoded weights
+    kk = cg * kh * kw
+    need = 0 if wdt == "f32" else _nbytes((co, kk))  # decoded weights
     if not _is_pointwise(wshape, attrs):
-        need += _nbytes((cg * kh * kw, oh * ow))  # im2col columns
+        need += _nbytes((kk, _band_rows(kk, oh, ow) * ow))  # im2col columns of one band
     return need
 
 
@@ -99,15 +112,25 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
         decode = _decoder(w2, wf)
         w2 = wf
     pointwise = _is_pointwise(w.shape, attrs)
-    cols = None if pointwise else _f32_slot(scratch, off, (kk, p))[0]
-    gemms = []
+    band = _band_rows(kk, oh, ow)
+    cols_flat = None if pointwise else _f32_slot(scratch, off, (kk * band * ow,))[0]
+    bands = []  # (first output row, rows, contiguous columns buffer for them)
+    for oy0 in range(0, oh, band):
+        nb = min(band, oh - oy0)
+        cols = None if pointwise else cols_flat[: kk * nb * ow].reshape(kk, nb * ow)
+        bands.append((oy0, nb, cols))
+    gemms = []  # (input, weights, output columns, im2col's top pad or None)
     for n in range(n_):
         for gi in range(g):
             xg = x[n, gi * cg : (gi + 1) * cg]
             yg = y[n, gi * cog : (gi + 1) * cog].reshape(cog, p)
-            gemms.append(
-                (xg.reshape(cg, h * wd) if pointwise else xg, w2[gi * cog : (gi + 1) * cog], yg)
-            )
+            wg = w2[gi * cog : (gi + 1) * cog]
+            if pointwise:
+                gemms.append((xg.reshape(cg, h * wd), wg, yg, None, None))
+                continue
+            for oy0, nb, cols in bands:  # a band is the image with its top rows cut off
+                yb = yg[:, oy0 * ow : (oy0 + nb) * ow]
+                gemms.append((xg, wg, yb, cols, (pt - oy0 * sh, nb)))
     flags = _flags(bias, scale, res)
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1
@@ -121,11 +144,11 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     def step() -> None:
         if decode is not None:
             decode()
-        for xg, wg, yg in gemms:
+        for xg, wg, yg, cols, cut in gemms:
             if cols is None:
                 matmul(wg, xg, out=yg)
             else:
-                im2col(xg, cols, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow)
+                im2col(xg, cols, kh, kw, sh, sw, cut[0], pl, dh, dw, cut[1], ow)
                 matmul(wg, cols, out=yg)
         for y2, r2 in epis:
             epilogue(y2, b_, s_, r2, flags, act, a, b)

@@ -701,6 +701,27 @@ def test_cpu_kernel(op: str, dt: str, case: Case) -> None:
     _check_kernel("cpu", HostMem(), op, dt, case)
 
 
+_BAND_CASES = [
+    c
+    for c in CASES["conv"]
+    if c.name in ("g1_k3_s1_p1", "g2_k3_s2_p1_res", "k7_s2_p3", "k3_asym_pads_s2", "batch2")
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("dt", ["f32", "i8"])
+@pytest.mark.parametrize("case", _BAND_CASES, ids=lambda c: c.name)
+def test_cpu_conv_in_bands_of_rows(monkeypatch, dt: str, case: Case) -> None:
+    """im2col + GEMM in bands of output rows (as big images run), the last band shorter:
+    small band limits split the test images into bands of a few rows."""
+    from edgepack.kernels import backend_cpu
+
+    monkeypatch.setattr(backend_cpu, "BAND_BYTES", 2600)
+    monkeypatch.setattr(backend_cpu, "MIN_BAND_COLS", 4)
+    assert backend_cpu._band_rows(36, 9, 9) == 2  # g1_k3_s1_p1: 4 bands of 2 rows + 1
+    _check_kernel("cpu", HostMem(), "conv", dt, case)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(("op", "dt", "case"), _params(CUDA_KEYS))
 def test_cuda_kernel(op: str, dt: str, case: Case) -> None:
