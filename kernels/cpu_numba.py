@@ -343,6 +343,79 @@ def dwconv(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b
 
 
 @njit(parallel=True, cache=True)
+def dwconv3_flat(x, w, bias, scale, res, out, planes, flags, act, a, b):
+    """3x3 depthwise conv, stride 1, pads 1, one image, for small images.
+
+    Rows of 7 or 14 outputs leave the row-wise kernel mostly in loop overhead and
+    checked border columns. Here each channel is copied into a zero-bordered plane
+    (``planes[slot, 0]``, width wp = W + 2) and one vectorised 9-tap loop runs over the
+    flat range of oh * wp "wide" outputs (``planes[slot, 1]``; the 2 extra columns per
+    row are discarded), then the rows are copied out and the epilogue applied.
+    """
+    c_, h, wd = x.shape
+    oh, ow = out.shape[1], out.shape[2]
+    wp = wd + 2
+    n = oh * wp
+    has_res = (flags & HAS_RES) != 0
+    rstep = 1 if has_res else 0  # the dummy residual is 1x1x1
+    rn = oh * ow if has_res else 1
+    slots = planes.shape[0]
+    for sl in prange(slots):
+        for c in range(sl, c_, slots):
+            for p in range(planes.shape[2]):
+                planes[sl, 0, np.uintp(p)] = 0.0
+            for iy in range(h):
+                o = (iy + 1) * wp + 1
+                for ix in range(wd):
+                    planes[sl, 0, np.uintp(o + ix)] = x[c, iy, np.uintp(ix)]
+            w00, w01, w02 = (
+                np.float32(w[c, 0, 0, 0]),
+                np.float32(w[c, 0, 0, 1]),
+                np.float32(w[c, 0, 0, 2]),
+            )
+            w10, w11, w12 = (
+                np.float32(w[c, 0, 1, 0]),
+                np.float32(w[c, 0, 1, 1]),
+                np.float32(w[c, 0, 1, 2]),
+            )
+            w20, w21, w22 = (
+                np.float32(w[c, 0, 2, 0]),
+                np.float32(w[c, 0, 2, 1]),
+                np.float32(w[c, 0, 2, 2]),
+            )
+            for p in range(n):
+                q0 = np.uintp(p)
+                q1 = q0 + np.uintp(wp)
+                q2 = q1 + np.uintp(wp)
+                one, two = np.uintp(1), np.uintp(2)
+                planes[sl, 1, q0] = (
+                    (
+                        w00 * planes[sl, 0, q0]
+                        + w01 * planes[sl, 0, q0 + one]
+                        + w02 * planes[sl, 0, q0 + two]
+                    )
+                    + (
+                        w10 * planes[sl, 0, q1]
+                        + w11 * planes[sl, 0, q1 + one]
+                        + w12 * planes[sl, 0, q1 + two]
+                    )
+                    + (
+                        w20 * planes[sl, 0, q2]
+                        + w21 * planes[sl, 0, q2 + one]
+                        + w22 * planes[sl, 0, q2 + two]
+                    )
+                )
+            for oy in range(oh):
+                for ox in range(ow):
+                    out[c, oy, np.uintp(ox)] = planes[sl, 1, np.uintp(oy * wp + ox)]
+            s = scale[c] if flags & HAS_SCALE else np.float32(1)
+            bb = bias[c] if flags & HAS_BIAS else np.float32(0)
+            epilogue_row(
+                out[c].reshape(oh * ow), s, bb, res[c * rstep].reshape(rn), has_res, act, a, b
+            )
+
+
+@njit(parallel=True, cache=True)
 def linear_q(x, w, bias, scale, y, flags, act, a, b):
     """y[M,N] = act(x[M,K] @ w[N,K].T * scale + bias) reading int8 weights directly.
 

@@ -20,12 +20,16 @@ from .cpu_abi import AOT_MODULE, HAS_BIAS, HAS_RES, HAS_SCALE
 def _aot_namespace(mod) -> SimpleNamespace:
     """The AOT exports under the JIT kernels' names (one export per weight dtype)."""
     ns = {name: getattr(mod, name) for name in dir(mod) if not name.startswith("_")}
-    dw_f32, dw_i8 = ns.pop("dwconv_f32"), ns.pop("dwconv_i8")
+    for name in ("dwconv", "dwconv3_flat"):
+        ns[name] = _by_weight_dtype(ns.pop(f"{name}_f32"), ns.pop(f"{name}_i8"))
+    return SimpleNamespace(build="aot", **ns)
 
-    def dwconv(x, w, *rest):
-        return (dw_i8 if w.dtype == np.int8 else dw_f32)(x, w, *rest)
 
-    return SimpleNamespace(dwconv=dwconv, build="aot", **ns)
+def _by_weight_dtype(f32, i8):
+    def kernel(x, w, *rest):
+        return (i8 if w.dtype == np.int8 else f32)(x, w, *rest)
+
+    return kernel
 
 
 def load_kernels() -> SimpleNamespace:
