@@ -230,31 +230,35 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
 # --- depthwise conv (direct) ------------------------------------------------------
 
 
-# Small images take the flat-plane 3x3 kernel (dwconv3_flat): measured 2x faster than
-# the row-wise one at 7x7..28x28, even at 56x56 and slower at 112x112.
+# 3x3 depthwise special cases. Stride 1 on small images takes the flat-plane kernel
+# (dwconv3_flat): 2x faster than the row-wise one at 7x7..28x28, even at 56x56, slower
+# at 112x112. Stride 2 splits rows into even/odd columns once (dwconv3_s2).
 FLAT_DW_MAX_SIDE = 28
 DW_SLOTS = 8  # channels dealt to per-slot planes, as in the Winograd transforms
 
 
-def _flat_dw_planes(wshape, out_shape, attrs) -> tuple[int, ...] | None:
-    """Shape of the flat kernel's planes, or None when the row-wise kernel runs."""
+def _dw_planes(wshape, out_shape, attrs) -> tuple[str, tuple[int, ...]] | None:
+    """(kernel, shape of its per-slot planes) for the 3x3 special cases, else None (the
+    row-wise ``dwconv`` runs): stride 1 on small images, stride 2 at any size."""
     if (
         tuple(wshape[2:]) != (3, 3)
-        or list(attrs["strides"]) != [1, 1]
         or list(attrs["dilations"]) != [1, 1]
         or list(attrs["pads"]) != [1, 1, 1, 1]
-        or max(out_shape[2:]) > FLAT_DW_MAX_SIDE
     ):
         return None
     oh, ow = out_shape[2], out_shape[3]
-    return (DW_SLOTS, 2, (oh + 2) * (ow + 2) + 2)  # +2: the last wide row's taps overrun
+    if list(attrs["strides"]) == [1, 1] and max(oh, ow) <= FLAT_DW_MAX_SIDE:
+        return "dwconv3_flat", (DW_SLOTS, 2, (oh + 2) * (ow + 2) + 2)  # +2: taps overrun
+    if list(attrs["strides"]) == [2, 2]:
+        return "dwconv3_s2", (DW_SLOTS, 2, (2 * oh + 1) * (ow + 1))  # even / odd columns
+    return None
 
 
 def _dw_scratch(ins, outs, attrs) -> int:
     wshape, wdt = ins[1]
     need = _nbytes(wshape) if wdt == "f16" else 0
-    planes = _flat_dw_planes(wshape, outs[0], attrs)
-    return need + (_nbytes(planes) if planes else 0)
+    special = _dw_planes(wshape, outs[0], attrs)
+    return need + (_nbytes(special[1]) if special else 0)
 
 
 def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
@@ -265,7 +269,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
         wf, off = _f32_slot(scratch, 0, w.shape)
         decode = _decoder(w, wf)
         w = wf
-    planes_shape = _flat_dw_planes(w.shape, y.shape, attrs)
+    special = _dw_planes(w.shape, y.shape, attrs)
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
@@ -274,9 +278,9 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
     items = [(x[n], y[n], res[n] if res is not None else _DUMMY3) for n in range(x.shape[0])]
-    if planes_shape is not None:
-        planes = _f32_slot(scratch, off, planes_shape)[0]
-        flat = K.dwconv3_flat
+    if special is not None:
+        planes = _f32_slot(scratch, off, special[1])[0]
+        flat = getattr(K, special[0])
 
         def step_flat() -> None:
             if decode is not None:

@@ -54,22 +54,11 @@ def aot_signatures() -> dict[str, tuple[str, object]]:
         ),
     }
     for name, wdt in (("f32", f4), ("i8", i1)):
-        sigs[f"dwconv3_flat_{name}"] = (
-            "dwconv3_flat",
-            v(
-                arr(f4, 3),
-                arr(wdt, 4, ro=True),
-                w1,
-                w1,
-                arr(f4, 3),
-                arr(f4, 3),
-                arr(f4, 3),
-                i8,
-                i8,
-                f4,
-                f4,
-            ),
+        special = v(
+            *([arr(f4, 3), arr(wdt, 4, ro=True), w1, w1] + [arr(f4, 3)] * 3), i8, i8, f4, f4
         )
+        for kern in ("dwconv3_flat", "dwconv3_s2"):  # 3x3 special cases (backend_cpu)
+            sigs[f"{kern}_{name}"] = (kern, special)
         sigs[f"dwconv_{name}"] = (
             "dwconv",
             v(

@@ -416,6 +416,89 @@ def dwconv3_flat(x, w, bias, scale, res, out, planes, flags, act, a, b):
 
 
 @njit(parallel=True, cache=True)
+def dwconv3_s2(x, w, bias, scale, res, out, planes, flags, act, a, b):
+    """3x3 depthwise conv, stride 2, pads 1, one image.
+
+    At stride 2 the taps of neighbouring outputs are two columns apart, so the
+    row-wise kernel gathers. Here each padded input row is first split once into its
+    even and odd columns (``planes[slot, 0]`` / ``planes[slot, 1]``, rows of ne = ow + 1);
+    output column ox then reads even[ox], odd[ox], even[ox + 1]: unit stride.
+    """
+    c_, h, wd = x.shape
+    oh, ow = out.shape[1], out.shape[2]
+    ne = ow + 1
+    hp = 2 * oh + 1  # padded rows the outputs read
+    has_res = (flags & HAS_RES) != 0
+    rstep = 1 if has_res else 0  # the dummy residual is 1x1x1
+    rn = oh * ow if has_res else 1
+    slots = planes.shape[0]
+    for sl in prange(slots):
+        for c in range(sl, c_, slots):
+            for r in range(hp):  # padded column q = 2u (even) or 2u + 1 (odd); x col = q - 1
+                base = r * ne
+                for u in range(ne):
+                    planes[sl, 0, np.uintp(base + u)] = 0.0
+                    planes[sl, 1, np.uintp(base + u)] = 0.0
+                iy = r - 1
+                if iy < 0 or iy >= h:
+                    continue
+                # even q = 2u holds x col 2u - 1, odd q = 2u + 1 holds x col 2u; read as
+                # pairs (2u - 1, 2u) so LLVM loads them interleaved, not as gathers
+                planes[sl, 1, np.uintp(base)] = x[c, iy, 0]
+                for u in range(1, min(ne, (wd + 1) // 2)):
+                    v0 = x[c, iy, np.uintp(2 * u - 1)]
+                    v1 = x[c, iy, np.uintp(2 * u)]
+                    planes[sl, 0, np.uintp(base + u)] = v0
+                    planes[sl, 1, np.uintp(base + u)] = v1
+                if wd % 2 == 0 and wd // 2 < ne:  # the last column has no pair
+                    planes[sl, 0, np.uintp(base + wd // 2)] = x[c, iy, wd - 1]
+            w00, w01, w02 = (
+                np.float32(w[c, 0, 0, 0]),
+                np.float32(w[c, 0, 0, 1]),
+                np.float32(w[c, 0, 0, 2]),
+            )
+            w10, w11, w12 = (
+                np.float32(w[c, 0, 1, 0]),
+                np.float32(w[c, 0, 1, 1]),
+                np.float32(w[c, 0, 1, 2]),
+            )
+            w20, w21, w22 = (
+                np.float32(w[c, 0, 2, 0]),
+                np.float32(w[c, 0, 2, 1]),
+                np.float32(w[c, 0, 2, 2]),
+            )
+            for oy in range(oh):
+                e0 = np.uintp(2 * oy * ne)
+                e1 = e0 + np.uintp(ne)
+                e2 = e1 + np.uintp(ne)
+                for ox in range(ow):
+                    q = np.uintp(ox)
+                    q1 = q + np.uintp(1)
+                    out[c, oy, q] = (
+                        (
+                            w00 * planes[sl, 0, e0 + q]
+                            + w01 * planes[sl, 1, e0 + q]
+                            + w02 * planes[sl, 0, e0 + q1]
+                        )
+                        + (
+                            w10 * planes[sl, 0, e1 + q]
+                            + w11 * planes[sl, 1, e1 + q]
+                            + w12 * planes[sl, 0, e1 + q1]
+                        )
+                        + (
+                            w20 * planes[sl, 0, e2 + q]
+                            + w21 * planes[sl, 1, e2 + q]
+                            + w22 * planes[sl, 0, e2 + q1]
+                        )
+                    )
+            s = scale[c] if flags & HAS_SCALE else np.float32(1)
+            bb = bias[c] if flags & HAS_BIAS else np.float32(0)
+            epilogue_row(
+                out[c].reshape(oh * ow), s, bb, res[c * rstep].reshape(rn), has_res, act, a, b
+            )
+
+
+@njit(parallel=True, cache=True)
 def linear_q(x, w, bias, scale, y, flags, act, a, b):
     """y[M,N] = act(x[M,K] @ w[N,K].T * scale + bias) reading int8 weights directly.
 
