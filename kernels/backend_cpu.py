@@ -14,7 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import winograd
-from .activations import act_code
+from .binding import act_args as _act
+from .binding import epilogue_flags as _flags
+from .binding import nbytes as _nbytes
+from .binding import optional_inputs as _opt
 from .native import K
 from .registry import Bound, Kernel, Spec, register
 
@@ -22,23 +25,6 @@ F32 = np.dtype(np.float32)
 _DUMMY1 = np.zeros(1, np.float32)
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY3 = np.zeros((1, 1, 1), np.float32)
-
-
-def _act(attrs: dict) -> tuple[int, np.float32, np.float32]:
-    a, b = attrs.get("act_args", (0.0, 0.0))
-    return act_code(attrs.get("act", "none")), np.float32(a), np.float32(b)
-
-
-def _opt(ins: Sequence, n: int) -> list:
-    return (list(ins) + [None] * n)[:n]
-
-
-def _flags(bias, scale, res) -> int:
-    return (
-        (K.HAS_BIAS if bias is not None else 0)
-        | (K.HAS_SCALE if scale is not None else 0)
-        | (K.HAS_RES if res is not None else 0)
-    )
 
 
 def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
@@ -53,10 +39,6 @@ def _decoder(w: np.ndarray, dst: np.ndarray):
         src, out = src.view(np.uint16), out.view(np.uint32)
         return lambda: K.decode_f16(src, out)
     return lambda: K.decode_i8(src, out)
-
-
-def _nbytes(shape: Sequence[int], itemsize: int = 4) -> int:
-    return int(np.prod(shape)) * itemsize
 
 
 # --- conv (im2col + BLAS) ---------------------------------------------------------

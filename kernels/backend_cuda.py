@@ -32,7 +32,10 @@ from typing import Any
 import numpy as np
 
 from . import winograd
-from .activations import act_code
+from .binding import act_args as _act
+from .binding import epilogue_flags as _flags
+from .binding import nbytes as _nbytes
+from .binding import optional_inputs as _opt
 from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -49,27 +52,6 @@ def _d():
     from .cuda_dev import dev
 
     return dev()
-
-
-def _act(attrs: dict) -> tuple[int, np.float32, np.float32]:
-    a, b = attrs.get("act_args", (0.0, 0.0))
-    return act_code(attrs.get("act", "none")), np.float32(a), np.float32(b)
-
-
-def _opt(ins: Sequence, n: int) -> list:
-    return (list(ins) + [None] * n)[:n]
-
-
-def _flags(bias, scale, res) -> int:
-    return (
-        (1 if bias is not None else 0)
-        | (2 if scale is not None else 0)
-        | (4 if res is not None else 0)
-    )
-
-
-def _nbytes(shape: Sequence[int], itemsize: int = 4) -> int:
-    return int(np.prod(shape)) * itemsize
 
 
 def _f32_slot(scratch: Any, offset: int, shape: tuple[int, ...]) -> tuple[Any, int]:

@@ -715,19 +715,6 @@ def binary4(x, y, out, kind, act, a, b):
                 out[i, j, k, m] = act_scalar(_binop(x[i, j, k, m], y[i, j, k, m], kind), act, a, b)
 
 
-@njit(inline="always")
-def _tile_cols(shift, m, width, n_tiles):
-    """Tiles [lo, hi) whose column ``tx * m + shift`` is inside [0, width), found by
-    stepping (a couple of steps at most) rather than by a runtime-divisor division."""
-    lo = 0
-    while lo < n_tiles and lo * m + shift < 0:
-        lo += 1
-    hi = n_tiles
-    while hi > lo and (hi - 1) * m + shift >= width:
-        hi -= 1
-    return lo, hi
-
-
 # Winograd transforms with the matrices of kernels/winograd.py written out, so each
 # pass reads its a source rows once and writes its outputs once, vectorised along the
 # tile axis (a generic coefficient loop made ~5x more memory passes). float32

@@ -93,19 +93,3 @@ def untransform_weights(u: np.ndarray, m: int) -> np.ndarray:
 def tiles(out_hw: Sequence[int], m: int) -> tuple[int, int]:
     """Tile rows and columns covering an output of out_hw (the last ones overhang)."""
     return -(-int(out_hw[0]) // m), -(-int(out_hw[1]) // m)
-
-
-def scratch_shapes(
-    cin: int, cout: int, out_hw: Sequence[int], m: int
-) -> dict[str, tuple[int, ...]]:
-    """The float32 scratch one image needs: V (transformed input), M (GEMM products),
-    and the row buffers of the input and output transforms."""
-    a = m + 2
-    th, tw = tiles(out_hw, m)
-    t = th * tw
-    return {
-        "V": (a * a, cin, t),
-        "M": (a * a, cout, t),
-        "rows_in": (cin, a, (tw - 1) * m + a),
-        "rows_out": (cout, m, a, tw),
-    }
