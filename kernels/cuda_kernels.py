@@ -19,8 +19,23 @@ import math
 
 from numba import cuda, float32, float64, int64
 
+from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
+
 f32 = float32
-HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
+
+
+@cuda.jit(device=True, inline=True)
+def unravel6(t, s1, s2, s3, s4, s5):
+    """The 6-D index of flat (C-order) position t in a shape (_, s1, s2, s3, s4, s5)."""
+    i5 = t % s5
+    t //= s5
+    i4 = t % s4
+    t //= s4
+    i3 = t % s3
+    t //= s3
+    i2 = t % s2
+    t //= s2
+    return t // s1, t % s1, i2, i3, i4, i5
 
 
 @cuda.jit(device=True, inline=True)
@@ -276,17 +291,7 @@ def binary6(x, z, y, kind, code, a, b):
     """y = act(x op z) over 6-D views; x and z may broadcast (stride-0 axes)."""
     s1, s2, s3, s4, s5 = y.shape[1], y.shape[2], y.shape[3], y.shape[4], y.shape[5]
     for t in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-        r = t
-        i5 = r % s5
-        r //= s5
-        i4 = r % s4
-        r //= s4
-        i3 = r % s3
-        r //= s3
-        i2 = r % s2
-        r //= s2
-        i1 = r % s1
-        i0 = r // s1
+        i0, i1, i2, i3, i4, i5 = unravel6(t, s1, s2, s3, s4, s5)
         u = x[i0, i1, i2, i3, i4, i5]
         v = z[i0, i1, i2, i3, i4, i5]
         if kind == 0:
@@ -306,17 +311,7 @@ def copy6(src, dst):
     concat parts, reshape copies."""
     s1, s2, s3, s4, s5 = dst.shape[1], dst.shape[2], dst.shape[3], dst.shape[4], dst.shape[5]
     for t in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
-        r = t
-        i5 = r % s5
-        r //= s5
-        i4 = r % s4
-        r //= s4
-        i3 = r % s3
-        r //= s3
-        i2 = r % s2
-        r //= s2
-        i1 = r % s1
-        i0 = r // s1
+        i0, i1, i2, i3, i4, i5 = unravel6(t, s1, s2, s3, s4, s5)
         dst[i0, i1, i2, i3, i4, i5] = src[i0, i1, i2, i3, i4, i5]
 
 

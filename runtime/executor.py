@@ -77,7 +77,8 @@ class Executor:
             if need > planned:
                 raise RuntimeError(
                     f"node {node['name']!r}: kernel {kern.name} needs {need} B of scratch, "
-                    f"the plan reserved {planned} B (bundle built by another edgepack version or for another backend: rebuild it)"
+                    f"the plan reserved {planned} B (bundle built by another edgepack version "
+                    "or for another backend: rebuild it)"
                 )
             step = kern.bind(ins, outs, self.arena[off : off + planned], node["attrs"])
             self.bound.append((node, step))
