@@ -18,6 +18,7 @@ from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
 from .binding import optional_inputs as _opt
+from .cpu_abi import GEMM_XP_FLOATS
 from .native import K
 from .registry import Bound, Kernel, Spec, register
 
@@ -25,6 +26,10 @@ F32 = np.dtype(np.float32)
 _DUMMY1 = np.zeros(1, np.float32)
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY3 = np.zeros((1, 1, 1), np.float32)
+
+
+def _up64(n: int) -> int:
+    return -(-n // 64) * 64  # buffers start on cache lines (the arena is 64-byte aligned)
 
 
 def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
@@ -41,7 +46,7 @@ def _decoder(w: np.ndarray, dst: np.ndarray):
     return lambda: K.decode_i8(src, out)
 
 
-# --- conv (im2col + BLAS) ---------------------------------------------------------
+# --- conv (im2col + register-tiled GEMM) --------------------------------------------
 
 
 def _is_pointwise(wshape: Sequence[int], attrs: dict) -> bool:
@@ -55,6 +60,8 @@ def _is_pointwise(wshape: Sequence[int], attrs: dict) -> bool:
 # reading them from memory against 3.7 ms from cache. Bands stay wide enough for BLAS.
 BAND_BYTES = 512 * 1024
 MIN_BAND_COLS = 512
+# Workers of the GEMM (gemm_tiles.py): each packs its column blocks into its own slot.
+GEMM_SLOTS = 4
 
 
 def _band_rows(kk: int, oh: int, ow: int) -> int:
@@ -62,12 +69,26 @@ def _band_rows(kk: int, oh: int, ow: int) -> int:
     return oh if rows >= oh or rows * ow < MIN_BAND_COLS else rows
 
 
+def _gemm_xp_shape() -> tuple[int, int]:
+    return GEMM_SLOTS, GEMM_XP_FLOATS
+
+
+def _gemm_scratch_bytes() -> int:
+    return _up64(_nbytes(_gemm_xp_shape()))
+
+
+def _gemm_slots(scratch: np.ndarray, off: int) -> tuple[np.ndarray, int]:
+    """The GEMM's packing buffers at ``off`` in scratch (64-byte aligned)."""
+    return _f32_slot(scratch, off, _gemm_xp_shape())[0], off + _gemm_scratch_bytes()
+
+
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
     (wshape, wdt) = ins[1]
     co, cg, kh, kw = wshape
     oh, ow = outs[0][2], outs[0][3]
     kk = cg * kh * kw
-    need = 0 if wdt == "f32" else _nbytes((co, kk))  # decoded weights
+    need = 0 if wdt == "f32" else _up64(_nbytes((co, kk)))  # decoded weights
+    need += _gemm_scratch_bytes()
     if not _is_pointwise(wshape, attrs):
         need += _nbytes((kk, _band_rows(kk, oh, ow) * ow))  # im2col columns of one band
     return need
@@ -89,10 +110,15 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     off = 0
     w2 = w.reshape(co, kk)
     decode = None
+    # int8/fp16 weights are widened into scratch once per call: the GEMM could read int8
+    # directly, but widening each broadcast costs 3 instructions in its inner loop
+    # (ResNet-18 int8 took 103 ms that way against 71 for fp32)
     if w.dtype != F32:
-        wf, off = _f32_slot(scratch, off, (co, kk))
+        wf, _ = _f32_slot(scratch, off, (co, kk))
+        off += _up64(_nbytes((co, kk)))
         decode = _decoder(w2, wf)
         w2 = wf
+    xp, off = _gemm_slots(scratch, off)
     pointwise = _is_pointwise(w.shape, attrs)
     band = _band_rows(kk, oh, ow)
     cols_flat = None if pointwise else _f32_slot(scratch, off, (kk * band * ow,))[0]
@@ -101,39 +127,39 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
         nb = min(band, oh - oy0)
         cols = None if pointwise else cols_flat[: kk * nb * ow].reshape(kk, nb * ow)
         bands.append((oy0, nb, cols))
-    gemms = []  # (input, weights, output columns, im2col's top pad or None)
+    flags = _flags(bias, scale, res)
+    act, a, b = _act(attrs)
+
+    def per_group(vec: np.ndarray | None, gi: int) -> np.ndarray:
+        return _DUMMY1 if vec is None else vec[gi * cog : (gi + 1) * cog]
+
+    gemms = []  # (input, weights, output, bias, scale, residual, columns, im2col cut)
     for n in range(n_):
         for gi in range(g):
             xg = x[n, gi * cg : (gi + 1) * cg]
             yg = y[n, gi * cog : (gi + 1) * cog].reshape(cog, p)
+            rg = None if res is None else res[n, gi * cog : (gi + 1) * cog].reshape(cog, p)
             wg = w2[gi * cog : (gi + 1) * cog]
+            bg, sg = per_group(bias, gi), per_group(scale, gi)
             if pointwise:
-                gemms.append((xg.reshape(cg, h * wd), wg, yg, None, None))
+                rr = _DUMMY2 if rg is None else rg
+                gemms.append((xg.reshape(cg, h * wd), wg, yg, bg, sg, rr, None, None))
                 continue
             for oy0, nb, cols in bands:  # a band is the image with its top rows cut off
-                yb = yg[:, oy0 * ow : (oy0 + nb) * ow]
-                gemms.append((xg, wg, yb, cols, (pt - oy0 * sh, nb)))
-    flags = _flags(bias, scale, res)
-    b_ = bias if bias is not None else _DUMMY1
-    s_ = scale if scale is not None else _DUMMY1
-    act, a, b = _act(attrs)
-    epis = [
-        (y[n].reshape(co, p), res[n].reshape(co, p) if res is not None else _DUMMY2)
-        for n in range(n_)
-    ]
-    matmul, im2col, epilogue = np.matmul, K.im2col, K.epilogue_rows
+                span = slice(oy0 * ow, (oy0 + nb) * ow)
+                rr = _DUMMY2 if rg is None else rg[:, span]
+                gemms.append((xg, wg, yg[:, span], bg, sg, rr, cols, (pt - oy0 * sh, nb)))
+    gemm, im2col = K.gemm, K.im2col
 
     def step() -> None:
         if decode is not None:
             decode()
-        for xg, wg, yg, cols, cut in gemms:
+        for xg, wg, yg, bg, sg, rg, cols, cut in gemms:
             if cols is None:
-                matmul(wg, xg, out=yg)
+                gemm(wg, xg, yg, bg, sg, rg, flags, act, a, b, xp)
             else:
                 im2col(xg, cols, kh, kw, sh, sw, cut[0], pl, dh, dw, cut[1], ow)
-                matmul(wg, cols, out=yg)
-        for y2, r2 in epis:
-            epilogue(y2, b_, s_, r2, flags, act, a, b)
+                gemm(wg, cols, yg, bg, sg, rg, flags, act, a, b, xp)
 
     return step
 
@@ -153,10 +179,6 @@ def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> 
     return m, a2, co, ci, th, tw
 
 
-def _up64(n: int) -> int:
-    return -(-n // 64) * 64  # buffers start on cache lines (the arena is 64-byte aligned)
-
-
 def _wino_layout(ushape, out_shape, attrs) -> tuple[dict[str, tuple[tuple[int, ...], type]], dict]:
     """The scratch buffers of one Winograd conv, in order: name -> (shape, dtype)."""
     m, a2, co, ci, th, tw = _wino_dims(ushape, out_shape, attrs)
@@ -170,10 +192,6 @@ def _wino_layout(ushape, out_shape, attrs) -> tuple[dict[str, tuple[tuple[int, .
         "idx": ((t,), np.int64),  # tile origins in a padded plane
     }
     return bufs, {"m": m, "tw": tw}
-
-
-def _up64(n: int) -> int:
-    return -(-n // 64) * 64  # buffers start on cache lines (the arena is 64-byte aligned)
 
 
 def _wino_scratch(ins, outs, attrs) -> int:
@@ -203,7 +221,9 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     def step() -> None:
         for xn, yn, rn in items:
             fin(xn, xpad, idx, rows, v, m, pt, pl, tw)
-            matmul(u, v, out=mm)  # a*a independent GEMMs U[e] @ V[e]
+            # a*a independent GEMMs U[e] @ V[e]: OpenBLAS beats gemm_tiles on these
+            # (Winograd's N is 16-196 tiles; scripts/bench_gemm.py)
+            matmul(u, v, out=mm)
             fout(mm, rows, yn, m, tw, b_, s_, rn, flags, act, a, b)
 
     return step

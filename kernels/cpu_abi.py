@@ -10,12 +10,16 @@ kernels taking weights of several dtypes get one export per dtype.
 from __future__ import annotations
 
 HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
+# Floats per worker slot of the GEMM's packed-column buffer (gemm_tiles.py): 256 KB,
+# half an L2. Here, not in gemm_tiles, because planning scratch must not import numba.
+GEMM_XP_FLOATS = 65536
 
 AOT_MODULE = "edgepack_kernels"
 
 
-def aot_signatures() -> dict[str, tuple[str, object]]:
-    """export name -> (kernel function name in cpu_numba, numba signature)."""
+def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
+    """export name -> (kernel function name in cpu_numba, or ``module.name`` for other
+    kernel modules; numba signature). ``gemm_shape`` picks the target's GEMM tiles."""
     from numba import types as T
 
     def arr(dt, nd, layout="C", ro=False):
@@ -53,6 +57,11 @@ def aot_signatures() -> dict[str, tuple[str, object]]:
             v(arr(f4, 4, "A", ro=True), arr(f4, 4, "A", ro=True), arr(f4, 4, "A"), i8, i8, f4, f4),
         ),
     }
+    a2 = arr(f4, 2, "A")  # GEMM operands may be bands of a larger plane
+    sigs["gemm"] = (
+        f"gemm_tiles.gemm_{gemm_shape}",
+        v(arr(f4, 2, ro=True), a2, a2, w1, w1, a2, i8, i8, f4, f4, arr(f4, 2)),
+    )
     for name, wdt in (("f32", f4), ("i8", i1)):
         special = v(
             *([arr(f4, 3), arr(wdt, 4, ro=True), w1, w1] + [arr(f4, 3)] * 3), i8, i8, f4, f4

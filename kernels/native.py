@@ -50,13 +50,30 @@ def load_kernels() -> SimpleNamespace:
     # each made ResNet-18 take 188 ms instead of 60 (scripts/bench_cnn.py, 2 threads):
     # idle OpenMP threads must sleep. Read when numba first loads its OpenMP pool.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from . import cpu_numba
+    from . import cpu_numba, gemm_tiles
 
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
+    shape = gemm_shape()
+    names["gemm"] = getattr(gemm_tiles, f"gemm_{shape}")
     for k, f in names.items():
         if getattr(f, "targetoptions", {}).get("parallel"):
             names[k] = _by_thread_count(f)
-    return SimpleNamespace(build="jit", **names)
+    return SimpleNamespace(build="jit", gemm_shape=shape, **names)
+
+
+def gemm_shape(features: set[str] | None = None, arch: str | None = None) -> str:
+    """The GEMM tile shape (``<lanes>x<vectors>``, gemm_tiles.py) for a CPU: the host's
+    by default (JIT), the target's for an AOT build. ``EDGEPACK_GEMM_SHAPE`` overrides."""
+    forced = os.environ.get("EDGEPACK_GEMM_SHAPE")
+    if forced:
+        return forced
+    import platform
+
+    from .simd import host_features, lanes_for
+
+    arch = arch or ("aarch64" if platform.machine() in ("aarch64", "arm64") else "x86_64")
+    lanes, nv = lanes_for(host_features() if features is None else features, arch)
+    return f"{lanes}x{nv}"
 
 
 def _by_thread_count(par):

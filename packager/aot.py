@@ -15,14 +15,20 @@ from pathlib import Path
 from ..kernels.cpu_abi import AOT_MODULE, aot_signatures
 
 
-def compile_kernels(out_dir: str | Path, cpu_name: str = "host") -> Path:
+def compile_kernels(
+    out_dir: str | Path, cpu_name: str = "host", gemm_shape: str | None = None
+) -> Path:
     """Build ``edgepack_kernels*.so`` into ``out_dir`` for LLVM CPU ``cpu_name`` (which
-    implies its features, e.g. ``x86-64-v3`` = AVX2 + FMA); returns its path."""
+    implies its features, e.g. ``x86-64-v3`` = AVX2 + FMA) with the GEMM tile shape
+    ``gemm_shape`` (default: the host's); returns its path."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pycc's pending-deprecation notice
         from numba.pycc import CC
 
+    import importlib
+
     from ..kernels import cpu_numba
+    from ..kernels.native import gemm_shape as host_gemm_shape
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -30,15 +36,18 @@ def compile_kernels(out_dir: str | Path, cpu_name: str = "host") -> Path:
     cc.output_dir = str(out)
     cc.target_cpu = cpu_name
     cc.verbose = False
-    for export, (fn, sig) in aot_signatures().items():
-        cc.export(export, sig)(getattr(cpu_numba, fn).py_func)
+    shape = gemm_shape or host_gemm_shape()
+    for export, (fn, sig) in aot_signatures(shape).items():
+        mod, _, name = fn.rpartition(".")
+        where = importlib.import_module(f"{cpu_numba.__package__}.{mod}") if mod else cpu_numba
+        cc.export(export, sig)(getattr(where, name).py_func)
     t = time.perf_counter()
     cc.compile()
     built = sorted(out.glob(f"{AOT_MODULE}*.so"))
     if not built:
         raise RuntimeError(f"pycc produced no {AOT_MODULE} module in {out}")
     print(
-        f"compiled {len(aot_signatures())} kernels for {cpu_name} in "
+        f"compiled {len(aot_signatures(shape))} kernels for {cpu_name} (GEMM tiles {shape}) in "
         f"{time.perf_counter() - t:.1f}s -> {built[-1].name}"
     )
     return built[-1]

@@ -385,10 +385,11 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
     with tempfile.TemporaryDirectory(prefix="edgepack-stub-") as tmp:
         work = Path(tmp)
         aot = work / "aot"
+        from ..kernels.native import gemm_shape
         from .aot import compile_kernels
 
         log(f"[1/4] compile kernels for {target.cpu} ({target.arch})")
-        compile_kernels(aot, target.cpu)
+        compile_kernels(aot, target.cpu, gemm_shape(set(target.cpu_features), target.arch))
         info = {
             "target": target.name,
             "arch": target.arch,
