@@ -19,7 +19,7 @@ from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
 from .binding import optional_inputs as _opt
 from .cpu_abi import GEMM_XP_FLOATS
-from .native import K
+from .native import K, kernel_threads
 from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -119,6 +119,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
         decode = _decoder(w2, wf)
         w2 = wf
     xp, off = _gemm_slots(scratch, off)
+    xp = xp[: max(1, min(GEMM_SLOTS, kernel_threads()))]  # one slot per thread
     pointwise = _is_pointwise(w.shape, attrs)
     band = _band_rows(kk, oh, ow)
     cols_flat = None if pointwise else _f32_slot(scratch, off, (kk * band * ow,))[0]

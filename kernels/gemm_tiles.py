@@ -17,8 +17,8 @@ Partial tiles (N not a multiple of NR) load and store their last vectors lane by
 lane. Each output element is one
 fma chain over k in order, so every tile shape gives bit-identical results.
 
-Scratch: ``xp`` (slots, cpu_abi.GEMM_XP_FLOATS) float32, one slot per parallel worker;
-its size sets the column blocks.
+Scratch: ``xp`` (workers, cpu_abi.GEMM_XP_FLOATS) float32: one slot per parallel
+worker (pass as many as there are threads), whose size sets the column blocks.
 Tile shapes (lanes x vectors): 16x4, 8x2, 4x2, 4x4.
 """
 
@@ -530,7 +530,7 @@ def _pack_16x4(x, ldx, k0, kc, n0, nn, xp):
 
 
 @njit(cache=True)
-def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
+def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, xp):
     m_, k_ = w.shape
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -545,12 +545,12 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
         _pack_16x4(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        for pm in range(0, m_, MB * MR):
+        for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 63) // 64):
                 c_n = n0 + t * 64
                 cols = min(64, nn - t * 64)
-                for m0 in range(pm, min(m_, pm + MB * MR), MR):
-                    rows = min(MR, m_ - m0)
+                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
+                    rows = min(MR, m_hi - m0)
                     tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 64, 64,
                             kc, acc, c, m0 * ldc + c_n, ldc, cols)
                     if not final or not epilogue:
@@ -577,11 +577,23 @@ def gemm_16x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
     n_ = x.shape[1]
     nb = max(64, (xp.shape[1] // max(1, min(k_, KC))) // 64 * 64)  # xp's size rules
     nblocks = (n_ + nb - 1) // nb
-    slots = min(xp.shape[0], nblocks)
+    # one job per column block; with fewer blocks than workers (a 7x7 image is one
+    # block) the rows are split too, each part packing its own copy of the columns
+    m_ = w.shape[0]
+    mb = MB * MR
+    mblocks = (m_ + mb - 1) // mb
+    parts = 1 if nblocks >= xp.shape[0] else min(mblocks, -(-xp.shape[0] // nblocks))
+    per = -(-mblocks // parts) * mb
+    jobs = nblocks * parts
+    slots = min(xp.shape[0], jobs)
     for sl in prange(slots):
-        for blk in range(sl, nblocks, slots):
-            n0 = blk * nb
-            _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0), xp[sl])
+        for job in range(sl, jobs, slots):
+            n0 = (job // parts) * nb
+            m_lo = (job % parts) * per
+            m_hi = min(m_, m_lo + per)
+            if m_lo < m_hi:
+                _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
+                          m_lo, m_hi, xp[sl])
 
 
 
@@ -845,7 +857,7 @@ def _pack_8x2(x, ldx, k0, kc, n0, nn, xp):
 
 
 @njit(cache=True)
-def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
+def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, xp):
     m_, k_ = w.shape
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -860,12 +872,12 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
         _pack_8x2(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        for pm in range(0, m_, MB * MR):
+        for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
                 cols = min(16, nn - t * 16)
-                for m0 in range(pm, min(m_, pm + MB * MR), MR):
-                    rows = min(MR, m_ - m0)
+                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
+                    rows = min(MR, m_hi - m0)
                     tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 16, 16,
                             kc, acc, c, m0 * ldc + c_n, ldc, cols)
                     if not final or not epilogue:
@@ -892,11 +904,23 @@ def gemm_8x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
     n_ = x.shape[1]
     nb = max(16, (xp.shape[1] // max(1, min(k_, KC))) // 16 * 16)  # xp's size rules
     nblocks = (n_ + nb - 1) // nb
-    slots = min(xp.shape[0], nblocks)
+    # one job per column block; with fewer blocks than workers (a 7x7 image is one
+    # block) the rows are split too, each part packing its own copy of the columns
+    m_ = w.shape[0]
+    mb = MB * MR
+    mblocks = (m_ + mb - 1) // mb
+    parts = 1 if nblocks >= xp.shape[0] else min(mblocks, -(-xp.shape[0] // nblocks))
+    per = -(-mblocks // parts) * mb
+    jobs = nblocks * parts
+    slots = min(xp.shape[0], jobs)
     for sl in prange(slots):
-        for blk in range(sl, nblocks, slots):
-            n0 = blk * nb
-            _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0), xp[sl])
+        for job in range(sl, jobs, slots):
+            n0 = (job // parts) * nb
+            m_lo = (job % parts) * per
+            m_hi = min(m_, m_lo + per)
+            if m_lo < m_hi:
+                _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
+                          m_lo, m_hi, xp[sl])
 
 
 
@@ -1160,7 +1184,7 @@ def _pack_4x2(x, ldx, k0, kc, n0, nn, xp):
 
 
 @njit(cache=True)
-def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
+def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, xp):
     m_, k_ = w.shape
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -1175,12 +1199,12 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
         _pack_4x2(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        for pm in range(0, m_, MB * MR):
+        for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 7) // 8):
                 c_n = n0 + t * 8
                 cols = min(8, nn - t * 8)
-                for m0 in range(pm, min(m_, pm + MB * MR), MR):
-                    rows = min(MR, m_ - m0)
+                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
+                    rows = min(MR, m_hi - m0)
                     tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 8, 8,
                             kc, acc, c, m0 * ldc + c_n, ldc, cols)
                     if not final or not epilogue:
@@ -1207,11 +1231,23 @@ def gemm_4x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
     n_ = x.shape[1]
     nb = max(8, (xp.shape[1] // max(1, min(k_, KC))) // 8 * 8)  # xp's size rules
     nblocks = (n_ + nb - 1) // nb
-    slots = min(xp.shape[0], nblocks)
+    # one job per column block; with fewer blocks than workers (a 7x7 image is one
+    # block) the rows are split too, each part packing its own copy of the columns
+    m_ = w.shape[0]
+    mb = MB * MR
+    mblocks = (m_ + mb - 1) // mb
+    parts = 1 if nblocks >= xp.shape[0] else min(mblocks, -(-xp.shape[0] // nblocks))
+    per = -(-mblocks // parts) * mb
+    jobs = nblocks * parts
+    slots = min(xp.shape[0], jobs)
     for sl in prange(slots):
-        for blk in range(sl, nblocks, slots):
-            n0 = blk * nb
-            _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0), xp[sl])
+        for job in range(sl, jobs, slots):
+            n0 = (job // parts) * nb
+            m_lo = (job % parts) * per
+            m_hi = min(m_, m_lo + per)
+            if m_lo < m_hi:
+                _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
+                          m_lo, m_hi, xp[sl])
 
 
 
@@ -1645,7 +1681,7 @@ def _pack_4x4(x, ldx, k0, kc, n0, nn, xp):
 
 
 @njit(cache=True)
-def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
+def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, xp):
     m_, k_ = w.shape
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -1660,12 +1696,12 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
         _pack_4x4(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        for pm in range(0, m_, MB * MR):
+        for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
                 cols = min(16, nn - t * 16)
-                for m0 in range(pm, min(m_, pm + MB * MR), MR):
-                    rows = min(MR, m_ - m0)
+                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
+                    rows = min(MR, m_hi - m0)
                     tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 16, 16,
                             kc, acc, c, m0 * ldc + c_n, ldc, cols)
                     if not final or not epilogue:
@@ -1692,8 +1728,20 @@ def gemm_4x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
     n_ = x.shape[1]
     nb = max(16, (xp.shape[1] // max(1, min(k_, KC))) // 16 * 16)  # xp's size rules
     nblocks = (n_ + nb - 1) // nb
-    slots = min(xp.shape[0], nblocks)
+    # one job per column block; with fewer blocks than workers (a 7x7 image is one
+    # block) the rows are split too, each part packing its own copy of the columns
+    m_ = w.shape[0]
+    mb = MB * MR
+    mblocks = (m_ + mb - 1) // mb
+    parts = 1 if nblocks >= xp.shape[0] else min(mblocks, -(-xp.shape[0] // nblocks))
+    per = -(-mblocks // parts) * mb
+    jobs = nblocks * parts
+    slots = min(xp.shape[0], jobs)
     for sl in prange(slots):
-        for blk in range(sl, nblocks, slots):
-            n0 = blk * nb
-            _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0), xp[sl])
+        for job in range(sl, jobs, slots):
+            n0 = (job // parts) * nb
+            m_lo = (job % parts) * per
+            m_hi = min(m_, m_lo + per)
+            if m_lo < m_hi:
+                _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
+                          m_lo, m_hi, xp[sl])

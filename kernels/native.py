@@ -61,6 +61,15 @@ def load_kernels() -> SimpleNamespace:
     return SimpleNamespace(build="jit", gemm_shape=shape, **names)
 
 
+def kernel_threads() -> int:
+    """Threads the kernels' parallel loops use now (1 for the serial AOT build)."""
+    if K.build != "jit":
+        return 1
+    import numba
+
+    return numba.get_num_threads()
+
+
 def gemm_shape(features: set[str] | None = None, arch: str | None = None) -> str:
     """The GEMM tile shape (``<lanes>x<vectors>``, gemm_tiles.py) for a CPU: the host's
     by default (JIT), the target's for an AOT build. ``EDGEPACK_GEMM_SHAPE`` overrides."""

@@ -44,8 +44,8 @@ Partial tiles (N not a multiple of NR) load and store their last vectors lane by
 lane. Each output element is one
 fma chain over k in order, so every tile shape gives bit-identical results.
 
-Scratch: ``xp`` (slots, cpu_abi.GEMM_XP_FLOATS) float32, one slot per parallel worker;
-its size sets the column blocks.
+Scratch: ``xp`` (workers, cpu_abi.GEMM_XP_FLOATS) float32: one slot per parallel
+worker (pass as many as there are threads), whose size sets the column blocks.
 Tile shapes (lanes x vectors): {", ".join(f"{lanes}x{nv}" for lanes, nv in CONFIGS)}.
 """
 
@@ -182,7 +182,7 @@ def _pack{s}(x, ldx, k0, kc, n0, nn, xp):
 
 
 @njit(cache=True)
-def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
+def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, xp):
     m_, k_ = w.shape
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -197,12 +197,12 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, xp):
         _pack{s}(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        for pm in range(0, m_, MB * MR):
+        for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + {nr - 1}) // {nr}):
                 c_n = n0 + t * {nr}
                 cols = min({nr}, nn - t * {nr})
-                for m0 in range(pm, min(m_, pm + MB * MR), MR):
-                    rows = min(MR, m_ - m0)
+                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
+                    rows = min(MR, m_hi - m0)
                     tile{s}(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * {nr}, {nr},
                             kc, acc, c, m0 * ldc + c_n, ldc, cols)
                     if not final or not epilogue:
@@ -229,11 +229,23 @@ def gemm{s}(w, x, c, bias, scale, res, flags, act, a, b, xp):
     n_ = x.shape[1]
     nb = max({nr}, (xp.shape[1] // max(1, min(k_, KC))) // {nr} * {nr})  # xp's size rules
     nblocks = (n_ + nb - 1) // nb
-    slots = min(xp.shape[0], nblocks)
+    # one job per column block; with fewer blocks than workers (a 7x7 image is one
+    # block) the rows are split too, each part packing its own copy of the columns
+    m_ = w.shape[0]
+    mb = MB * MR
+    mblocks = (m_ + mb - 1) // mb
+    parts = 1 if nblocks >= xp.shape[0] else min(mblocks, -(-xp.shape[0] // nblocks))
+    per = -(-mblocks // parts) * mb
+    jobs = nblocks * parts
+    slots = min(xp.shape[0], jobs)
     for sl in prange(slots):
-        for blk in range(sl, nblocks, slots):
-            n0 = blk * nb
-            _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0), xp[sl])
+        for job in range(sl, jobs, slots):
+            n0 = (job // parts) * nb
+            m_lo = (job % parts) * per
+            m_hi = min(m_, m_lo + per)
+            if m_lo < m_hi:
+                _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
+                          m_lo, m_hi, xp[sl])
 '''
 
 

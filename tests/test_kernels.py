@@ -344,6 +344,9 @@ CASES: dict[str, list[Case]] = {
     ],
     "dwconv": [
         conv_case("k3_s1_p1", dw=True),
+        # stride-1 3x3 runs in vectors of up to 16 lanes: whole vectors, partial ones
+        conv_case("k3_s1_w16", dw=True, hw=(3, 16)),
+        conv_case("k3_s1_w37_res_clip", dw=True, hw=(5, 37), res=True, act="clip"),
         conv_case("k5_s1_p2", dw=True, k=(5, 5), p=(2, 2, 2, 2), hw=(11, 13)),
         conv_case("k3_s2_p1", dw=True, s=(2, 2)),
         conv_case("k3_s2_p1_even", dw=True, s=(2, 2), hw=(10, 12)),
