@@ -112,7 +112,8 @@ def test_steady_state_loop_does_not_allocate(bundles, name):
     assert peak - base < 8 * 1024, f"peak {peak - base} B traced during 100 runs"
     assert current - base < 1024, f"{current - base} B retained after 100 runs"
     # numba's parallel loops allocate their schedule (two small arrays per call) and
-    # free it before returning; nothing numba allocates may outlive a run.
+    # free it before returning; nothing numba allocates may outlive a run. A step makes
+    # up to 4 parallel calls (an int8 conv: weight decode, im2col, GEMM, and a band more).
     allocs = nrt_after.alloc - nrt_before.alloc
     assert allocs == nrt_after.free - nrt_before.free, "numba memory retained across runs"
-    assert allocs <= 110 * 2 * 3 * len(s.executor.steps), allocs
+    assert allocs <= 110 * 2 * 4 * len(s.executor.steps), allocs
