@@ -85,6 +85,15 @@ def gemm_shape(features: set[str] | None = None, arch: str | None = None) -> str
     return f"{lanes}x{nv}"
 
 
+# The thread count last given to runtime.threads.set_threads (None: ask numba per call).
+_threads_set: list[int | None] = [None]
+
+
+def note_threads(n: int) -> None:
+    """Record numba's thread count after setting it, for ``_by_thread_count``."""
+    _threads_set[0] = n
+
+
 def _by_thread_count(par):
     """Run a parallel kernel's serial build when numba has one thread.
 
@@ -101,7 +110,8 @@ def _by_thread_count(par):
     get = numba.get_num_threads
 
     def call(*args):
-        return (ser if get() == 1 else par)(*args)
+        n = _threads_set[0]  # asking numba costs ~2.5 us, a third of a small kernel call
+        return (ser if (n if n is not None else get()) == 1 else par)(*args)
 
     call.__name__ = f.__name__
     call.parallel, call.serial = par, ser

@@ -22,6 +22,9 @@ def set_threads(n: int | None) -> int | None:
             return numba.get_num_threads()
         n = min(n, numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(n)
+        from ..kernels.native import note_threads
+
+        note_threads(n)
     if n is None:
         return None
     if n < 1:
