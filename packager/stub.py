@@ -281,6 +281,21 @@ def _vtuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split("."))
 
 
+def runtime_sources_digest() -> str:
+    """sha256 (16 hex digits) of the device-side sources a stub freezes (runtime/ and
+    kernels/). The stub cache is keyed by version only, and a stub frozen from other
+    sources may lack kernels that this packager plans for (it would fail at load)."""
+    from .. import kernels, runtime
+
+    h = hashlib.sha256()
+    for mod in (runtime, kernels):
+        pkg = mod.__name__.rsplit(".", 1)[1]
+        for f in sorted(Path(mod.__file__).parent.glob("*.py")):
+            h.update(f"{pkg}/{f.name}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def check_stub(path: str | Path, target: Target) -> dict:
     """Refuse a stub the target cannot run; returns its metadata."""
     meta, archive = read_stub(path)
@@ -297,6 +312,13 @@ def check_stub(path: str | Path, target: Target) -> dict:
             f"{facts['glibc_file']}), but target {target.name} guarantees only glibc "
             f"{target.min_glibc}: build the stub on a system with glibc <= {target.min_glibc} "
             "(e.g. in the board's own OS image or an older distribution container)"
+        )
+    want = runtime_sources_digest()
+    if meta.get("sources") != want:
+        raise PackError(
+            f"stub {path} was frozen from other edgepack runtime sources "
+            f"({meta.get('sources') or 'not recorded'}; this edgepack's are {want}), so its "
+            f"kernels may not match what this packager plans; rebuild it: {how_to_build(target)}"
         )
     return meta
 
@@ -465,6 +487,7 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
             "glibc_file": facts["glibc_file"],
             "unpacked_bytes": unpacked,
             "stub_id": hashlib.sha256(archive).hexdigest()[:16],
+            "sources": runtime_sources_digest(),
         }
         log("[4/4] write the stub")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -196,6 +196,17 @@ def test_wrong_architecture_stub_is_refused(tmp_path, stub_cache):
     assert "aarch64 machine" in r.stderr
 
 
+def test_stub_from_other_runtime_sources_is_refused(tmp_path):
+    # same version, right architecture, but frozen from other sources (e.g. a stub cached
+    # before the kernels changed): its AOT kernels may lack ones the plan needs
+    fake = _fake_stub(tmp_path / "old-stub", 62, "x86_64")
+    r = ep("build", DIGITS, "--target", TARGET, "--stub", fake, "-o", tmp_path / "x", ok=False)
+    assert r.returncode == 1
+    assert "frozen from other edgepack runtime sources (not recorded" in r.stderr
+    assert "python scripts/build_stub.py --target linux-x86_64" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def _custom_target(tmp_path: Path, name: str, **changes) -> Path:
     src = Path(__file__).resolve().parents[1] / "targets" / f"{TARGET}.toml"
     lines = []
