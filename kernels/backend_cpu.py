@@ -1,9 +1,10 @@
 """The CPU backend: numba kernels plus NumPy calls that write into arena views.
 
-Matrix products go to NumPy's BLAS (``np.matmul(..., out=view)``): on this class of
-CPU OpenBLAS sgemm runs ~4x faster than a plain numba loop, and with ``out=`` it
-writes straight into the planned arena slot. Everything around the product (im2col,
-weight decode, bias/scale/residual/activation epilogues, depthwise conv, pooling,
+Conv products run on the register-tiled GEMM of gemm_tiles.py, which applies the
+conv epilogue (scale, bias, residual, activation) in its tiles and writes straight into
+the planned arena slot. Winograd's batched products and linear layers go to NumPy's
+BLAS (``np.matmul(..., out=view)``), which is faster on those shapes
+(docs/cpu-kernels.md). Everything else (im2col, weight decode, depthwise conv, pooling,
 int8 GEMV) is numba. Nothing here allocates per call: scratch comes from the arena.
 """
 
@@ -57,7 +58,8 @@ def _is_pointwise(wshape: Sequence[int], attrs: dict) -> bool:
 
 # im2col runs in bands of output rows whose columns fit in L2, each band's GEMM reading
 # them from cache: ResNet-18's 7x7 stem has 7.4 MB of columns, and its GEMM took 5.1 ms
-# reading them from memory against 3.7 ms from cache. Bands stay wide enough for BLAS.
+# reading them from memory against 3.7 ms from cache. Bands stay wide enough for the
+# GEMM to fill its column blocks.
 BAND_BYTES = 512 * 1024
 MIN_BAND_COLS = 512
 # Workers of the GEMM (gemm_tiles.py): each packs its column blocks into its own slot.
@@ -223,7 +225,7 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
         for xn, yn, rn in items:
             fin(xn, xpad, idx, rows, v, m, pt, pl, tw)
             # a*a independent GEMMs U[e] @ V[e]: OpenBLAS beats gemm_tiles on these
-            # (Winograd's N is 16-196 tiles; scripts/bench_gemm.py)
+            # (Winograd's N is 16-196 tiles; docs/cpu-kernels.md)
             matmul(u, v, out=mm)
             fout(mm, rows, yn, m, tw, b_, s_, rn, flags, act, a, b)
 

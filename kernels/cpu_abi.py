@@ -30,7 +30,6 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
     v = T.void
     sigs: dict[str, tuple[str, object]] = {
         "im2col": ("im2col", v(arr(f4, 3), arr(f4, 2), *([i8] * 10))),
-        "epilogue_rows": ("epilogue_rows", v(arr(f4, 2), w1, w1, arr(f4, 2), i8, i8, f4, f4)),
         "epilogue_cols": ("epilogue_cols", v(arr(f4, 2), w1, w1, i8, i8, f4, f4)),
         "act_into": ("act_into", v(arr(f4, 1), arr(f4, 1), i8, f4, f4)),
         "linear_q": (
