@@ -2,10 +2,11 @@
 
 Conv products run on the register-tiled GEMM of gemm_tiles.py, which applies the
 conv epilogue (scale, bias, residual, activation) in its tiles and writes straight into
-the planned arena slot. Winograd's batched products and linear layers go to NumPy's
-BLAS (``np.matmul(..., out=view)``), which is faster on those shapes
-(docs/cpu-kernels.md). Everything else (im2col, weight decode, depthwise conv, pooling,
-int8 GEMV) is numba. Nothing here allocates per call: scratch comes from the arena.
+the planned arena slot; Winograd convs run gemm_tiles' channels-last transforms and
+their a*a products on the same micro-kernel. Linear layers go to NumPy's BLAS
+(``np.matmul(..., out=view)``), which is faster on those shapes (docs/cpu-kernels.md).
+Everything else (im2col, weight decode, depthwise conv, pooling, int8 GEMV) is numba.
+Nothing here allocates per call: scratch comes from the arena.
 """
 
 from __future__ import annotations
@@ -169,37 +170,58 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 
 # --- 3x3 conv, Winograd (weights transformed by the packager) ----------------------
 
-# Working-row slots of the transforms: channels are dealt to slots statically, so this
-# caps the threads the transforms use (edge CPUs have 4-8 cores) and fixes the scratch
-# size at plan time whatever the device's thread count.
+# Per-slot working tiles of the transforms (gemm_tiles.wino_in_* / wino_out_*): tiles
+# are dealt to slots statically, which caps the threads the transforms use (edge CPUs
+# have 4-8 cores) and fixes the scratch size at plan time whatever the device's thread
+# count. Each slot holds a*a vectors of at most WINO_LANES floats.
 WINO_SLOTS = 8
+WINO_LANES = 16  # the widest vector of any target (AVX-512); 8 and 4 divide it
+# Channels-last working planes round their channel count up to whole vectors of any
+# target, so the transforms never take a partial vector.
+WINO_CH_ALIGN = WINO_LANES
 
 
 def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> tuple:
     m = int(attrs["tile"])
-    a2, co, ci = ushape
+    a2, ci, co = ushape
     th, tw = winograd.tiles(out_shape[2:], m)
     return m, a2, co, ci, th, tw
 
 
-def _wino_layout(ushape, out_shape, attrs) -> tuple[dict[str, tuple[tuple[int, ...], type]], dict]:
-    """The scratch buffers of one Winograd conv, in order: name -> (shape, dtype)."""
+# Tiles per block: a block's V and M stay in L2 while each U[e] is reused across the
+# blocks, when U is small enough to stay there too (64-channel layers: ResNet-18's
+# stage 1 moved 11 MB through memory per conv unblocked). Wider layers take all tiles
+# in one block: their U would be streamed once per block.
+WINO_BLOCK_BYTES = 512 * 1024
+WINO_U_L2_BYTES = 640 * 1024
+WINO_MR = 6  # gemm_tiles.MR: blocks are whole row tiles of the micro-kernel
+
+
+def _wino_layout(ushape, out_shape, attrs) -> tuple[list[tuple[str, tuple[int, ...]]], dict]:
+    """The scratch buffers of one Winograd conv, in order: (name, float32 shape)."""
     m, a2, co, ci, th, tw = _wino_dims(ushape, out_shape, attrs)
     t = th * tw
     a = m + 2
-    bufs = {
-        "v": ((a2, ci, t), np.float32),  # transformed input
-        "mm": ((a2, co, t), np.float32),  # GEMM products
-        "rows": ((WINO_SLOTS, 2, a2, t), np.float32),  # per-slot working rows
-        "xpad": ((WINO_SLOTS, (th - 1) * m + a, (tw - 1) * m + a), np.float32),  # padded planes
-        "idx": ((t,), np.int64),  # tile origins in a padded plane
-    }
+    cip = -(-ci // WINO_CH_ALIGN) * WINO_CH_ALIGN
+    cop = -(-co // WINO_CH_ALIGN) * WINO_CH_ALIGN
+    per_tile = a2 * (cip + cop) * 4
+    tb = t
+    if t * per_tile > WINO_BLOCK_BYTES and a2 * ci * co * 4 <= WINO_U_L2_BYTES:
+        tb = min(t, max(WINO_MR, WINO_BLOCK_BYTES // per_tile // WINO_MR * WINO_MR))
+    bufs = [
+        ("xt", ((th - 1) * m + a, (tw - 1) * m + a, cip)),  # channels-last input planes
+        ("yt", (th * m, tw * m, cop)),  # channels-last output planes
+        ("vb", (a2, tb, cip)),  # V of one block of tiles
+        ("mb", (a2, tb, cop)),  # M of one block
+        ("tmp", (WINO_SLOTS, a2 * WINO_LANES)),
+        ("xp", _gemm_xp_shape()),
+    ]
     return bufs, {"m": m, "tw": tw}
 
 
 def _wino_scratch(ins, outs, attrs) -> int:
     bufs, _ = _wino_layout(ins[1][0], outs[0], attrs)
-    return sum(_up64(_nbytes(shape, np.dtype(dt).itemsize)) for shape, dt in bufs.values())
+    return sum(_up64(_nbytes(shape)) for _, shape in bufs)
 
 
 def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
@@ -207,11 +229,11 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     y = outs[0]
     bufs, dims = _wino_layout(u.shape, y.shape, attrs)
     views, off = {}, 0
-    for name, (shape, dt) in bufs.items():
-        n = _nbytes(shape, np.dtype(dt).itemsize)
-        views[name] = scratch[off : off + n].view(dt).reshape(shape)
-        off += _up64(n)
-    v, mm, rows, xpad, idx = (views[k] for k in ("v", "mm", "rows", "xpad", "idx"))
+    for name, shape in bufs:
+        views[name] = _f32_slot(scratch, off, shape)[0]
+        off += _up64(_nbytes(shape))
+    xt, yt, vb, mb, tmp = (views[k] for k in ("xt", "yt", "vb", "mb", "tmp"))
+    xp = views["xp"][: max(1, min(GEMM_SLOTS, kernel_threads()))]  # one slot per thread
     m, tw = dims["m"], dims["tw"]
     pt, pl, _, _ = attrs["pads"]
     flags = _flags(bias, scale, res)
@@ -219,15 +241,11 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
     items = [(x[n], y[n], res[n] if res is not None else _DUMMY3) for n in range(x.shape[0])]
-    fin, fout, matmul = K.wino_input, K.wino_output, np.matmul
+    conv = K.wino_conv
 
     def step() -> None:
         for xn, yn, rn in items:
-            fin(xn, xpad, idx, rows, v, m, pt, pl, tw)
-            # a*a independent GEMMs U[e] @ V[e]: OpenBLAS beats gemm_tiles on these
-            # (Winograd's N is 16-196 tiles; docs/cpu-kernels.md)
-            matmul(u, v, out=mm)
-            fout(mm, rows, yn, m, tw, b_, s_, rn, flags, act, a, b)
+            conv(xn, xt, u, vb, mb, yt, tmp, xp, yn, m, pt, pl, tw, b_, s_, rn, flags, act, a, b)
 
     return step
 

@@ -10,9 +10,9 @@ Design per op (same split as the cpu backend, so scratch sizes line up):
 - conv: im2col kernel -> GEMM (``xp.matmul`` into the output slot) -> fused epilogue
   kernel (scale, bias, residual, activation). int8/fp16 weights are decoded into
   scratch by a kernel each run; the int8 scale is applied in the epilogue.
-- conv_wino (3x3 stride-1, weights stored Winograd-transformed U[a*a, Cout, Cin]):
+- conv_wino (3x3 stride-1, weights stored Winograd-transformed U[a*a, Cin, Cout]):
   per image an input-transform kernel into V[a*a, Cin, T] -> a*a batched GEMMs
-  U[e] @ V[e] -> M (``xp.matmul``) -> an output-transform kernel with the conv
+  U[e]ᵀ @ V[e] -> M (``xp.matmul``) -> an output-transform kernel with the conv
   epilogue fused. Scratch is V and M only, less than the cpu kernel's.
 - dwconv: one direct kernel with the epilogue fused; int8 weights are read as they
   are, fp16 ones decoded into scratch first.
@@ -187,7 +187,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 
 def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> tuple:
     m = int(attrs["tile"])
-    a2, co, ci = ushape
+    a2, ci, co = ushape
     th, tw = winograd.tiles(out_shape[2:], m)
     return m, a2, co, ci, th * tw, tw
 
@@ -221,11 +221,12 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
         for n in range(x.shape[0])
     ]
     matmul = d.matmul
+    ut = u.transpose(0, 2, 1)  # U[e] is stored Cin x Cout (the cpu GEMM's layout)
 
     def step() -> None:
         for xn, yn, rn in items:
             fin(xn, bt, v_arg, m, pt, pl, tw)
-            matmul(u, v, mm)  # a*a independent GEMMs U[e] @ V[e]
+            matmul(ut, v, mm)  # a*a independent GEMMs U[e]ᵀ @ V[e]
             fout(mm_arg, at, yn, tw, b_, s_, rn, flags, act, a, b)
 
     return step

@@ -15,6 +15,9 @@ HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
 GEMM_XP_FLOATS = 65536
 
 AOT_MODULE = "edgepack_kernels"
+# Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
+# builds export the target's shape under the plain name.
+GEMM_TILE_KERNELS = ("gemm", "wino_conv")
 
 
 def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
@@ -43,24 +46,21 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3))),
         "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),
         "decode_f16": ("decode_f16", v(arr(u2, 1, ro=True), arr(u4, 1))),
-        "wino_input": (
-            "wino_input",
-            v(arr(f4, 3), arr(f4, 3), arr(i8, 1), arr(f4, 4), arr(f4, 3), *([i8] * 4)),
-        ),
-        "wino_output": (
-            "wino_output",
-            v(arr(f4, 3), arr(f4, 4), arr(f4, 3), i8, i8, w1, w1, arr(f4, 3), i8, i8, f4, f4),
-        ),
         "binary4": (
             "binary4",
             v(arr(f4, 4, "A", ro=True), arr(f4, 4, "A", ro=True), arr(f4, 4, "A"), i8, i8, f4, f4),
         ),
     }
     a2 = arr(f4, 2, "A")  # GEMM operands may be bands of a larger plane
-    sigs["gemm"] = (
-        f"gemm_tiles.gemm_{gemm_shape}",
-        v(arr(f4, 2, ro=True), a2, a2, w1, w1, a2, i8, i8, f4, f4, arr(f4, 2)),
-    )
+    f3, f2 = arr(f4, 3), arr(f4, 2)
+    tiled = {
+        "gemm": v(arr(f4, 2, ro=True), a2, a2, w1, w1, a2, i8, i8, f4, f4, f2),
+        "wino_conv": v(f3, f3, arr(f4, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4),
+                       w1, w1, f3, i8, i8, f4, f4),
+    }
+    assert set(tiled) == set(GEMM_TILE_KERNELS)
+    for name, sig in tiled.items():
+        sigs[name] = (f"gemm_tiles.{name}_{gemm_shape}", sig)
     for name, wdt in (("f32", f4), ("i8", i1)):
         special = v(
             *([arr(f4, 3), arr(wdt, 4, ro=True), w1, w1] + [arr(f4, 3)] * 3), i8, i8, f4, f4

@@ -715,221 +715,46 @@ def binary4(x, y, out, kind, act, a, b):
                 out[i, j, k, m] = act_scalar(_binop(x[i, j, k, m], y[i, j, k, m], kind), act, a, b)
 
 
-# Winograd transforms with the matrices of kernels/winograd.py written out, so each
-# pass reads its a source rows once and writes its outputs once, vectorised along the
-# tile axis (a generic coefficient loop made ~5x more memory passes). float32
-# constants: a Python int times a float32 would compute in float64.
-_2, _4, _5, _8 = np.float32(2), np.float32(4), np.float32(5), np.float32(8)
+# Winograd's working planes are channels-last (gemm_tiles.wino_in_* / wino_out_*): a
+# tile element is then a contiguous run of channels, one vector load, where the planar
+# layout made it a gather (the tap-gather transforms took 2/3 of a ResNet-18 Winograd
+# layer). These two rows convert between the layouts, one channel at a time: the
+# planar side is read or written contiguously, the channels-last side at a stride of a
+# few cache lines, which measured faster than 16-channel blocks.
 
 
-@njit(inline="always")
-def _bt6(z0, z1, z2, z3, z4, z5):  # BT of F(4x4, 3x3)
-    return (
-        _4 * z0 - _5 * z2 + z4,
-        z3 + z4 - _4 * (z1 + z2),
-        z4 - z3 + _4 * (z1 - z2),
-        z4 - z2 + _2 * (z3 - z1),
-        z4 - z2 + _2 * (z1 - z3),
-        _4 * z1 - _5 * z3 + z5,
-    )
-
-
-@njit(inline="always")
-def _at6(z0, z1, z2, z3, z4, z5):  # AT of F(4x4, 3x3)
-    p, q = z1 + z2, z1 - z2
-    r, u = z3 + z4, z3 - z4
-    return z0 + p + r, q + _2 * u, p + _4 * r, q + _8 * u + z5
-
-
-@njit(inline="always")
-def _bt4(z0, z1, z2, z3):  # BT of F(2x2, 3x3)
-    return z0 - z2, z1 + z2, z2 - z1, z1 - z3
-
-
-@njit(inline="always")
-def _at4(z0, z1, z2, z3):  # AT of F(2x2, 3x3)
-    return z0 + z1 + z2, z1 - z2 - z3
-
-
-@njit(parallel=True, cache=True)
-def wino_input(x, xpad, idx, buf, v, m, pt, pl, tw):
-    """Winograd input transform of one image: V[xi*a + nu, c, t] = (BT d B)[xi, nu] for
-    each a x a input tile d (t = ty * tw + tx; zero outside the image); m is 2 or 4.
-
-    Per channel the image is copied into a zero-bordered plane ``xpad[slot]`` covering
-    every tile, and the a*a tile elements are gathered into rows D[r*a + k, t] =
-    xpad[idx[t] + r*Wp + k] (idx: each tile's origin; one long gather per row, no
-    bounds tests). Then BT is applied along r (D -> E) and along k (E -> V), each a
-    pass over all T tiles with unit stride. Channels are dealt to the slots statically,
-    so no two threads share one. No views are made in the inner loops (each costs
-    ~20 ns) and the tile index is unsigned, so LLVM vectorises without wraparound checks.
-    """
+@njit(cache=True)
+def nhwc_row(x, xt, iy, pt, pl):
+    """Row iy of xt[Hp, Wp, Cp] from x[C, H, W] shifted by the pads (pt, pl): image
+    pixels where they fall, zeros elsewhere; channels past C are left as they are."""
     c_, h, wd = x.shape
-    a = m + 2
-    t_ = v.shape[2]
-    hp, wp = xpad.shape[1], xpad.shape[2]
-    for t in range(t_):
-        idx[t] = (t // tw) * m * wp + (t % tw) * m
-    slots = buf.shape[0]
-    for sl in prange(slots):
-        flat = xpad[sl].reshape(hp * wp)
-        for c in range(sl, c_, slots):
-            for p in range(hp * wp):
-                flat[np.uintp(p)] = 0.0
-            for iy in range(h):
-                o = (iy + pt) * wp + pl
-                for ix in range(wd):
-                    flat[np.uintp(o + ix)] = x[c, iy, np.uintp(ix)]
-            for r in range(a):  # gather: D = buf[sl, 0]
-                for k in range(a):
-                    row = r * a + k
-                    base = r * wp + k
-                    for t in range(t_):
-                        buf[sl, 0, row, np.uintp(t)] = flat[np.uintp(idx[t] + base)]
-            if m == 4:
-                for k in range(6):  # along r: E[xi*6 + k] = BT[xi, :] . D[:, k]
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        e0, e1, e2, e3, e4, e5 = _bt6(
-                            buf[sl, 0, k, tt],
-                            buf[sl, 0, 6 + k, tt],
-                            buf[sl, 0, 12 + k, tt],
-                            buf[sl, 0, 18 + k, tt],
-                            buf[sl, 0, 24 + k, tt],
-                            buf[sl, 0, 30 + k, tt],
-                        )
-                        buf[sl, 1, k, tt] = e0
-                        buf[sl, 1, 6 + k, tt] = e1
-                        buf[sl, 1, 12 + k, tt] = e2
-                        buf[sl, 1, 18 + k, tt] = e3
-                        buf[sl, 1, 24 + k, tt] = e4
-                        buf[sl, 1, 30 + k, tt] = e5
-                for xi in range(6):  # along k: V[xi*6 + nu] = BT[nu, :] . E[xi, :]
-                    b = xi * 6
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        v0, v1, v2, v3, v4, v5 = _bt6(
-                            buf[sl, 1, b, tt],
-                            buf[sl, 1, b + 1, tt],
-                            buf[sl, 1, b + 2, tt],
-                            buf[sl, 1, b + 3, tt],
-                            buf[sl, 1, b + 4, tt],
-                            buf[sl, 1, b + 5, tt],
-                        )
-                        v[b, c, tt] = v0
-                        v[b + 1, c, tt] = v1
-                        v[b + 2, c, tt] = v2
-                        v[b + 3, c, tt] = v3
-                        v[b + 4, c, tt] = v4
-                        v[b + 5, c, tt] = v5
-            else:
-                for k in range(4):
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        e0, e1, e2, e3 = _bt4(
-                            buf[sl, 0, k, tt],
-                            buf[sl, 0, 4 + k, tt],
-                            buf[sl, 0, 8 + k, tt],
-                            buf[sl, 0, 12 + k, tt],
-                        )
-                        buf[sl, 1, k, tt] = e0
-                        buf[sl, 1, 4 + k, tt] = e1
-                        buf[sl, 1, 8 + k, tt] = e2
-                        buf[sl, 1, 12 + k, tt] = e3
-                for xi in range(4):
-                    b = xi * 4
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        v0, v1, v2, v3 = _bt4(
-                            buf[sl, 1, b, tt],
-                            buf[sl, 1, b + 1, tt],
-                            buf[sl, 1, b + 2, tt],
-                            buf[sl, 1, b + 3, tt],
-                        )
-                        v[b, c, tt] = v0
-                        v[b + 1, c, tt] = v1
-                        v[b + 2, c, tt] = v2
-                        v[b + 3, c, tt] = v3
+    wp = xt.shape[1]
+    y = iy - pt
+    if y < 0 or y >= h:
+        for ix in range(wp):
+            for c in range(c_):
+                xt[iy, ix, np.uintp(c)] = 0.0
+        return
+    n = min(wd, wp - pl)
+    for ix in range(wp):
+        if ix < pl or ix >= pl + n:
+            for c in range(c_):
+                xt[iy, ix, np.uintp(c)] = 0.0
+    for c in range(c_):
+        for ix in range(n):
+            xt[iy, ix + pl, np.uintp(c)] = x[c, y, np.uintp(ix)]
 
 
-@njit(parallel=True, cache=True)
-def wino_output(mm, buf, y, m, tw, bias, scale, res, flags, act, a_, b_):
-    """Winograd output transform of one image plus the fused epilogue:
-    y[o, ty*m + i, tx*m + j] = (AT M A)[i, j] over M[e, o, t], then scale, bias,
-    residual and activation per output row. Overhanging tile rows/columns are dropped.
-    Same pass structure, slots and indexing rules as ``wino_input``."""
-    c_, oh, ow = y.shape
-    t_ = mm.shape[2]
-    th = t_ // tw
+@njit(cache=True)
+def nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b):
+    """y[c, oy, :] = act(scale[c] * yt[oy, :W, c] + bias[c] [+ res[c, oy, :]]) for
+    every channel c of y (flags as in epilogue_rows)."""
+    c_, _, ow = y.shape
     has_res = (flags & HAS_RES) != 0
-    rstep = 1 if has_res else 0  # the dummy residual is 1x1x1
-    slots = buf.shape[0]
-    for sl in prange(slots):
-        for o in range(sl, c_, slots):
-            if m == 4:
-                for nu in range(6):  # along xi: F[i*6 + nu] = AT[i, :] . M[:, nu]
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        f0, f1, f2, f3 = _at6(
-                            mm[nu, o, tt],
-                            mm[6 + nu, o, tt],
-                            mm[12 + nu, o, tt],
-                            mm[18 + nu, o, tt],
-                            mm[24 + nu, o, tt],
-                            mm[30 + nu, o, tt],
-                        )
-                        buf[sl, 0, nu, tt] = f0
-                        buf[sl, 0, 6 + nu, tt] = f1
-                        buf[sl, 0, 12 + nu, tt] = f2
-                        buf[sl, 0, 18 + nu, tt] = f3
-                for i in range(4):  # along nu: Y[i*4 + j] = AT[j, :] . F[i, :]
-                    b = i * 6
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        y0, y1, y2, y3 = _at6(
-                            buf[sl, 0, b, tt],
-                            buf[sl, 0, b + 1, tt],
-                            buf[sl, 0, b + 2, tt],
-                            buf[sl, 0, b + 3, tt],
-                            buf[sl, 0, b + 4, tt],
-                            buf[sl, 0, b + 5, tt],
-                        )
-                        buf[sl, 1, i * 4, tt] = y0
-                        buf[sl, 1, i * 4 + 1, tt] = y1
-                        buf[sl, 1, i * 4 + 2, tt] = y2
-                        buf[sl, 1, i * 4 + 3, tt] = y3
-            else:
-                for nu in range(4):
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        f0, f1 = _at4(
-                            mm[nu, o, tt], mm[4 + nu, o, tt], mm[8 + nu, o, tt], mm[12 + nu, o, tt]
-                        )
-                        buf[sl, 0, nu, tt] = f0
-                        buf[sl, 0, 4 + nu, tt] = f1
-                for i in range(2):
-                    b = i * 4
-                    for t in range(t_):
-                        tt = np.uintp(t)
-                        y0, y1 = _at4(
-                            buf[sl, 0, b, tt],
-                            buf[sl, 0, b + 1, tt],
-                            buf[sl, 0, b + 2, tt],
-                            buf[sl, 0, b + 3, tt],
-                        )
-                        buf[sl, 1, i * 2, tt] = y0
-                        buf[sl, 1, i * 2 + 1, tt] = y1
-            s = scale[o] if flags & HAS_SCALE else np.float32(1)
-            bb = bias[o] if flags & HAS_BIAS else np.float32(0)
-            for ty in range(th):
-                t0 = ty * tw
-                for i in range(m):
-                    oy = ty * m + i
-                    if oy >= oh:
-                        break
-                    for j in range(m):
-                        src = i * m + j
-                        nx = tw if (tw - 1) * m + j < ow else tw - 1  # last tile overhangs
-                        for tx in range(nx):
-                            y[o, oy, np.uintp(tx * m + j)] = buf[sl, 1, src, np.uintp(t0 + tx)]
-                    epilogue_row(y[o, oy], s, bb, res[o * rstep, oy * rstep], has_res, act, a_, b_)
+    for c in range(c_):
+        for ox in range(ow):
+            y[c, oy, np.uintp(ox)] = yt[oy, ox, np.uintp(c)]
+        s = scale[c] if flags & HAS_SCALE else np.float32(1)
+        bb = bias[c] if flags & HAS_BIAS else np.float32(0)
+        r = res[c, oy] if has_res else res[0, 0]
+        epilogue_row(y[c, oy], s, bb, r, has_res, act, a, b)

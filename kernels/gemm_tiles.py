@@ -19,6 +19,9 @@ fma chain over k in order, so every tile shape gives bit-identical results.
 
 Scratch: ``xp`` (workers, cpu_abi.GEMM_XP_FLOATS) float32: one slot per parallel
 worker (pass as many as there are threads), whose size sets the column blocks.
+
+``wino_conv_<lanes>x<nv>`` runs a whole Winograd 3x3 conv on the same micro-kernel,
+vectorised along channels (its docstring; the scratch is planned by backend_cpu).
 Tile shapes (lanes x vectors): 16x4, 8x2, 4x2, 4x4.
 """
 
@@ -26,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
-from .cpu_numba import act_row, epilogue_row
+from .cpu_numba import act_row, epilogue_row, nhwc_row, nhwc_row_out
 from .simd import Ops
 
 MR = 6
@@ -43,6 +46,7 @@ vsplat_16x4 = _ops_16x4.vsplat
 vzero_16x4 = _ops_16x4.vzero
 vfma_16x4 = _ops_16x4.vfma
 vadd_16x4 = _ops_16x4.vadd
+vsub_16x4 = _ops_16x4.vsub
 vmul_16x4 = _ops_16x4.vmul
 vmax_16x4 = _ops_16x4.vmax
 vmin_16x4 = _ops_16x4.vmin
@@ -59,6 +63,7 @@ vsplat_8x2 = _ops_8x2.vsplat
 vzero_8x2 = _ops_8x2.vzero
 vfma_8x2 = _ops_8x2.vfma
 vadd_8x2 = _ops_8x2.vadd
+vsub_8x2 = _ops_8x2.vsub
 vmul_8x2 = _ops_8x2.vmul
 vmax_8x2 = _ops_8x2.vmax
 vmin_8x2 = _ops_8x2.vmin
@@ -75,6 +80,7 @@ vsplat_4x2 = _ops_4x2.vsplat
 vzero_4x2 = _ops_4x2.vzero
 vfma_4x2 = _ops_4x2.vfma
 vadd_4x2 = _ops_4x2.vadd
+vsub_4x2 = _ops_4x2.vsub
 vmul_4x2 = _ops_4x2.vmul
 vmax_4x2 = _ops_4x2.vmax
 vmin_4x2 = _ops_4x2.vmin
@@ -91,6 +97,7 @@ vsplat_4x4 = _ops_4x4.vsplat
 vzero_4x4 = _ops_4x4.vzero
 vfma_4x4 = _ops_4x4.vfma
 vadd_4x4 = _ops_4x4.vadd
+vsub_4x4 = _ops_4x4.vsub
 vmul_4x4 = _ops_4x4.vmul
 vmax_4x4 = _ops_4x4.vmax
 vmin_4x4 = _ops_4x4.vmin
@@ -597,6 +604,200 @@ def gemm_16x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 
 
+@njit(inline="always")
+def _vbt6_16x4(z0, z1, z2, z3, z4, z5, c2, c4, c5):  # BT of F(4x4, 3x3), winograd.py
+    return (
+        vadd_16x4(vsub_16x4(vmul_16x4(c4, z0), vmul_16x4(c5, z2)), z4),
+        vsub_16x4(vadd_16x4(z3, z4), vmul_16x4(c4, vadd_16x4(z1, z2))),
+        vadd_16x4(vsub_16x4(z4, z3), vmul_16x4(c4, vsub_16x4(z1, z2))),
+        vadd_16x4(vsub_16x4(z4, z2), vmul_16x4(c2, vsub_16x4(z3, z1))),
+        vadd_16x4(vsub_16x4(z4, z2), vmul_16x4(c2, vsub_16x4(z1, z3))),
+        vadd_16x4(vsub_16x4(vmul_16x4(c4, z1), vmul_16x4(c5, z3)), z5),
+    )
+
+
+@njit(inline="always")
+def _vat6_16x4(z0, z1, z2, z3, z4, z5, c2, c4, c8):  # AT of F(4x4, 3x3)
+    p, q = vadd_16x4(z1, z2), vsub_16x4(z1, z2)
+    r, u = vadd_16x4(z3, z4), vsub_16x4(z3, z4)
+    return (
+        vadd_16x4(vadd_16x4(z0, p), r),
+        vadd_16x4(q, vmul_16x4(c2, u)),
+        vadd_16x4(p, vmul_16x4(c4, r)),
+        vadd_16x4(vadd_16x4(q, vmul_16x4(c8, u)), z5),
+    )
+
+
+@njit(inline="always")
+def _vbt4_16x4(z0, z1, z2, z3):  # BT of F(2x2, 3x3)
+    return vsub_16x4(z0, z2), vadd_16x4(z1, z2), vsub_16x4(z2, z1), vsub_16x4(z1, z3)
+
+
+@njit(inline="always")
+def _vat4_16x4(z0, z1, z2, z3):  # AT of F(2x2, 3x3)
+    return vadd_16x4(vadd_16x4(z0, z1), z2), vsub_16x4(vsub_16x4(z1, z2), z3)
+
+
+@njit(cache=True)
+def _win_tile_16x4(xt, o, rs, cs, m, v, q, es, tmp):
+    """V[e, t, c0:c0+16] of one tile: BT along its rows, then along its columns.
+    o: flat offset of the tile corner's channel c0 in xt; rs, cs: xt's row and pixel
+    strides; q: V's offset of (0, t, c0); es: V's stride per element e."""
+    if m == 4:
+        c2, c4 = vsplat_16x4(np.float32(2)), vsplat_16x4(np.float32(4))
+        c5 = vsplat_16x4(np.float32(5))
+        for k in range(6):
+            p = o + k * cs
+            e0, e1, e2, e3, e4, e5 = _vbt6_16x4(
+                vload_16x4(xt, p), vload_16x4(xt, p + rs), vload_16x4(xt, p + 2 * rs),
+                vload_16x4(xt, p + 3 * rs), vload_16x4(xt, p + 4 * rs), vload_16x4(xt, p + 5 * rs),
+                c2, c4, c5)
+            vstore_16x4(tmp, k * 16, e0)
+            vstore_16x4(tmp, (6 + k) * 16, e1)
+            vstore_16x4(tmp, (12 + k) * 16, e2)
+            vstore_16x4(tmp, (18 + k) * 16, e3)
+            vstore_16x4(tmp, (24 + k) * 16, e4)
+            vstore_16x4(tmp, (30 + k) * 16, e5)
+        for xi in range(6):
+            b = xi * 6 * 16
+            v0, v1, v2, v3, v4, v5 = _vbt6_16x4(
+                vload_16x4(tmp, b), vload_16x4(tmp, b + 16), vload_16x4(tmp, b + 32),
+                vload_16x4(tmp, b + 48), vload_16x4(tmp, b + 64),
+                vload_16x4(tmp, b + 80), c2, c4, c5)
+            d = q + xi * 6 * es
+            vstore_16x4(v, d, v0)
+            vstore_16x4(v, d + es, v1)
+            vstore_16x4(v, d + 2 * es, v2)
+            vstore_16x4(v, d + 3 * es, v3)
+            vstore_16x4(v, d + 4 * es, v4)
+            vstore_16x4(v, d + 5 * es, v5)
+    else:
+        for k in range(4):
+            p = o + k * cs
+            e0, e1, e2, e3 = _vbt4_16x4(vload_16x4(xt, p), vload_16x4(xt, p + rs),
+                                     vload_16x4(xt, p + 2 * rs), vload_16x4(xt, p + 3 * rs))
+            vstore_16x4(tmp, k * 16, e0)
+            vstore_16x4(tmp, (4 + k) * 16, e1)
+            vstore_16x4(tmp, (8 + k) * 16, e2)
+            vstore_16x4(tmp, (12 + k) * 16, e3)
+        for xi in range(4):
+            b = xi * 4 * 16
+            v0, v1, v2, v3 = _vbt4_16x4(vload_16x4(tmp, b), vload_16x4(tmp, b + 16),
+                                     vload_16x4(tmp, b + 32), vload_16x4(tmp, b + 48))
+            d = q + xi * 4 * es
+            vstore_16x4(v, d, v0)
+            vstore_16x4(v, d + es, v1)
+            vstore_16x4(v, d + 2 * es, v2)
+            vstore_16x4(v, d + 3 * es, v3)
+
+
+@njit(cache=True)
+def _wout_tile_16x4(mt, q, es, m, yt, o, rs, cs, tmp):
+    """The m x m outputs (AT M A) of one tile for 16 channels into yt (offset o,
+    row and pixel strides rs, cs): AT along e's rows, then along its columns; the
+    mirror of _win_tile_16x4."""
+    if m == 4:
+        c2, c4 = vsplat_16x4(np.float32(2)), vsplat_16x4(np.float32(4))
+        c8 = vsplat_16x4(np.float32(8))
+        for nu in range(6):
+            f0, f1, f2, f3 = _vat6_16x4(
+                vload_16x4(mt, q + nu * es), vload_16x4(mt, q + (6 + nu) * es),
+                vload_16x4(mt, q + (12 + nu) * es), vload_16x4(mt, q + (18 + nu) * es),
+                vload_16x4(mt, q + (24 + nu) * es), vload_16x4(mt, q + (30 + nu) * es), c2, c4, c8)
+            vstore_16x4(tmp, nu * 16, f0)
+            vstore_16x4(tmp, (6 + nu) * 16, f1)
+            vstore_16x4(tmp, (12 + nu) * 16, f2)
+            vstore_16x4(tmp, (18 + nu) * 16, f3)
+        for i in range(4):
+            b = i * 6 * 16
+            y0, y1, y2, y3 = _vat6_16x4(
+                vload_16x4(tmp, b), vload_16x4(tmp, b + 16), vload_16x4(tmp, b + 32),
+                vload_16x4(tmp, b + 48), vload_16x4(tmp, b + 64),
+                vload_16x4(tmp, b + 80), c2, c4, c8)
+            d = o + i * rs
+            vstore_16x4(yt, d, y0)
+            vstore_16x4(yt, d + cs, y1)
+            vstore_16x4(yt, d + 2 * cs, y2)
+            vstore_16x4(yt, d + 3 * cs, y3)
+    else:
+        for nu in range(4):
+            f0, f1 = _vat4_16x4(vload_16x4(mt, q + nu * es), vload_16x4(mt, q + (4 + nu) * es),
+                              vload_16x4(mt, q + (8 + nu) * es), vload_16x4(mt, q + (12 + nu) * es))
+            vstore_16x4(tmp, nu * 16, f0)
+            vstore_16x4(tmp, (4 + nu) * 16, f1)
+        for i in range(2):
+            b = i * 4 * 16
+            y0, y1 = _vat4_16x4(vload_16x4(tmp, b), vload_16x4(tmp, b + 16),
+                              vload_16x4(tmp, b + 32), vload_16x4(tmp, b + 48))
+            d = o + i * rs
+            vstore_16x4(yt, d, y0)
+            vstore_16x4(yt, d + cs, y1)
+
+
+@njit(parallel=True, cache=True)
+def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
+               act, a, b):
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+
+    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
+       contiguous run of channels (one vector load; planar, it was a gather);
+    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
+       M stay in L2 while U[e] is reused across blocks):
+       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
+       Ci x Co in the bundle, read in place; a last partial column block is packed
+       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
+    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
+    Cp is a multiple of 16; channels past C carry garbage that nothing reads.
+    tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
+    """
+    for iy in prange(xt.shape[0]):
+        nhwc_row(x, xt, iy, pt, pl)
+    a2, tb, cip = vb.shape
+    cop = mb.shape[2]
+    ci, co = u.shape[1], u.shape[2]
+    t_ = (yt.shape[0] // m) * tw
+    wp, ywp = xt.shape[1], yt.shape[1]
+    slots = tmp.shape[0]
+    gslots = min(xp.shape[0], a2)
+    for t0 in range(0, t_, tb):
+        nt = min(tb, t_ - t0)
+        per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * wp + (t % tw) * m) * cip
+                for c0 in range(0, cip, 16):
+                    _win_tile_16x4(xt, o + c0, wp * cip, cip, m, vb, (t - t0) * cip + c0,
+                                tb * cip, tmp[sl])
+        for sl in prange(gslots):
+            xq = xp[sl]
+            for e in range(sl, a2, gslots):
+                for kb in range(0, ci, KC):
+                    kc = min(KC, ci - kb)
+                    for j0 in range(0, co, 64):
+                        cols = min(64, co - j0)
+                        if cols < 64:
+                            _pack_16x4(u, co, e * ci + kb, kc, j0, cols, xq)
+                        for m0 in range(0, nt, MR):
+                            rows = min(MR, nt - m0)
+                            if cols == 64:
+                                tile_16x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
+                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                            else:
+                                tile_16x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
+                                        64, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
+                                        cols)
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                for c0 in range(0, cop, 16):
+                    _wout_tile_16x4(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
+                                 ywp * cop, cop, tmp[sl])
+    for oy in prange(y.shape[1]):
+        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
+
+
+
 @njit(cache=True)
 def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
@@ -924,6 +1125,200 @@ def gemm_8x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 
 
+@njit(inline="always")
+def _vbt6_8x2(z0, z1, z2, z3, z4, z5, c2, c4, c5):  # BT of F(4x4, 3x3), winograd.py
+    return (
+        vadd_8x2(vsub_8x2(vmul_8x2(c4, z0), vmul_8x2(c5, z2)), z4),
+        vsub_8x2(vadd_8x2(z3, z4), vmul_8x2(c4, vadd_8x2(z1, z2))),
+        vadd_8x2(vsub_8x2(z4, z3), vmul_8x2(c4, vsub_8x2(z1, z2))),
+        vadd_8x2(vsub_8x2(z4, z2), vmul_8x2(c2, vsub_8x2(z3, z1))),
+        vadd_8x2(vsub_8x2(z4, z2), vmul_8x2(c2, vsub_8x2(z1, z3))),
+        vadd_8x2(vsub_8x2(vmul_8x2(c4, z1), vmul_8x2(c5, z3)), z5),
+    )
+
+
+@njit(inline="always")
+def _vat6_8x2(z0, z1, z2, z3, z4, z5, c2, c4, c8):  # AT of F(4x4, 3x3)
+    p, q = vadd_8x2(z1, z2), vsub_8x2(z1, z2)
+    r, u = vadd_8x2(z3, z4), vsub_8x2(z3, z4)
+    return (
+        vadd_8x2(vadd_8x2(z0, p), r),
+        vadd_8x2(q, vmul_8x2(c2, u)),
+        vadd_8x2(p, vmul_8x2(c4, r)),
+        vadd_8x2(vadd_8x2(q, vmul_8x2(c8, u)), z5),
+    )
+
+
+@njit(inline="always")
+def _vbt4_8x2(z0, z1, z2, z3):  # BT of F(2x2, 3x3)
+    return vsub_8x2(z0, z2), vadd_8x2(z1, z2), vsub_8x2(z2, z1), vsub_8x2(z1, z3)
+
+
+@njit(inline="always")
+def _vat4_8x2(z0, z1, z2, z3):  # AT of F(2x2, 3x3)
+    return vadd_8x2(vadd_8x2(z0, z1), z2), vsub_8x2(vsub_8x2(z1, z2), z3)
+
+
+@njit(cache=True)
+def _win_tile_8x2(xt, o, rs, cs, m, v, q, es, tmp):
+    """V[e, t, c0:c0+8] of one tile: BT along its rows, then along its columns.
+    o: flat offset of the tile corner's channel c0 in xt; rs, cs: xt's row and pixel
+    strides; q: V's offset of (0, t, c0); es: V's stride per element e."""
+    if m == 4:
+        c2, c4 = vsplat_8x2(np.float32(2)), vsplat_8x2(np.float32(4))
+        c5 = vsplat_8x2(np.float32(5))
+        for k in range(6):
+            p = o + k * cs
+            e0, e1, e2, e3, e4, e5 = _vbt6_8x2(
+                vload_8x2(xt, p), vload_8x2(xt, p + rs), vload_8x2(xt, p + 2 * rs),
+                vload_8x2(xt, p + 3 * rs), vload_8x2(xt, p + 4 * rs), vload_8x2(xt, p + 5 * rs),
+                c2, c4, c5)
+            vstore_8x2(tmp, k * 8, e0)
+            vstore_8x2(tmp, (6 + k) * 8, e1)
+            vstore_8x2(tmp, (12 + k) * 8, e2)
+            vstore_8x2(tmp, (18 + k) * 8, e3)
+            vstore_8x2(tmp, (24 + k) * 8, e4)
+            vstore_8x2(tmp, (30 + k) * 8, e5)
+        for xi in range(6):
+            b = xi * 6 * 8
+            v0, v1, v2, v3, v4, v5 = _vbt6_8x2(
+                vload_8x2(tmp, b), vload_8x2(tmp, b + 8), vload_8x2(tmp, b + 16),
+                vload_8x2(tmp, b + 24), vload_8x2(tmp, b + 32),
+                vload_8x2(tmp, b + 40), c2, c4, c5)
+            d = q + xi * 6 * es
+            vstore_8x2(v, d, v0)
+            vstore_8x2(v, d + es, v1)
+            vstore_8x2(v, d + 2 * es, v2)
+            vstore_8x2(v, d + 3 * es, v3)
+            vstore_8x2(v, d + 4 * es, v4)
+            vstore_8x2(v, d + 5 * es, v5)
+    else:
+        for k in range(4):
+            p = o + k * cs
+            e0, e1, e2, e3 = _vbt4_8x2(vload_8x2(xt, p), vload_8x2(xt, p + rs),
+                                     vload_8x2(xt, p + 2 * rs), vload_8x2(xt, p + 3 * rs))
+            vstore_8x2(tmp, k * 8, e0)
+            vstore_8x2(tmp, (4 + k) * 8, e1)
+            vstore_8x2(tmp, (8 + k) * 8, e2)
+            vstore_8x2(tmp, (12 + k) * 8, e3)
+        for xi in range(4):
+            b = xi * 4 * 8
+            v0, v1, v2, v3 = _vbt4_8x2(vload_8x2(tmp, b), vload_8x2(tmp, b + 8),
+                                     vload_8x2(tmp, b + 16), vload_8x2(tmp, b + 24))
+            d = q + xi * 4 * es
+            vstore_8x2(v, d, v0)
+            vstore_8x2(v, d + es, v1)
+            vstore_8x2(v, d + 2 * es, v2)
+            vstore_8x2(v, d + 3 * es, v3)
+
+
+@njit(cache=True)
+def _wout_tile_8x2(mt, q, es, m, yt, o, rs, cs, tmp):
+    """The m x m outputs (AT M A) of one tile for 8 channels into yt (offset o,
+    row and pixel strides rs, cs): AT along e's rows, then along its columns; the
+    mirror of _win_tile_8x2."""
+    if m == 4:
+        c2, c4 = vsplat_8x2(np.float32(2)), vsplat_8x2(np.float32(4))
+        c8 = vsplat_8x2(np.float32(8))
+        for nu in range(6):
+            f0, f1, f2, f3 = _vat6_8x2(
+                vload_8x2(mt, q + nu * es), vload_8x2(mt, q + (6 + nu) * es),
+                vload_8x2(mt, q + (12 + nu) * es), vload_8x2(mt, q + (18 + nu) * es),
+                vload_8x2(mt, q + (24 + nu) * es), vload_8x2(mt, q + (30 + nu) * es), c2, c4, c8)
+            vstore_8x2(tmp, nu * 8, f0)
+            vstore_8x2(tmp, (6 + nu) * 8, f1)
+            vstore_8x2(tmp, (12 + nu) * 8, f2)
+            vstore_8x2(tmp, (18 + nu) * 8, f3)
+        for i in range(4):
+            b = i * 6 * 8
+            y0, y1, y2, y3 = _vat6_8x2(
+                vload_8x2(tmp, b), vload_8x2(tmp, b + 8), vload_8x2(tmp, b + 16),
+                vload_8x2(tmp, b + 24), vload_8x2(tmp, b + 32),
+                vload_8x2(tmp, b + 40), c2, c4, c8)
+            d = o + i * rs
+            vstore_8x2(yt, d, y0)
+            vstore_8x2(yt, d + cs, y1)
+            vstore_8x2(yt, d + 2 * cs, y2)
+            vstore_8x2(yt, d + 3 * cs, y3)
+    else:
+        for nu in range(4):
+            f0, f1 = _vat4_8x2(vload_8x2(mt, q + nu * es), vload_8x2(mt, q + (4 + nu) * es),
+                              vload_8x2(mt, q + (8 + nu) * es), vload_8x2(mt, q + (12 + nu) * es))
+            vstore_8x2(tmp, nu * 8, f0)
+            vstore_8x2(tmp, (4 + nu) * 8, f1)
+        for i in range(2):
+            b = i * 4 * 8
+            y0, y1 = _vat4_8x2(vload_8x2(tmp, b), vload_8x2(tmp, b + 8),
+                              vload_8x2(tmp, b + 16), vload_8x2(tmp, b + 24))
+            d = o + i * rs
+            vstore_8x2(yt, d, y0)
+            vstore_8x2(yt, d + cs, y1)
+
+
+@njit(parallel=True, cache=True)
+def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
+               act, a, b):
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+
+    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
+       contiguous run of channels (one vector load; planar, it was a gather);
+    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
+       M stay in L2 while U[e] is reused across blocks):
+       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
+       Ci x Co in the bundle, read in place; a last partial column block is packed
+       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
+    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
+    Cp is a multiple of 8; channels past C carry garbage that nothing reads.
+    tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
+    """
+    for iy in prange(xt.shape[0]):
+        nhwc_row(x, xt, iy, pt, pl)
+    a2, tb, cip = vb.shape
+    cop = mb.shape[2]
+    ci, co = u.shape[1], u.shape[2]
+    t_ = (yt.shape[0] // m) * tw
+    wp, ywp = xt.shape[1], yt.shape[1]
+    slots = tmp.shape[0]
+    gslots = min(xp.shape[0], a2)
+    for t0 in range(0, t_, tb):
+        nt = min(tb, t_ - t0)
+        per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * wp + (t % tw) * m) * cip
+                for c0 in range(0, cip, 8):
+                    _win_tile_8x2(xt, o + c0, wp * cip, cip, m, vb, (t - t0) * cip + c0,
+                                tb * cip, tmp[sl])
+        for sl in prange(gslots):
+            xq = xp[sl]
+            for e in range(sl, a2, gslots):
+                for kb in range(0, ci, KC):
+                    kc = min(KC, ci - kb)
+                    for j0 in range(0, co, 16):
+                        cols = min(16, co - j0)
+                        if cols < 16:
+                            _pack_8x2(u, co, e * ci + kb, kc, j0, cols, xq)
+                        for m0 in range(0, nt, MR):
+                            rows = min(MR, nt - m0)
+                            if cols == 16:
+                                tile_8x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
+                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                            else:
+                                tile_8x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
+                                        16, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
+                                        cols)
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                for c0 in range(0, cop, 8):
+                    _wout_tile_8x2(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
+                                 ywp * cop, cop, tmp[sl])
+    for oy in prange(y.shape[1]):
+        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
+
+
+
 @njit(cache=True)
 def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
@@ -1248,6 +1643,200 @@ def gemm_4x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
             if m_lo < m_hi:
                 _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
                           m_lo, m_hi, xp[sl])
+
+
+
+@njit(inline="always")
+def _vbt6_4x2(z0, z1, z2, z3, z4, z5, c2, c4, c5):  # BT of F(4x4, 3x3), winograd.py
+    return (
+        vadd_4x2(vsub_4x2(vmul_4x2(c4, z0), vmul_4x2(c5, z2)), z4),
+        vsub_4x2(vadd_4x2(z3, z4), vmul_4x2(c4, vadd_4x2(z1, z2))),
+        vadd_4x2(vsub_4x2(z4, z3), vmul_4x2(c4, vsub_4x2(z1, z2))),
+        vadd_4x2(vsub_4x2(z4, z2), vmul_4x2(c2, vsub_4x2(z3, z1))),
+        vadd_4x2(vsub_4x2(z4, z2), vmul_4x2(c2, vsub_4x2(z1, z3))),
+        vadd_4x2(vsub_4x2(vmul_4x2(c4, z1), vmul_4x2(c5, z3)), z5),
+    )
+
+
+@njit(inline="always")
+def _vat6_4x2(z0, z1, z2, z3, z4, z5, c2, c4, c8):  # AT of F(4x4, 3x3)
+    p, q = vadd_4x2(z1, z2), vsub_4x2(z1, z2)
+    r, u = vadd_4x2(z3, z4), vsub_4x2(z3, z4)
+    return (
+        vadd_4x2(vadd_4x2(z0, p), r),
+        vadd_4x2(q, vmul_4x2(c2, u)),
+        vadd_4x2(p, vmul_4x2(c4, r)),
+        vadd_4x2(vadd_4x2(q, vmul_4x2(c8, u)), z5),
+    )
+
+
+@njit(inline="always")
+def _vbt4_4x2(z0, z1, z2, z3):  # BT of F(2x2, 3x3)
+    return vsub_4x2(z0, z2), vadd_4x2(z1, z2), vsub_4x2(z2, z1), vsub_4x2(z1, z3)
+
+
+@njit(inline="always")
+def _vat4_4x2(z0, z1, z2, z3):  # AT of F(2x2, 3x3)
+    return vadd_4x2(vadd_4x2(z0, z1), z2), vsub_4x2(vsub_4x2(z1, z2), z3)
+
+
+@njit(cache=True)
+def _win_tile_4x2(xt, o, rs, cs, m, v, q, es, tmp):
+    """V[e, t, c0:c0+4] of one tile: BT along its rows, then along its columns.
+    o: flat offset of the tile corner's channel c0 in xt; rs, cs: xt's row and pixel
+    strides; q: V's offset of (0, t, c0); es: V's stride per element e."""
+    if m == 4:
+        c2, c4 = vsplat_4x2(np.float32(2)), vsplat_4x2(np.float32(4))
+        c5 = vsplat_4x2(np.float32(5))
+        for k in range(6):
+            p = o + k * cs
+            e0, e1, e2, e3, e4, e5 = _vbt6_4x2(
+                vload_4x2(xt, p), vload_4x2(xt, p + rs), vload_4x2(xt, p + 2 * rs),
+                vload_4x2(xt, p + 3 * rs), vload_4x2(xt, p + 4 * rs), vload_4x2(xt, p + 5 * rs),
+                c2, c4, c5)
+            vstore_4x2(tmp, k * 4, e0)
+            vstore_4x2(tmp, (6 + k) * 4, e1)
+            vstore_4x2(tmp, (12 + k) * 4, e2)
+            vstore_4x2(tmp, (18 + k) * 4, e3)
+            vstore_4x2(tmp, (24 + k) * 4, e4)
+            vstore_4x2(tmp, (30 + k) * 4, e5)
+        for xi in range(6):
+            b = xi * 6 * 4
+            v0, v1, v2, v3, v4, v5 = _vbt6_4x2(
+                vload_4x2(tmp, b), vload_4x2(tmp, b + 4), vload_4x2(tmp, b + 8),
+                vload_4x2(tmp, b + 12), vload_4x2(tmp, b + 16),
+                vload_4x2(tmp, b + 20), c2, c4, c5)
+            d = q + xi * 6 * es
+            vstore_4x2(v, d, v0)
+            vstore_4x2(v, d + es, v1)
+            vstore_4x2(v, d + 2 * es, v2)
+            vstore_4x2(v, d + 3 * es, v3)
+            vstore_4x2(v, d + 4 * es, v4)
+            vstore_4x2(v, d + 5 * es, v5)
+    else:
+        for k in range(4):
+            p = o + k * cs
+            e0, e1, e2, e3 = _vbt4_4x2(vload_4x2(xt, p), vload_4x2(xt, p + rs),
+                                     vload_4x2(xt, p + 2 * rs), vload_4x2(xt, p + 3 * rs))
+            vstore_4x2(tmp, k * 4, e0)
+            vstore_4x2(tmp, (4 + k) * 4, e1)
+            vstore_4x2(tmp, (8 + k) * 4, e2)
+            vstore_4x2(tmp, (12 + k) * 4, e3)
+        for xi in range(4):
+            b = xi * 4 * 4
+            v0, v1, v2, v3 = _vbt4_4x2(vload_4x2(tmp, b), vload_4x2(tmp, b + 4),
+                                     vload_4x2(tmp, b + 8), vload_4x2(tmp, b + 12))
+            d = q + xi * 4 * es
+            vstore_4x2(v, d, v0)
+            vstore_4x2(v, d + es, v1)
+            vstore_4x2(v, d + 2 * es, v2)
+            vstore_4x2(v, d + 3 * es, v3)
+
+
+@njit(cache=True)
+def _wout_tile_4x2(mt, q, es, m, yt, o, rs, cs, tmp):
+    """The m x m outputs (AT M A) of one tile for 4 channels into yt (offset o,
+    row and pixel strides rs, cs): AT along e's rows, then along its columns; the
+    mirror of _win_tile_4x2."""
+    if m == 4:
+        c2, c4 = vsplat_4x2(np.float32(2)), vsplat_4x2(np.float32(4))
+        c8 = vsplat_4x2(np.float32(8))
+        for nu in range(6):
+            f0, f1, f2, f3 = _vat6_4x2(
+                vload_4x2(mt, q + nu * es), vload_4x2(mt, q + (6 + nu) * es),
+                vload_4x2(mt, q + (12 + nu) * es), vload_4x2(mt, q + (18 + nu) * es),
+                vload_4x2(mt, q + (24 + nu) * es), vload_4x2(mt, q + (30 + nu) * es), c2, c4, c8)
+            vstore_4x2(tmp, nu * 4, f0)
+            vstore_4x2(tmp, (6 + nu) * 4, f1)
+            vstore_4x2(tmp, (12 + nu) * 4, f2)
+            vstore_4x2(tmp, (18 + nu) * 4, f3)
+        for i in range(4):
+            b = i * 6 * 4
+            y0, y1, y2, y3 = _vat6_4x2(
+                vload_4x2(tmp, b), vload_4x2(tmp, b + 4), vload_4x2(tmp, b + 8),
+                vload_4x2(tmp, b + 12), vload_4x2(tmp, b + 16),
+                vload_4x2(tmp, b + 20), c2, c4, c8)
+            d = o + i * rs
+            vstore_4x2(yt, d, y0)
+            vstore_4x2(yt, d + cs, y1)
+            vstore_4x2(yt, d + 2 * cs, y2)
+            vstore_4x2(yt, d + 3 * cs, y3)
+    else:
+        for nu in range(4):
+            f0, f1 = _vat4_4x2(vload_4x2(mt, q + nu * es), vload_4x2(mt, q + (4 + nu) * es),
+                              vload_4x2(mt, q + (8 + nu) * es), vload_4x2(mt, q + (12 + nu) * es))
+            vstore_4x2(tmp, nu * 4, f0)
+            vstore_4x2(tmp, (4 + nu) * 4, f1)
+        for i in range(2):
+            b = i * 4 * 4
+            y0, y1 = _vat4_4x2(vload_4x2(tmp, b), vload_4x2(tmp, b + 4),
+                              vload_4x2(tmp, b + 8), vload_4x2(tmp, b + 12))
+            d = o + i * rs
+            vstore_4x2(yt, d, y0)
+            vstore_4x2(yt, d + cs, y1)
+
+
+@njit(parallel=True, cache=True)
+def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
+               act, a, b):
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+
+    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
+       contiguous run of channels (one vector load; planar, it was a gather);
+    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
+       M stay in L2 while U[e] is reused across blocks):
+       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
+       Ci x Co in the bundle, read in place; a last partial column block is packed
+       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
+    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
+    Cp is a multiple of 4; channels past C carry garbage that nothing reads.
+    tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
+    """
+    for iy in prange(xt.shape[0]):
+        nhwc_row(x, xt, iy, pt, pl)
+    a2, tb, cip = vb.shape
+    cop = mb.shape[2]
+    ci, co = u.shape[1], u.shape[2]
+    t_ = (yt.shape[0] // m) * tw
+    wp, ywp = xt.shape[1], yt.shape[1]
+    slots = tmp.shape[0]
+    gslots = min(xp.shape[0], a2)
+    for t0 in range(0, t_, tb):
+        nt = min(tb, t_ - t0)
+        per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * wp + (t % tw) * m) * cip
+                for c0 in range(0, cip, 4):
+                    _win_tile_4x2(xt, o + c0, wp * cip, cip, m, vb, (t - t0) * cip + c0,
+                                tb * cip, tmp[sl])
+        for sl in prange(gslots):
+            xq = xp[sl]
+            for e in range(sl, a2, gslots):
+                for kb in range(0, ci, KC):
+                    kc = min(KC, ci - kb)
+                    for j0 in range(0, co, 8):
+                        cols = min(8, co - j0)
+                        if cols < 8:
+                            _pack_4x2(u, co, e * ci + kb, kc, j0, cols, xq)
+                        for m0 in range(0, nt, MR):
+                            rows = min(MR, nt - m0)
+                            if cols == 8:
+                                tile_4x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
+                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                            else:
+                                tile_4x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
+                                        8, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
+                                        cols)
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                for c0 in range(0, cop, 4):
+                    _wout_tile_4x2(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
+                                 ywp * cop, cop, tmp[sl])
+    for oy in prange(y.shape[1]):
+        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
 
 
 
@@ -1745,3 +2334,197 @@ def gemm_4x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
             if m_lo < m_hi:
                 _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
                           m_lo, m_hi, xp[sl])
+
+
+
+@njit(inline="always")
+def _vbt6_4x4(z0, z1, z2, z3, z4, z5, c2, c4, c5):  # BT of F(4x4, 3x3), winograd.py
+    return (
+        vadd_4x4(vsub_4x4(vmul_4x4(c4, z0), vmul_4x4(c5, z2)), z4),
+        vsub_4x4(vadd_4x4(z3, z4), vmul_4x4(c4, vadd_4x4(z1, z2))),
+        vadd_4x4(vsub_4x4(z4, z3), vmul_4x4(c4, vsub_4x4(z1, z2))),
+        vadd_4x4(vsub_4x4(z4, z2), vmul_4x4(c2, vsub_4x4(z3, z1))),
+        vadd_4x4(vsub_4x4(z4, z2), vmul_4x4(c2, vsub_4x4(z1, z3))),
+        vadd_4x4(vsub_4x4(vmul_4x4(c4, z1), vmul_4x4(c5, z3)), z5),
+    )
+
+
+@njit(inline="always")
+def _vat6_4x4(z0, z1, z2, z3, z4, z5, c2, c4, c8):  # AT of F(4x4, 3x3)
+    p, q = vadd_4x4(z1, z2), vsub_4x4(z1, z2)
+    r, u = vadd_4x4(z3, z4), vsub_4x4(z3, z4)
+    return (
+        vadd_4x4(vadd_4x4(z0, p), r),
+        vadd_4x4(q, vmul_4x4(c2, u)),
+        vadd_4x4(p, vmul_4x4(c4, r)),
+        vadd_4x4(vadd_4x4(q, vmul_4x4(c8, u)), z5),
+    )
+
+
+@njit(inline="always")
+def _vbt4_4x4(z0, z1, z2, z3):  # BT of F(2x2, 3x3)
+    return vsub_4x4(z0, z2), vadd_4x4(z1, z2), vsub_4x4(z2, z1), vsub_4x4(z1, z3)
+
+
+@njit(inline="always")
+def _vat4_4x4(z0, z1, z2, z3):  # AT of F(2x2, 3x3)
+    return vadd_4x4(vadd_4x4(z0, z1), z2), vsub_4x4(vsub_4x4(z1, z2), z3)
+
+
+@njit(cache=True)
+def _win_tile_4x4(xt, o, rs, cs, m, v, q, es, tmp):
+    """V[e, t, c0:c0+4] of one tile: BT along its rows, then along its columns.
+    o: flat offset of the tile corner's channel c0 in xt; rs, cs: xt's row and pixel
+    strides; q: V's offset of (0, t, c0); es: V's stride per element e."""
+    if m == 4:
+        c2, c4 = vsplat_4x4(np.float32(2)), vsplat_4x4(np.float32(4))
+        c5 = vsplat_4x4(np.float32(5))
+        for k in range(6):
+            p = o + k * cs
+            e0, e1, e2, e3, e4, e5 = _vbt6_4x4(
+                vload_4x4(xt, p), vload_4x4(xt, p + rs), vload_4x4(xt, p + 2 * rs),
+                vload_4x4(xt, p + 3 * rs), vload_4x4(xt, p + 4 * rs), vload_4x4(xt, p + 5 * rs),
+                c2, c4, c5)
+            vstore_4x4(tmp, k * 4, e0)
+            vstore_4x4(tmp, (6 + k) * 4, e1)
+            vstore_4x4(tmp, (12 + k) * 4, e2)
+            vstore_4x4(tmp, (18 + k) * 4, e3)
+            vstore_4x4(tmp, (24 + k) * 4, e4)
+            vstore_4x4(tmp, (30 + k) * 4, e5)
+        for xi in range(6):
+            b = xi * 6 * 4
+            v0, v1, v2, v3, v4, v5 = _vbt6_4x4(
+                vload_4x4(tmp, b), vload_4x4(tmp, b + 4), vload_4x4(tmp, b + 8),
+                vload_4x4(tmp, b + 12), vload_4x4(tmp, b + 16),
+                vload_4x4(tmp, b + 20), c2, c4, c5)
+            d = q + xi * 6 * es
+            vstore_4x4(v, d, v0)
+            vstore_4x4(v, d + es, v1)
+            vstore_4x4(v, d + 2 * es, v2)
+            vstore_4x4(v, d + 3 * es, v3)
+            vstore_4x4(v, d + 4 * es, v4)
+            vstore_4x4(v, d + 5 * es, v5)
+    else:
+        for k in range(4):
+            p = o + k * cs
+            e0, e1, e2, e3 = _vbt4_4x4(vload_4x4(xt, p), vload_4x4(xt, p + rs),
+                                     vload_4x4(xt, p + 2 * rs), vload_4x4(xt, p + 3 * rs))
+            vstore_4x4(tmp, k * 4, e0)
+            vstore_4x4(tmp, (4 + k) * 4, e1)
+            vstore_4x4(tmp, (8 + k) * 4, e2)
+            vstore_4x4(tmp, (12 + k) * 4, e3)
+        for xi in range(4):
+            b = xi * 4 * 4
+            v0, v1, v2, v3 = _vbt4_4x4(vload_4x4(tmp, b), vload_4x4(tmp, b + 4),
+                                     vload_4x4(tmp, b + 8), vload_4x4(tmp, b + 12))
+            d = q + xi * 4 * es
+            vstore_4x4(v, d, v0)
+            vstore_4x4(v, d + es, v1)
+            vstore_4x4(v, d + 2 * es, v2)
+            vstore_4x4(v, d + 3 * es, v3)
+
+
+@njit(cache=True)
+def _wout_tile_4x4(mt, q, es, m, yt, o, rs, cs, tmp):
+    """The m x m outputs (AT M A) of one tile for 4 channels into yt (offset o,
+    row and pixel strides rs, cs): AT along e's rows, then along its columns; the
+    mirror of _win_tile_4x4."""
+    if m == 4:
+        c2, c4 = vsplat_4x4(np.float32(2)), vsplat_4x4(np.float32(4))
+        c8 = vsplat_4x4(np.float32(8))
+        for nu in range(6):
+            f0, f1, f2, f3 = _vat6_4x4(
+                vload_4x4(mt, q + nu * es), vload_4x4(mt, q + (6 + nu) * es),
+                vload_4x4(mt, q + (12 + nu) * es), vload_4x4(mt, q + (18 + nu) * es),
+                vload_4x4(mt, q + (24 + nu) * es), vload_4x4(mt, q + (30 + nu) * es), c2, c4, c8)
+            vstore_4x4(tmp, nu * 4, f0)
+            vstore_4x4(tmp, (6 + nu) * 4, f1)
+            vstore_4x4(tmp, (12 + nu) * 4, f2)
+            vstore_4x4(tmp, (18 + nu) * 4, f3)
+        for i in range(4):
+            b = i * 6 * 4
+            y0, y1, y2, y3 = _vat6_4x4(
+                vload_4x4(tmp, b), vload_4x4(tmp, b + 4), vload_4x4(tmp, b + 8),
+                vload_4x4(tmp, b + 12), vload_4x4(tmp, b + 16),
+                vload_4x4(tmp, b + 20), c2, c4, c8)
+            d = o + i * rs
+            vstore_4x4(yt, d, y0)
+            vstore_4x4(yt, d + cs, y1)
+            vstore_4x4(yt, d + 2 * cs, y2)
+            vstore_4x4(yt, d + 3 * cs, y3)
+    else:
+        for nu in range(4):
+            f0, f1 = _vat4_4x4(vload_4x4(mt, q + nu * es), vload_4x4(mt, q + (4 + nu) * es),
+                              vload_4x4(mt, q + (8 + nu) * es), vload_4x4(mt, q + (12 + nu) * es))
+            vstore_4x4(tmp, nu * 4, f0)
+            vstore_4x4(tmp, (4 + nu) * 4, f1)
+        for i in range(2):
+            b = i * 4 * 4
+            y0, y1 = _vat4_4x4(vload_4x4(tmp, b), vload_4x4(tmp, b + 4),
+                              vload_4x4(tmp, b + 8), vload_4x4(tmp, b + 12))
+            d = o + i * rs
+            vstore_4x4(yt, d, y0)
+            vstore_4x4(yt, d + cs, y1)
+
+
+@njit(parallel=True, cache=True)
+def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
+               act, a, b):
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+
+    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
+       contiguous run of channels (one vector load; planar, it was a gather);
+    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
+       M stay in L2 while U[e] is reused across blocks):
+       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
+       Ci x Co in the bundle, read in place; a last partial column block is packed
+       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
+    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
+    Cp is a multiple of 4; channels past C carry garbage that nothing reads.
+    tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
+    """
+    for iy in prange(xt.shape[0]):
+        nhwc_row(x, xt, iy, pt, pl)
+    a2, tb, cip = vb.shape
+    cop = mb.shape[2]
+    ci, co = u.shape[1], u.shape[2]
+    t_ = (yt.shape[0] // m) * tw
+    wp, ywp = xt.shape[1], yt.shape[1]
+    slots = tmp.shape[0]
+    gslots = min(xp.shape[0], a2)
+    for t0 in range(0, t_, tb):
+        nt = min(tb, t_ - t0)
+        per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * wp + (t % tw) * m) * cip
+                for c0 in range(0, cip, 4):
+                    _win_tile_4x4(xt, o + c0, wp * cip, cip, m, vb, (t - t0) * cip + c0,
+                                tb * cip, tmp[sl])
+        for sl in prange(gslots):
+            xq = xp[sl]
+            for e in range(sl, a2, gslots):
+                for kb in range(0, ci, KC):
+                    kc = min(KC, ci - kb)
+                    for j0 in range(0, co, 16):
+                        cols = min(16, co - j0)
+                        if cols < 16:
+                            _pack_4x4(u, co, e * ci + kb, kc, j0, cols, xq)
+                        for m0 in range(0, nt, MR):
+                            rows = min(MR, nt - m0)
+                            if cols == 16:
+                                tile_4x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
+                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                            else:
+                                tile_4x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
+                                        16, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
+                                        cols)
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                for c0 in range(0, cop, 4):
+                    _wout_tile_4x4(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
+                                 ywp * cop, cop, tmp[sl])
+    for oy in prange(y.shape[1]):
+        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .cpu_abi import AOT_MODULE, HAS_BIAS, HAS_RES, HAS_SCALE
+from .cpu_abi import AOT_MODULE, GEMM_TILE_KERNELS, HAS_BIAS, HAS_RES, HAS_SCALE
 
 
 def _aot_namespace(mod) -> SimpleNamespace:
@@ -54,7 +54,8 @@ def load_kernels() -> SimpleNamespace:
 
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
     shape = gemm_shape()
-    names["gemm"] = getattr(gemm_tiles, f"gemm_{shape}")
+    for name in GEMM_TILE_KERNELS:
+        names[name] = getattr(gemm_tiles, f"{name}_{shape}")
     for k, f in names.items():
         if getattr(f, "targetoptions", {}).get("parallel"):
             names[k] = _by_thread_count(f)

@@ -177,6 +177,7 @@ class Ops:
         self.vinsert, self.vextract = vinsert, vextract
         self.vzero, self.vfma = vzero, vfma
         self.vadd = _binary(lambda bl, a, b: bl.fadd(a, b))
+        self.vsub = _binary(lambda bl, a, b: bl.fsub(a, b))
         self.vmul = _binary(lambda bl, a, b: bl.fmul(a, b))
         # Python's max(a, b) / min(a, b) as compare + select, so NaNs come out as in the
         # scalar epilogue (act_scalar): relu is vmax(0, v), clip vmin(vmax(v, lo), hi)

@@ -7,8 +7,9 @@ fewer for m = 2, 4x fewer for m = 4. In matrix form, per tile and channel pair::
     Y = AT [ (G g GT) * (BT d B) ] A          (* is elementwise)
 
 The packager transforms the weights once (``transform_weights``: U = G g GT, stored in
-the bundle as U[a*a, Cout, Cin]); at run time the input transform, a*a independent
-GEMMs U[e] @ V[e] and the output transform run per image (kernels/cpu_numba.py).
+the bundle as U[a*a, Cin, Cout]); at run time the input transform, a*a independent
+GEMMs V[e] @ U[e] (V[e]: tiles x Cin) and the output transform run per image
+(kernels/gemm_tiles.py, vectorised along channels, so U[e]'s rows are output channels).
 
 Numerics: the m = 4 transforms have coefficients up to 8 (AT) and 1/24 (G); in
 float32 the output error is ~1e-6 relative on ResNet-sized layers (measured in
@@ -73,21 +74,21 @@ for _m in TILES:
 
 
 def transform_weights(w: np.ndarray, m: int) -> np.ndarray:
-    """w[Cout, Cin, 3, 3] -> U[a*a, Cout, Cin] float32 (U[e] is the GEMM's left operand)."""
+    """w[Cout, Cin, 3, 3] -> U[a*a, Cin, Cout] float32 (U[e] is the GEMM's right operand)."""
     _, g, _ = matrices(m)
     a = m + 2
-    u = np.einsum("ik,ockl,jl->ijoc", g, w.astype(np.float64), g)  # G w GT per (o, c)
-    return np.ascontiguousarray(u.reshape(a * a, w.shape[0], w.shape[1]).astype(np.float32))
+    u = np.einsum("ik,ockl,jl->ijco", g, w.astype(np.float64), g)  # G w GT per (o, c)
+    return np.ascontiguousarray(u.reshape(a * a, w.shape[1], w.shape[0]).astype(np.float32))
 
 
 def untransform_weights(u: np.ndarray, m: int) -> np.ndarray:
-    """U[a*a, Cout, Cin] -> w[Cout, Cin, 3, 3] (G has full column rank: its pseudo-inverse
+    """U[a*a, Cin, Cout] -> w[Cout, Cin, 3, 3] (G has full column rank: its pseudo-inverse
     recovers w exactly up to rounding). Lets the reference run a Winograd node directly."""
     _, g, _ = matrices(m)
     a = m + 2
     gp = np.linalg.pinv(g)  # [3, a]
     u4 = u.astype(np.float64).reshape(a, a, u.shape[1], u.shape[2])
-    return np.einsum("ki,ijoc,lj->ockl", gp, u4, gp)
+    return np.einsum("ki,ijco,lj->ockl", gp, u4, gp)
 
 
 def tiles(out_hw: Sequence[int], m: int) -> tuple[int, int]:

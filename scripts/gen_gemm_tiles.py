@@ -46,6 +46,9 @@ fma chain over k in order, so every tile shape gives bit-identical results.
 
 Scratch: ``xp`` (workers, cpu_abi.GEMM_XP_FLOATS) float32: one slot per parallel
 worker (pass as many as there are threads), whose size sets the column blocks.
+
+``wino_conv_<lanes>x<nv>`` runs a whole Winograd 3x3 conv on the same micro-kernel,
+vectorised along channels (its docstring; the scratch is planned by backend_cpu).
 Tile shapes (lanes x vectors): {", ".join(f"{lanes}x{nv}" for lanes, nv in CONFIGS)}.
 """
 
@@ -53,7 +56,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
-from .cpu_numba import act_row, epilogue_row
+from .cpu_numba import act_row, epilogue_row, nhwc_row, nhwc_row_out
 from .simd import Ops
 
 MR = {MR}
@@ -249,6 +252,207 @@ def gemm{s}(w, x, c, bias, scale, res, flags, act, a, b, xp):
 '''
 
 
+def wino_source(lanes: int, nv: int) -> str:
+    """Winograd F(4x4)/F(2x2) for 3x3 convs, vectorised along channels: the
+    transforms (NHWC working planes) and the a*a GEMMs on this shape's micro-kernel."""
+    s = f"_{lanes}x{nv}"
+    nr = lanes * nv
+    return f'''
+
+@njit(inline="always")
+def _vbt6{s}(z0, z1, z2, z3, z4, z5, c2, c4, c5):  # BT of F(4x4, 3x3), winograd.py
+    return (
+        vadd{s}(vsub{s}(vmul{s}(c4, z0), vmul{s}(c5, z2)), z4),
+        vsub{s}(vadd{s}(z3, z4), vmul{s}(c4, vadd{s}(z1, z2))),
+        vadd{s}(vsub{s}(z4, z3), vmul{s}(c4, vsub{s}(z1, z2))),
+        vadd{s}(vsub{s}(z4, z2), vmul{s}(c2, vsub{s}(z3, z1))),
+        vadd{s}(vsub{s}(z4, z2), vmul{s}(c2, vsub{s}(z1, z3))),
+        vadd{s}(vsub{s}(vmul{s}(c4, z1), vmul{s}(c5, z3)), z5),
+    )
+
+
+@njit(inline="always")
+def _vat6{s}(z0, z1, z2, z3, z4, z5, c2, c4, c8):  # AT of F(4x4, 3x3)
+    p, q = vadd{s}(z1, z2), vsub{s}(z1, z2)
+    r, u = vadd{s}(z3, z4), vsub{s}(z3, z4)
+    return (
+        vadd{s}(vadd{s}(z0, p), r),
+        vadd{s}(q, vmul{s}(c2, u)),
+        vadd{s}(p, vmul{s}(c4, r)),
+        vadd{s}(vadd{s}(q, vmul{s}(c8, u)), z5),
+    )
+
+
+@njit(inline="always")
+def _vbt4{s}(z0, z1, z2, z3):  # BT of F(2x2, 3x3)
+    return vsub{s}(z0, z2), vadd{s}(z1, z2), vsub{s}(z2, z1), vsub{s}(z1, z3)
+
+
+@njit(inline="always")
+def _vat4{s}(z0, z1, z2, z3):  # AT of F(2x2, 3x3)
+    return vadd{s}(vadd{s}(z0, z1), z2), vsub{s}(vsub{s}(z1, z2), z3)
+
+
+@njit(cache=True)
+def _win_tile{s}(xt, o, rs, cs, m, v, q, es, tmp):
+    """V[e, t, c0:c0+{lanes}] of one tile: BT along its rows, then along its columns.
+    o: flat offset of the tile corner's channel c0 in xt; rs, cs: xt's row and pixel
+    strides; q: V's offset of (0, t, c0); es: V's stride per element e."""
+    if m == 4:
+        c2, c4 = vsplat{s}(np.float32(2)), vsplat{s}(np.float32(4))
+        c5 = vsplat{s}(np.float32(5))
+        for k in range(6):
+            p = o + k * cs
+            e0, e1, e2, e3, e4, e5 = _vbt6{s}(
+                vload{s}(xt, p), vload{s}(xt, p + rs), vload{s}(xt, p + 2 * rs),
+                vload{s}(xt, p + 3 * rs), vload{s}(xt, p + 4 * rs), vload{s}(xt, p + 5 * rs),
+                c2, c4, c5)
+            vstore{s}(tmp, k * {lanes}, e0)
+            vstore{s}(tmp, (6 + k) * {lanes}, e1)
+            vstore{s}(tmp, (12 + k) * {lanes}, e2)
+            vstore{s}(tmp, (18 + k) * {lanes}, e3)
+            vstore{s}(tmp, (24 + k) * {lanes}, e4)
+            vstore{s}(tmp, (30 + k) * {lanes}, e5)
+        for xi in range(6):
+            b = xi * 6 * {lanes}
+            v0, v1, v2, v3, v4, v5 = _vbt6{s}(
+                vload{s}(tmp, b), vload{s}(tmp, b + {lanes}), vload{s}(tmp, b + {2 * lanes}),
+                vload{s}(tmp, b + {3 * lanes}), vload{s}(tmp, b + {4 * lanes}),
+                vload{s}(tmp, b + {5 * lanes}), c2, c4, c5)
+            d = q + xi * 6 * es
+            vstore{s}(v, d, v0)
+            vstore{s}(v, d + es, v1)
+            vstore{s}(v, d + 2 * es, v2)
+            vstore{s}(v, d + 3 * es, v3)
+            vstore{s}(v, d + 4 * es, v4)
+            vstore{s}(v, d + 5 * es, v5)
+    else:
+        for k in range(4):
+            p = o + k * cs
+            e0, e1, e2, e3 = _vbt4{s}(vload{s}(xt, p), vload{s}(xt, p + rs),
+                                     vload{s}(xt, p + 2 * rs), vload{s}(xt, p + 3 * rs))
+            vstore{s}(tmp, k * {lanes}, e0)
+            vstore{s}(tmp, (4 + k) * {lanes}, e1)
+            vstore{s}(tmp, (8 + k) * {lanes}, e2)
+            vstore{s}(tmp, (12 + k) * {lanes}, e3)
+        for xi in range(4):
+            b = xi * 4 * {lanes}
+            v0, v1, v2, v3 = _vbt4{s}(vload{s}(tmp, b), vload{s}(tmp, b + {lanes}),
+                                     vload{s}(tmp, b + {2 * lanes}), vload{s}(tmp, b + {3 * lanes}))
+            d = q + xi * 4 * es
+            vstore{s}(v, d, v0)
+            vstore{s}(v, d + es, v1)
+            vstore{s}(v, d + 2 * es, v2)
+            vstore{s}(v, d + 3 * es, v3)
+
+
+@njit(cache=True)
+def _wout_tile{s}(mt, q, es, m, yt, o, rs, cs, tmp):
+    """The m x m outputs (AT M A) of one tile for {lanes} channels into yt (offset o,
+    row and pixel strides rs, cs): AT along e's rows, then along its columns; the
+    mirror of _win_tile{s}."""
+    if m == 4:
+        c2, c4 = vsplat{s}(np.float32(2)), vsplat{s}(np.float32(4))
+        c8 = vsplat{s}(np.float32(8))
+        for nu in range(6):
+            f0, f1, f2, f3 = _vat6{s}(
+                vload{s}(mt, q + nu * es), vload{s}(mt, q + (6 + nu) * es),
+                vload{s}(mt, q + (12 + nu) * es), vload{s}(mt, q + (18 + nu) * es),
+                vload{s}(mt, q + (24 + nu) * es), vload{s}(mt, q + (30 + nu) * es), c2, c4, c8)
+            vstore{s}(tmp, nu * {lanes}, f0)
+            vstore{s}(tmp, (6 + nu) * {lanes}, f1)
+            vstore{s}(tmp, (12 + nu) * {lanes}, f2)
+            vstore{s}(tmp, (18 + nu) * {lanes}, f3)
+        for i in range(4):
+            b = i * 6 * {lanes}
+            y0, y1, y2, y3 = _vat6{s}(
+                vload{s}(tmp, b), vload{s}(tmp, b + {lanes}), vload{s}(tmp, b + {2 * lanes}),
+                vload{s}(tmp, b + {3 * lanes}), vload{s}(tmp, b + {4 * lanes}),
+                vload{s}(tmp, b + {5 * lanes}), c2, c4, c8)
+            d = o + i * rs
+            vstore{s}(yt, d, y0)
+            vstore{s}(yt, d + cs, y1)
+            vstore{s}(yt, d + 2 * cs, y2)
+            vstore{s}(yt, d + 3 * cs, y3)
+    else:
+        for nu in range(4):
+            f0, f1 = _vat4{s}(vload{s}(mt, q + nu * es), vload{s}(mt, q + (4 + nu) * es),
+                              vload{s}(mt, q + (8 + nu) * es), vload{s}(mt, q + (12 + nu) * es))
+            vstore{s}(tmp, nu * {lanes}, f0)
+            vstore{s}(tmp, (4 + nu) * {lanes}, f1)
+        for i in range(2):
+            b = i * 4 * {lanes}
+            y0, y1 = _vat4{s}(vload{s}(tmp, b), vload{s}(tmp, b + {lanes}),
+                              vload{s}(tmp, b + {2 * lanes}), vload{s}(tmp, b + {3 * lanes}))
+            d = o + i * rs
+            vstore{s}(yt, d, y0)
+            vstore{s}(yt, d + cs, y1)
+
+
+@njit(parallel=True, cache=True)
+def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
+               act, a, b):
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+
+    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
+       contiguous run of channels (one vector load; planar, it was a gather);
+    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
+       M stay in L2 while U[e] is reused across blocks):
+       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
+       Ci x Co in the bundle, read in place; a last partial column block is packed
+       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
+    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
+    Cp is a multiple of {lanes}; channels past C carry garbage that nothing reads.
+    tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
+    """
+    for iy in prange(xt.shape[0]):
+        nhwc_row(x, xt, iy, pt, pl)
+    a2, tb, cip = vb.shape
+    cop = mb.shape[2]
+    ci, co = u.shape[1], u.shape[2]
+    t_ = (yt.shape[0] // m) * tw
+    wp, ywp = xt.shape[1], yt.shape[1]
+    slots = tmp.shape[0]
+    gslots = min(xp.shape[0], a2)
+    for t0 in range(0, t_, tb):
+        nt = min(tb, t_ - t0)
+        per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * wp + (t % tw) * m) * cip
+                for c0 in range(0, cip, {lanes}):
+                    _win_tile{s}(xt, o + c0, wp * cip, cip, m, vb, (t - t0) * cip + c0,
+                                tb * cip, tmp[sl])
+        for sl in prange(gslots):
+            xq = xp[sl]
+            for e in range(sl, a2, gslots):
+                for kb in range(0, ci, KC):
+                    kc = min(KC, ci - kb)
+                    for j0 in range(0, co, {nr}):
+                        cols = min({nr}, co - j0)
+                        if cols < {nr}:
+                            _pack{s}(u, co, e * ci + kb, kc, j0, cols, xq)
+                        for m0 in range(0, nt, MR):
+                            rows = min(MR, nt - m0)
+                            if cols == {nr}:
+                                tile{s}(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
+                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                            else:
+                                tile{s}(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
+                                        {nr}, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
+                                        cols)
+        for sl in prange(slots):
+            for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
+                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                for c0 in range(0, cop, {lanes}):
+                    _wout_tile{s}(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
+                                 ywp * cop, cop, tmp[sl])
+    for oy in prange(y.shape[1]):
+        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
+'''
+
+
 def source() -> str:
     parts = [HEADER]
     for lanes, nv in CONFIGS:
@@ -262,6 +466,7 @@ def source() -> str:
             "vzero",
             "vfma",
             "vadd",
+            "vsub",
             "vmul",
             "vmax",
             "vmin",
@@ -275,6 +480,7 @@ def source() -> str:
         parts.append(tile_source(lanes, nv))
         parts.append(epilogue_source(lanes, nv))
         parts.append(driver_source(lanes, nv))
+        parts.append(wino_source(lanes, nv))
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from edgepack.packager.writer import bundle_bytes, weights_section
 from edgepack.runtime.bundle import BundleError, open_bundle
-from edgepack.runtime.bundle_format import ALIGN, HEADER_SIZE, HEADER_STRUCT, Header
+from edgepack.runtime.bundle_format import ALIGN, FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, Header
 
 
 def tiny_manifest() -> tuple[dict, dict[str, np.ndarray]]:
     """A hand-written one-op bundle: y = relu(x + c). Independent of the packager."""
     manifest = {
         "format": "edgepack-bundle",
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "graph": {
             "inputs": [{"name": "x", "shape": [1, 4], "dtype": "f32"}],
             "outputs": [{"name": "y", "shape": [1, 4], "dtype": "f32"}],
@@ -47,15 +47,15 @@ def tiny_manifest() -> tuple[dict, dict[str, np.ndarray]]:
 # The 128 header bytes of tiny_manifest(), pinned: a change to the layout, the field
 # order, the JSON serialisation or the weight section's padding shows up here.
 GOLDEN_HEADER = bytes.fromhex(
-    "45504b420d0a1a0a01000000800000000304000000000000"  # magic, version 1, header 128, size
+    "45504b420d0a1a0a02000000800000000304000000000000"  # magic, version 2, header 128, size
     "8000000000000000"  # manifest offset
     "5f02000000000000"  # manifest size
     "0003000000000000"  # weights offset (64-aligned)
     "0301000000000000"  # weights size
-    "cc2f91af2042374f2717d4068d6fcbc32423cc99653f130aa8aa582e6fe2db8a"  # sha256(manifest)
+    "61e3becbd8f3469bf9fe6c4f8581d68f666e33a9251beae6305977bf0148b792"  # sha256(manifest)
     "ba7793f6ed67bf4929af408d1ce5897f3c7373915fdba1d13f95f7faa6f51263"  # sha256(weights)
     "00000000"  # flags
-    "f05b1a68"  # crc32 of the 124 bytes before it
+    "ed9ffc8f"  # crc32 of the 124 bytes before it
 )
 
 
@@ -65,14 +65,14 @@ def test_golden_header_bytes():
     assert data[:HEADER_SIZE] == GOLDEN_HEADER
     fields = HEADER_STRUCT.unpack_from(data)
     magic, version, hsize, bsize, moff, msize, woff, wsize, msha, wsha, flags = fields
-    assert (magic, version, hsize, flags) == (b"EPKB\r\n\x1a\n", 1, 128, 0)
+    assert (magic, version, hsize, flags) == (b"EPKB\r\n\x1a\n", 2, 128, 0)
     assert bsize == len(data) and moff == HEADER_SIZE and woff % ALIGN == 0
     assert msha == hashlib.sha256(data[moff : moff + msize]).digest()
     assert wsha == hashlib.sha256(data[woff : woff + wsize]).digest()
 
 
 def test_header_roundtrip():
-    h = Header(1, 1000, 128, 10, 192, 808, b"a" * 32, b"b" * 32)
+    h = Header(FORMAT_VERSION, 1000, 128, 10, 192, 808, b"a" * 32, b"b" * 32)
     assert len(h.pack()) == HEADER_SIZE
     from edgepack.runtime.bundle import parse_header
 

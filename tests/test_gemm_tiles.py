@@ -108,3 +108,37 @@ def test_every_tile_shape_gives_the_same_bits():
         outs = [_run(s, *ops, HAS_BIAS | HAS_SCALE | HAS_RES, "relu") for s in shapes]
         for s, o in zip(shapes[1:], outs[1:]):
             assert np.array_equal(o, outs[0]), f"{s} differs from {shapes[0]}"
+
+
+def _wino_run(shape: str, m: int, c: int, co: int, side: int) -> np.ndarray:
+    """A Winograd conv through gemm_tiles.wino_conv_<shape> on the scratch layout the
+    cpu backend plans (bias, residual, relu)."""
+    from edgepack.kernels import backend_cpu, gemm_tiles, winograd
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((c, side, side)).astype(np.float32)
+    u = winograd.transform_weights(rng.standard_normal((co, c, 3, 3)).astype(np.float32), m)
+    bias = rng.standard_normal(co).astype(np.float32)
+    res = rng.standard_normal((co, side, side)).astype(np.float32)
+    y = np.full((co, side, side), np.nan, np.float32)
+    attrs = {"tile": m, "pads": [1, 1, 1, 1]}
+    bufs, dims = backend_cpu._wino_layout(u.shape, (1, co, side, side), attrs)
+    b = {name: np.full(shape, np.nan, np.float32) for name, shape in bufs}
+    getattr(gemm_tiles, f"wino_conv_{shape}")(
+        x, b["xt"], u, b["vb"], b["mb"], b["yt"], b["tmp"], b["xp"][:1], y, m, 1, 1,
+        dims["tw"], bias, bias, res, HAS_BIAS | HAS_RES, 1, 0.0, 0.0,
+    )
+    return y
+
+
+@pytest.mark.cpu
+def test_winograd_gives_the_same_bits_at_every_tile_shape():
+    # The transforms use the same operations in the same order at every vector width,
+    # and the products are the micro-kernel's k-ordered fma chains; scratch starts as
+    # NaN, so a read of anything the kernel did not write shows up too.
+    shapes = _shapes_to_test()
+    for m, c, co, side in [(4, 48, 72, 28), (2, 20, 24, 14)]:
+        outs = [_wino_run(s, m, c, co, side) for s in shapes]
+        assert np.isfinite(outs[0]).all()
+        for s, o in zip(shapes[1:], outs[1:]):
+            assert np.array_equal(o, outs[0]), f"F{m}: {s} differs from {shapes[0]}"

@@ -341,6 +341,11 @@ CASES: dict[str, list[Case]] = {
             wino_case(f"f{m}_c20_14x14", m, c=20, co=24, hw=(14, 14), act="hard_swish"),
             wino_case(f"f{m}_tiny_3x3", m, hw=(3, 3)),
         )
+    ]
+    + [
+        # several tile blocks (backend_cpu.WINO_BLOCK_BYTES) and a partial column block
+        wino_case("f4_blocks_c48_co72", 4, c=48, co=72, hw=(28, 28), res=True, act="relu"),
+        wino_case("f2_c300_two_kc_blocks", 2, c=300, co=20, hw=(6, 6)),
     ],
     "dwconv": [
         conv_case("k3_s1_p1", dw=True),
