@@ -188,29 +188,28 @@ def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> 
     return m, a2, co, ci, th, tw
 
 
-# Tiles per block: a block's V and M stay in L2 while each U[e] is reused across the
-# blocks, when U is small enough to stay there too (64-channel layers: ResNet-18's
+# Tile rows per block: a block's V and M stay in L2 while each U[e] is reused across
+# the blocks, when U is small enough to stay there too (64-channel layers: ResNet-18's
 # stage 1 moved 11 MB through memory per conv unblocked). Wider layers take all tiles
 # in one block: their U would be streamed once per block.
 WINO_BLOCK_BYTES = 512 * 1024
 WINO_U_L2_BYTES = 640 * 1024
-WINO_MR = 6  # gemm_tiles.MR: blocks are whole row tiles of the micro-kernel
 
 
 def _wino_layout(ushape, out_shape, attrs) -> tuple[list[tuple[str, tuple[int, ...]]], dict]:
     """The scratch buffers of one Winograd conv, in order: (name, float32 shape)."""
     m, a2, co, ci, th, tw = _wino_dims(ushape, out_shape, attrs)
-    t = th * tw
     a = m + 2
     cip = -(-ci // WINO_CH_ALIGN) * WINO_CH_ALIGN
     cop = -(-co // WINO_CH_ALIGN) * WINO_CH_ALIGN
-    per_tile = a2 * (cip + cop) * 4
-    tb = t
-    if t * per_tile > WINO_BLOCK_BYTES and a2 * ci * co * 4 <= WINO_U_L2_BYTES:
-        tb = min(t, max(WINO_MR, WINO_BLOCK_BYTES // per_tile // WINO_MR * WINO_MR))
+    per_row = tw * a2 * (cip + cop) * 4  # V and M of one row of tiles
+    rows = th
+    if th * per_row > WINO_BLOCK_BYTES and a2 * ci * co * 4 <= WINO_U_L2_BYTES:
+        rows = max(1, min(th, WINO_BLOCK_BYTES // per_row))
+    tb = rows * tw
     bufs = [
         ("xt", ((th - 1) * m + a, (tw - 1) * m + a, cip)),  # channels-last input planes
-        ("yt", (th * m, tw * m, cop)),  # channels-last output planes
+        ("yt", (rows * m, tw * m, cop)),  # channels-last output rows of one block
         ("vb", (a2, tb, cip)),  # V of one block of tiles
         ("mb", (a2, tb, cop)),  # M of one block
         ("tmp", (WINO_SLOTS, a2 * WINO_LANES)),
@@ -221,7 +220,11 @@ def _wino_layout(ushape, out_shape, attrs) -> tuple[list[tuple[str, tuple[int, .
 
 def _wino_scratch(ins, outs, attrs) -> int:
     bufs, _ = _wino_layout(ins[1][0], outs[0], attrs)
-    return sum(_up64(_nbytes(shape)) for _, shape in bufs)
+    own = sum(_up64(_nbytes(shape)) for _, shape in bufs)
+    # A cpu-planned bundle also runs with --device cuda, whose kernel holds V and M of
+    # the whole image: the plan reserves at least that (backend_cuda._wino_scratch).
+    m, a2, co, ci, th, tw = _wino_dims(ins[1][0], outs[0], attrs)
+    return max(own, _nbytes((a2, ci, th * tw)) + _nbytes((a2, co, th * tw)))
 
 
 def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:

@@ -746,15 +746,16 @@ def nhwc_row(x, xt, iy, pt, pl):
 
 
 @njit(cache=True)
-def nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b):
-    """y[c, oy, :] = act(scale[c] * yt[oy, :W, c] + bias[c] [+ res[c, oy, :]]) for
-    every channel c of y (flags as in epilogue_rows)."""
+def nhwc_row_out(yt, y, oy, row0, bias, scale, res, flags, act, a, b):
+    """y[c, oy, :] = act(scale[c] * yt[oy - row0, :W, c] + bias[c] [+ res[c, oy, :]])
+    for every channel c of y (yt: a band of rows from row0; flags as in epilogue_rows)."""
     c_, _, ow = y.shape
     has_res = (flags & HAS_RES) != 0
+    r = oy - row0
     for c in range(c_):
         for ox in range(ow):
-            y[c, oy, np.uintp(ox)] = yt[oy, ox, np.uintp(c)]
+            y[c, oy, np.uintp(ox)] = yt[r, ox, np.uintp(c)]
         s = scale[c] if flags & HAS_SCALE else np.float32(1)
         bb = bias[c] if flags & HAS_BIAS else np.float32(0)
-        r = res[c, oy] if has_res else res[0, 0]
-        epilogue_row(y[c, oy], s, bb, r, has_res, act, a, b)
+        rr = res[c, oy] if has_res else res[0, 0]
+        epilogue_row(y[c, oy], s, bb, rr, has_res, act, a, b)

@@ -35,6 +35,7 @@ from .simd import Ops
 MR = 6
 KC = 256
 MB = 4
+WKC = 128
 
 
 
@@ -737,30 +738,38 @@ def _wout_tile_16x4(mt, q, es, m, yt, o, rs, cs, tmp):
 @njit(parallel=True, cache=True)
 def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
                act, a, b):
-    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
+    in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
+    that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
 
-    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
-       contiguous run of channels (one vector load; planar, it was a gather);
-    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
-       M stay in L2 while U[e] is reused across blocks):
-       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
-       Ci x Co in the bundle, read in place; a last partial column block is packed
-       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
-    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
-    Cp is a multiple of 16; channels past C carry garbage that nothing reads.
+    1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
+       tile element is a contiguous run of channels (one vector load; planar, a gather);
+    2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
+       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
+       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       yt[rows, tw*m, Cp];
+    3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
+    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    multiple of 16; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
-    for iy in prange(xt.shape[0]):
-        nhwc_row(x, xt, iy, pt, pl)
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    t_ = (yt.shape[0] // m) * tw
-    wp, ywp = xt.shape[1], yt.shape[1]
+    oh = y.shape[1]
+    th = -(-oh // m)
+    t_ = th * tw
+    hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
+        ty0 = t0 // tw
+        need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
+        for iy in prange(filled, need):
+            nhwc_row(x, xt, iy, pt, pl)
+        filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
@@ -771,8 +780,8 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
         for sl in prange(gslots):
             xq = xp[sl]
             for e in range(sl, a2, gslots):
-                for kb in range(0, ci, KC):
-                    kc = min(KC, ci - kb)
+                for kb in range(0, ci, WKC):
+                    kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 64):
                         cols = min(64, co - j0)
                         if cols < 64:
@@ -789,12 +798,12 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                                         cols)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
-                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
                 for c0 in range(0, cop, 16):
                     _wout_tile_16x4(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
-    for oy in prange(y.shape[1]):
-        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
+        for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
+            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
 
 
 
@@ -1258,30 +1267,38 @@ def _wout_tile_8x2(mt, q, es, m, yt, o, rs, cs, tmp):
 @njit(parallel=True, cache=True)
 def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
                act, a, b):
-    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
+    in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
+    that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
 
-    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
-       contiguous run of channels (one vector load; planar, it was a gather);
-    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
-       M stay in L2 while U[e] is reused across blocks):
-       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
-       Ci x Co in the bundle, read in place; a last partial column block is packed
-       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
-    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
-    Cp is a multiple of 8; channels past C carry garbage that nothing reads.
+    1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
+       tile element is a contiguous run of channels (one vector load; planar, a gather);
+    2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
+       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
+       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       yt[rows, tw*m, Cp];
+    3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
+    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    multiple of 8; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
-    for iy in prange(xt.shape[0]):
-        nhwc_row(x, xt, iy, pt, pl)
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    t_ = (yt.shape[0] // m) * tw
-    wp, ywp = xt.shape[1], yt.shape[1]
+    oh = y.shape[1]
+    th = -(-oh // m)
+    t_ = th * tw
+    hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
+        ty0 = t0 // tw
+        need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
+        for iy in prange(filled, need):
+            nhwc_row(x, xt, iy, pt, pl)
+        filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
@@ -1292,8 +1309,8 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
         for sl in prange(gslots):
             xq = xp[sl]
             for e in range(sl, a2, gslots):
-                for kb in range(0, ci, KC):
-                    kc = min(KC, ci - kb)
+                for kb in range(0, ci, WKC):
+                    kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 16):
                         cols = min(16, co - j0)
                         if cols < 16:
@@ -1310,12 +1327,12 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                                         cols)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
-                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
                 for c0 in range(0, cop, 8):
                     _wout_tile_8x2(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
-    for oy in prange(y.shape[1]):
-        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
+        for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
+            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
 
 
 
@@ -1779,30 +1796,38 @@ def _wout_tile_4x2(mt, q, es, m, yt, o, rs, cs, tmp):
 @njit(parallel=True, cache=True)
 def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
                act, a, b):
-    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
+    in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
+    that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
 
-    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
-       contiguous run of channels (one vector load; planar, it was a gather);
-    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
-       M stay in L2 while U[e] is reused across blocks):
-       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
-       Ci x Co in the bundle, read in place; a last partial column block is packed
-       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
-    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
-    Cp is a multiple of 4; channels past C carry garbage that nothing reads.
+    1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
+       tile element is a contiguous run of channels (one vector load; planar, a gather);
+    2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
+       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
+       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       yt[rows, tw*m, Cp];
+    3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
+    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    multiple of 4; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
-    for iy in prange(xt.shape[0]):
-        nhwc_row(x, xt, iy, pt, pl)
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    t_ = (yt.shape[0] // m) * tw
-    wp, ywp = xt.shape[1], yt.shape[1]
+    oh = y.shape[1]
+    th = -(-oh // m)
+    t_ = th * tw
+    hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
+        ty0 = t0 // tw
+        need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
+        for iy in prange(filled, need):
+            nhwc_row(x, xt, iy, pt, pl)
+        filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
@@ -1813,8 +1838,8 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
         for sl in prange(gslots):
             xq = xp[sl]
             for e in range(sl, a2, gslots):
-                for kb in range(0, ci, KC):
-                    kc = min(KC, ci - kb)
+                for kb in range(0, ci, WKC):
+                    kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 8):
                         cols = min(8, co - j0)
                         if cols < 8:
@@ -1831,12 +1856,12 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                                         cols)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
-                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
                 for c0 in range(0, cop, 4):
                     _wout_tile_4x2(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
-    for oy in prange(y.shape[1]):
-        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
+        for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
+            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
 
 
 
@@ -2470,30 +2495,38 @@ def _wout_tile_4x4(mt, q, es, m, yt, o, rs, cs, tmp):
 @njit(parallel=True, cache=True)
 def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
                act, a, b):
-    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last:
+    """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
+    in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
+    that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
 
-    1. x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so each tile element is a
-       contiguous run of channels (one vector load; planar, it was a gather);
-    2. per block of tb tiles (vb.shape[1]; the packager sizes it so the block's V and
-       M stay in L2 while U[e] is reused across blocks):
-       V[e, t, :] = (BT d B)[e] -> M[e] = V[e] @ U[e] on the micro-kernel (U[e] is
-       Ci x Co in the bundle, read in place; a last partial column block is packed
-       into xp) -> the m x m outputs (AT M A) into yt[th*m, tw*m, Cp];
-    3. y[c, oy, :] = act(scale * yt[oy, :, c] + bias [+ res]) row by row.
-    Cp is a multiple of 4; channels past C carry garbage that nothing reads.
+    1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
+       tile element is a contiguous run of channels (one vector load; planar, a gather);
+    2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
+       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
+       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       yt[rows, tw*m, Cp];
+    3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
+    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    multiple of 4; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
-    for iy in prange(xt.shape[0]):
-        nhwc_row(x, xt, iy, pt, pl)
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    t_ = (yt.shape[0] // m) * tw
-    wp, ywp = xt.shape[1], yt.shape[1]
+    oh = y.shape[1]
+    th = -(-oh // m)
+    t_ = th * tw
+    hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
+        ty0 = t0 // tw
+        need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
+        for iy in prange(filled, need):
+            nhwc_row(x, xt, iy, pt, pl)
+        filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
@@ -2504,8 +2537,8 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
         for sl in prange(gslots):
             xq = xp[sl]
             for e in range(sl, a2, gslots):
-                for kb in range(0, ci, KC):
-                    kc = min(KC, ci - kb)
+                for kb in range(0, ci, WKC):
+                    kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 16):
                         cols = min(16, co - j0)
                         if cols < 16:
@@ -2522,9 +2555,9 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                                         cols)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
-                o = ((t // tw) * m * ywp + (t % tw) * m) * cop
+                o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
                 for c0 in range(0, cop, 4):
                     _wout_tile_4x4(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
-    for oy in prange(y.shape[1]):
-        nhwc_row_out(yt, y, oy, bias, scale, res, flags, act, a, b)
+        for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
+            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)

@@ -599,6 +599,16 @@ def test_cuda_conv_wino_scratch_fits_a_cpu_plan():
             for b in ("cpu", "cuda")
         }
         assert 0 < need["cuda"] <= need["cpu"], (case.name, need)
+    # ResNet-18's stages by shape alone: the cpu kernel works in blocks of tiles there
+    for c, side, m in [(64, 56, 4), (128, 28, 4), (256, 14, 2)]:
+        a2 = (m + 2) ** 2
+        specs = [((1, c, side, side), "f32"), ((a2, c, c), "f32"), None, None, None]
+        attrs = {"tile": m, "pads": [1, 1, 1, 1]}
+        need = {
+            b: registry.KERNELS[("conv_wino", "f32", b)].scratch(specs, [(1, c, side, side)], attrs)
+            for b in ("cpu", "cuda")
+        }
+        assert need["cuda"] <= need["cpu"], (c, side, need)
 
 
 class HostMem:
