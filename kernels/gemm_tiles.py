@@ -745,8 +745,8 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
     1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
        tile element is a contiguous run of channels (one vector load; planar, a gather);
     2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
-       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
-       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       micro-kernel (U[e] is Ci x Co in the bundle: read in place when Co is one
+       column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
     Each step reads what the one before it wrote while it is still in cache. Cp is a
@@ -762,6 +762,9 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    # U[e] is already a packed panel when Co is one column block; wider rows are
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
+    direct = co == 64
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -784,11 +787,11 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                     kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 64):
                         cols = min(64, co - j0)
-                        if cols < 64:
+                        if not direct:
                             _pack_16x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         for m0 in range(0, nt, MR):
                             rows = min(MR, nt - m0)
-                            if cols == 64:
+                            if direct:
                                 tile_16x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
                                         mb, (e * tb + m0) * cop + j0, cop, cols)
@@ -1274,8 +1277,8 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
        tile element is a contiguous run of channels (one vector load; planar, a gather);
     2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
-       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
-       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       micro-kernel (U[e] is Ci x Co in the bundle: read in place when Co is one
+       column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
     Each step reads what the one before it wrote while it is still in cache. Cp is a
@@ -1291,6 +1294,9 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    # U[e] is already a packed panel when Co is one column block; wider rows are
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
+    direct = co == 16
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -1313,11 +1319,11 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                     kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 16):
                         cols = min(16, co - j0)
-                        if cols < 16:
+                        if not direct:
                             _pack_8x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         for m0 in range(0, nt, MR):
                             rows = min(MR, nt - m0)
-                            if cols == 16:
+                            if direct:
                                 tile_8x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
                                         mb, (e * tb + m0) * cop + j0, cop, cols)
@@ -1803,8 +1809,8 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
        tile element is a contiguous run of channels (one vector load; planar, a gather);
     2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
-       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
-       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       micro-kernel (U[e] is Ci x Co in the bundle: read in place when Co is one
+       column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
     Each step reads what the one before it wrote while it is still in cache. Cp is a
@@ -1820,6 +1826,9 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    # U[e] is already a packed panel when Co is one column block; wider rows are
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
+    direct = co == 8
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -1842,11 +1851,11 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                     kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 8):
                         cols = min(8, co - j0)
-                        if cols < 8:
+                        if not direct:
                             _pack_4x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         for m0 in range(0, nt, MR):
                             rows = min(MR, nt - m0)
-                            if cols == 8:
+                            if direct:
                                 tile_4x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
                                         mb, (e * tb + m0) * cop + j0, cop, cols)
@@ -2502,8 +2511,8 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     1. the input rows it needs: x[C, H, W] -> xt[Hp, Wp, Cp], zero-bordered, so a
        tile element is a contiguous run of channels (one vector load; planar, a gather);
     2. V[e, t, :] = (BT d B)[e] for its tiles -> M[e] = V[e] @ U[e] on the
-       micro-kernel (U[e] is Ci x Co in the bundle, read in place; a last partial
-       column block is packed into xp) -> the m x m outputs (AT M A) into the band
+       micro-kernel (U[e] is Ci x Co in the bundle: read in place when Co is one
+       column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
     Each step reads what the one before it wrote while it is still in cache. Cp is a
@@ -2519,6 +2528,9 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
+    # U[e] is already a packed panel when Co is one column block; wider rows are
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
+    direct = co == 16
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -2541,11 +2553,11 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                     kc = min(WKC, ci - kb)
                     for j0 in range(0, co, 16):
                         cols = min(16, co - j0)
-                        if cols < 16:
+                        if not direct:
                             _pack_4x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         for m0 in range(0, nt, MR):
                             rows = min(MR, nt - m0)
-                            if cols == 16:
+                            if direct:
                                 tile_4x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
                                         mb, (e * tb + m0) * cop + j0, cop, cols)
