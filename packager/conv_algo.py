@@ -3,16 +3,16 @@
 3x3 stride-1 convolutions become ``conv_wino`` nodes, whose weights are stored
 Winograd-transformed (kernels/winograd.py), when the node will run on the CPU backend.
 The rule is from `scripts/bench_conv_algo.py` on ResNet-18's layer shapes (1 thread,
-median speed-up over direct on this project's 2-core Xeon):
+median speed-up over direct on this project's 2-core Xeon, channels-last Winograd):
 
 - F(4x4, 3x3) for outputs of at least 28x28: 4x fewer multiplies and enough tiles
-  (>= 49) per GEMM (1.61x at 64ch 56x56, 1.40x at 128ch 28x28);
+  (>= 49) per GEMM (1.99x at 64ch 56x56, 1.96x at 128ch 28x28);
 - F(2x2, 3x3) for outputs from 14x14 to 27x27: 2.25x fewer multiplies, and F(4x4)
-  there has too few tiles per GEMM (1.10x at 256ch 14x14; F(4x4) 0.87x);
-- direct (im2col + GEMM) below 14x14, where the a*a GEMMs are too thin for BLAS
-  (512ch 7x7: F(2x2) 0.77x), below 16 input or output channels, where the transforms
-  cost more than the multiplies they save, and for every quantized weight (the
-  transformed weights would have to be stored in float32).
+  there has too few tiles for its 4x larger U (1.58x at 256ch 14x14; F(4x4) 1.25x);
+- direct (im2col + GEMM) below 14x14, where U streams from memory for a few tiles
+  (512ch 7x7: F(2x2) 1.01x, F(4x4) 0.68x), below 16 input or output channels, where
+  the transforms cost more than the multiplies they save, and for every quantized
+  weight (the transformed weights would have to be stored in float32).
 
 Transformed weights take (a/3)^2 times the fp32 bytes: 1.8x for F(2x2), 4x for F(4x4).
 """
