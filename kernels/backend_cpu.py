@@ -170,7 +170,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 
 # --- 3x3 conv, Winograd (weights transformed by the packager) ----------------------
 
-# Per-slot working tiles of the transforms (gemm_tiles.wino_in_* / wino_out_*): tiles
+# Per-slot working tiles of the transforms (gemm_tiles.wino_conv_*): tiles
 # are dealt to slots statically, which caps the threads the transforms use (edge CPUs
 # have 4-8 cores) and fixes the scratch size at plan time whatever the device's thread
 # count. Each slot holds a*a vectors of at most WINO_LANES floats.

@@ -715,7 +715,7 @@ def binary4(x, y, out, kind, act, a, b):
                 out[i, j, k, m] = act_scalar(_binop(x[i, j, k, m], y[i, j, k, m], kind), act, a, b)
 
 
-# Winograd's working planes are channels-last (gemm_tiles.wino_in_* / wino_out_*): a
+# Winograd's working planes are channels-last (gemm_tiles.wino_conv_*): a
 # tile element is then a contiguous run of channels, one vector load, where the planar
 # layout made it a gather (the tap-gather transforms took 2/3 of a ResNet-18 Winograd
 # layer). These two rows convert between the layouts, one channel at a time: the
