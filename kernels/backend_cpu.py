@@ -175,10 +175,9 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 # have 4-8 cores) and fixes the scratch size at plan time whatever the device's thread
 # count. Each slot holds a*a vectors of at most WINO_LANES floats.
 WINO_SLOTS = 8
-WINO_LANES = 16  # the widest vector of any target (AVX-512); 8 and 4 divide it
-# Channels-last working planes round their channel count up to whole vectors of any
-# target, so the transforms never take a partial vector.
-WINO_CH_ALIGN = WINO_LANES
+# The widest vector of any target (AVX-512); 8 and 4 divide it. Channels-last working
+# planes also round their channel count up to it, so no transform takes a partial vector.
+WINO_LANES = 16
 
 
 def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> tuple:
@@ -200,8 +199,8 @@ def _wino_layout(ushape, out_shape, attrs) -> tuple[list[tuple[str, tuple[int, .
     """The scratch buffers of one Winograd conv, in order: (name, float32 shape)."""
     m, a2, co, ci, th, tw = _wino_dims(ushape, out_shape, attrs)
     a = m + 2
-    cip = -(-ci // WINO_CH_ALIGN) * WINO_CH_ALIGN
-    cop = -(-co // WINO_CH_ALIGN) * WINO_CH_ALIGN
+    cip = -(-ci // WINO_LANES) * WINO_LANES
+    cop = -(-co // WINO_LANES) * WINO_LANES
     per_row = tw * a2 * (cip + cop) * 4  # V and M of one row of tiles
     rows = th
     if th * per_row > WINO_BLOCK_BYTES and a2 * ci * co * 4 <= WINO_U_L2_BYTES:
