@@ -21,6 +21,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         max_error=a.max_error,
         min_weights=a.quant_min_weights,
         conv_algo=a.conv_algo,
+        layout=a.layout,
     )
     private = read_key(a.sign, "private key") if a.sign else None
     embed = read_key(a.embed_pubkey) if a.embed_pubkey else None
@@ -144,6 +145,13 @@ def make_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default): 3x3 stride-1 convs run as Winograd on CPU targets when it "
         "pays (docs/bundle-format.md); direct: every conv as im2col + GEMM",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("auto", "nchw"),
+        default="auto",
+        help="auto (default): conv regions run channels-last (NHWC) on CPU targets "
+        "(docs/bundle-format.md); nchw: every activation channels-first as imported",
     )
     p.set_defaults(func=cmd_build)
     p = sub.add_parser(

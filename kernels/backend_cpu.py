@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import winograd
+from . import layout, winograd
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
 from .binding import optional_inputs as _opt
-from .cpu_abi import GEMM_XP_FLOATS
+from .cpu_abi import GEMM_XP_FLOATS, PER_COL
 from .native import K, kernel_threads
 from .registry import Bound, Kernel, Spec, register
 
@@ -86,6 +86,8 @@ def _gemm_slots(scratch: np.ndarray, off: int) -> tuple[np.ndarray, int]:
 
 
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
+    if layout.is_nhwc(attrs):
+        return _conv_nhwc_scratch(ins, outs, attrs)
     (wshape, wdt) = ins[1]
     co, cg, kh, kw = wshape
     oh, ow = outs[0][2], outs[0][3]
@@ -98,6 +100,8 @@ def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], a
 
 
 def _bind_conv(ins, outs, scratch, attrs) -> Bound:
+    if layout.is_nhwc(attrs):
+        return _bind_conv_nhwc(ins, outs, scratch, attrs)
     x, w, bias, scale, res = _opt(ins, 5)
     y = outs[0]
     n_, c_, h, wd = x.shape
@@ -154,18 +158,101 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
                 rr = _DUMMY2 if rg is None else rg[:, span]
                 gemms.append((xg, wg, yg[:, span], bg, sg, rr, cols, (pt - oy0 * sh, nb)))
     gemm, im2col = K.gemm, K.im2col
+    gemms = [
+        (xg, _readonly(xg if cols is None else cols), wg, yg, bg, sg, rg, cols, cut)
+        for xg, wg, yg, bg, sg, rg, cols, cut in gemms
+    ]
 
     def step() -> None:
         if decode is not None:
             decode()
-        for xg, wg, yg, bg, sg, rg, cols, cut in gemms:
-            if cols is None:
-                gemm(wg, xg, yg, bg, sg, rg, flags, act, a, b, xp)
-            else:
+        for xg, rhs, wg, yg, bg, sg, rg, cols, cut in gemms:
+            if cols is not None:
                 im2col(xg, cols, kh, kw, sh, sw, cut[0], pl, dh, dw, cut[1], ow)
-                gemm(wg, cols, yg, bg, sg, rg, flags, act, a, b, xp)
+            gemm(wg, rhs, yg, bg, sg, rg, flags, act, a, b, xp)
 
     return step
+
+
+# --- conv, channels-last (rows of pixels x output channels) ----------------------
+
+
+def _conv_nhwc_scratch(ins, outs, attrs) -> int:
+    (wshape, wdt) = ins[1]
+    kh, kw, cg, co = wshape
+    oh, ow = outs[0][1], outs[0][2]
+    kk = kh * kw * cg
+    need = 0 if wdt == "f32" else _up64(_nbytes((kk, co)))  # decoded weights
+    need += _gemm_scratch_bytes()
+    if not _is_pointwise((co, cg, kh, kw), attrs):
+        need += _nbytes((_band_rows(kk, oh, ow) * ow, kk))  # im2row rows of one band
+    return need
+
+
+def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
+    """y[P, Co] = rows[P, K] @ w[K, Co]: pixels are GEMM rows, output channels its
+    vector columns, so a 7x7 image fills whole vectors; bias and scale per column."""
+    if attrs.get("group", 1) != 1:
+        raise ValueError("a channels-last conv must have group 1 (packager/layout.py)")
+    x, w, bias, scale, res = _opt(ins, 5)
+    y = outs[0]
+    n_, h, wd, c_ = x.shape
+    kh, kw, cg, co = w.shape
+    oh, ow = y.shape[1], y.shape[2]
+    kk = kh * kw * cg
+    sh, sw = attrs["strides"]
+    pt, pl, _, _ = attrs["pads"]
+    dh, dw = attrs["dilations"]
+    off = 0
+    w2 = w.reshape(kk, co)
+    decode = None
+    if w.dtype != F32:  # widened once per call, as in the channels-first conv
+        wf, _ = _f32_slot(scratch, off, (kk, co))
+        off += _up64(_nbytes((kk, co)))
+        decode = _decoder(w2, wf)
+        w2 = wf
+    w2 = _readonly(w2)
+    xp, off = _gemm_slots(scratch, off)
+    xp = xp[: max(1, min(GEMM_SLOTS, kernel_threads()))]
+    pointwise = _is_pointwise((co, cg, kh, kw), attrs)
+    band = _band_rows(kk, oh, ow)
+    rows_flat = None if pointwise else _f32_slot(scratch, off, (band * ow * kk,))[0]
+    flags = _flags(bias, scale, res) | PER_COL
+    b_ = bias if bias is not None else _DUMMY1
+    s_ = scale if scale is not None else _DUMMY1
+    act, a, b = _act(attrs)
+    gemms = []  # (GEMM rows operand, image to im2row from or None, output band, residual, row0)
+    for n in range(n_):
+        yn = y[n].reshape(oh * ow, co)
+        rn = _DUMMY2 if res is None else res[n].reshape(oh * ow, co)
+        if pointwise:  # the image itself is the rows operand
+            gemms.append((_readonly(x[n].reshape(h * wd, c_)), None, yn, rn, 0))
+            continue
+        for oy0 in range(0, oh, band):
+            span = slice(oy0 * ow, (oy0 + min(band, oh - oy0)) * ow)
+            rows = rows_flat[: (span.stop - span.start) * kk].reshape(-1, kk)
+            rb = rn if res is None else rn[span]
+            gemms.append((rows, x[n], yn[span], rb, oy0))
+    gemm, im2row = K.gemm, K.im2row
+    gemms = [(_readonly(r), r, xi, yb, rb, oy0) for r, xi, yb, rb, oy0 in gemms]
+
+    def step() -> None:
+        if decode is not None:
+            decode()
+        for rows_ro, rows, xi, yb, rb, oy0 in gemms:
+            if xi is not None:
+                im2row(xi, rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow)
+            gemm(rows_ro, w2, yb, b_, s_, rb, flags, act, a, b, xp)
+
+    return step
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: the GEMM's operands are typed read-only (weights are mapped
+    read-only), so activations and scratch pass as read-only views of themselves."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 # --- 3x3 conv, Winograd (weights transformed by the packager) ----------------------
@@ -183,7 +270,7 @@ WINO_LANES = 16
 def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> tuple:
     m = int(attrs["tile"])
     a2, ci, co = ushape
-    th, tw = winograd.tiles(out_shape[2:], m)
+    th, tw = winograd.tiles(out_shape[1:3] if layout.is_nhwc(attrs) else out_shape[2:], m)
     return m, a2, co, ci, th, tw
 
 
@@ -244,10 +331,11 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     act, a, b = _act(attrs)
     items = [(x[n], y[n], res[n] if res is not None else _DUMMY3) for n in range(x.shape[0])]
     conv = K.wino_conv
+    tail = (flags, act, a, b, int(layout.is_nhwc(attrs)))
 
     def step() -> None:
         for xn, yn, rn in items:
-            conv(xn, xt, u, vb, mb, yt, tmp, xp, yn, m, pt, pl, tw, b_, s_, rn, flags, act, a, b)
+            conv(xn, xt, u, vb, mb, yt, tmp, xp, yn, m, pt, pl, tw, b_, s_, rn, *tail)
 
     return step
 
@@ -282,6 +370,8 @@ def _dw_planes(wshape, out_shape, attrs) -> tuple[str, tuple[int, ...]] | None:
 def _dw_scratch(ins, outs, attrs) -> int:
     wshape, wdt = ins[1]
     need = _nbytes(wshape) if wdt == "f16" else 0
+    if layout.is_nhwc(attrs):  # channels-last: vectors along channels, no planes
+        return need
     special = _dw_planes(wshape, outs[0], attrs)
     return need + (_nbytes(special[1]) if special else 0)
 
@@ -294,7 +384,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
         wf, off = _f32_slot(scratch, 0, w.shape)
         decode = _decoder(w, wf)
         w = wf
-    special = _dw_planes(w.shape, y.shape, attrs)
+    special = None if layout.is_nhwc(attrs) else _dw_planes(w.shape, y.shape, attrs)
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
@@ -314,7 +404,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
                 flat(xn, w, b_, s_, rn, yn, planes, flags, act, a, b)
 
         return step_flat
-    kern = K.dwconv
+    kern = K.dwconv_nhwc if layout.is_nhwc(attrs) else K.dwconv  # same arguments
 
     def step() -> None:
         if decode is not None:
@@ -452,7 +542,7 @@ def _bind_pool(kind: str):
         items = [(x[n], y[n]) for n in range(x.shape[0])]
         if kind == "max":
             dh, dw = attrs.get("dilations", (1, 1))
-            kern = K.maxpool
+            kern = K.maxpool_nhwc if layout.is_nhwc(attrs) else K.maxpool  # same arguments
 
             def step() -> None:
                 for xn, yn in items:
@@ -473,6 +563,16 @@ def _bind_pool(kind: str):
 
 def _bind_global_avgpool(ins, outs, scratch, attrs) -> Bound:
     x, y = ins[0], outs[0]
+    if layout.is_nhwc(attrs):  # x[N, H, W, C] -> y[N, C, 1, 1]
+        n_, c_ = x.shape[0], x.shape[-1]
+        items = [(x[n].reshape(-1, c_), y[n].reshape(c_)) for n in range(n_)]
+        kern_last = K.global_avgpool_nhwc
+
+        def step_last() -> None:
+            for xn, yn in items:
+                kern_last(xn, yn)
+
+        return step_last
     rows = x.shape[0] * x.shape[1]
     x2, y1 = x.reshape(rows, -1), y.reshape(rows)
     kern = K.global_avgpool
@@ -497,7 +597,18 @@ def _bind_reshape(ins, outs, scratch, attrs) -> Bound:
 
 
 def _bind_transpose(ins, outs, scratch, attrs) -> Bound:
-    src, y = ins[0].transpose(attrs["perm"]), outs[0]
+    x, y = ins[0], outs[0]
+    perm = tuple(attrs["perm"])
+    if perm in (layout.TO_NHWC, layout.TO_NCHW):  # the layout pass's conversions
+        kern = K.to_channels_last if perm == layout.TO_NHWC else K.to_channels_first
+        items = [(x[n], y[n]) for n in range(x.shape[0])]
+
+        def step_layout() -> None:
+            for xn, yn in items:
+                kern(xn, yn)
+
+        return step_layout
+    src = x.transpose(perm)
     return lambda: np.copyto(y, src)
 
 
@@ -545,13 +656,38 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
     return step
 
 
+def _with_cuda_room(op: str, scratch):
+    """A channels-last node's scratch, at least what the cuda kernel takes for it: a
+    cpu-planned bundle also runs with --device cuda (kernels/layout.adapt there)."""
+    from .registry import KERNELS
+
+    def need(ins, outs, attrs) -> int:
+        own = scratch(ins, outs, attrs)
+        if not layout.is_nhwc(attrs):
+            return own
+        dt = ins[1][1] if op in ("conv", "dwconv") else "f32"
+        return max(own, KERNELS[(op, dt, "cuda")].scratch(ins, outs, attrs))
+
+    return need
+
+
 def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
-    k = Kernel(f"cpu.{op}", bind, scratch or (lambda i, o, a: 0), accepts or (lambda a: True))
+    scratch = scratch or (lambda i, o, a: 0)
+    if op in layout.LAYOUT_OPS:  # these binds compute channels-last nodes themselves
+        scratch = _with_cuda_room(op, scratch)
+    k = Kernel(f"cpu.{op}", bind, scratch, accepts or (lambda a: True))
     register(op, dtypes, "cpu", k)
 
 
 _ALL_W = ("f32", "f16", "i8")
-_cpu("conv", _bind_conv, _ALL_W, _conv_scratch)
+
+
+def _conv_takes(attrs: dict) -> bool:
+    # channels-last only with group 1 (packager/layout.py gives grouped convs no layout)
+    return not layout.is_nhwc(attrs) or attrs.get("group", 1) == 1
+
+
+_cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes)
 _cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
 _cpu("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 _cpu("linear", _bind_linear, _ALL_W, _linear_scratch)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import winograd
+from . import layout, winograd
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
@@ -501,7 +501,17 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
 
 
 def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
-    k = Kernel(f"cuda.{op}", bind, scratch or (lambda i, o, a: 0), accepts or (lambda a: True))
+    scratch = scratch or (lambda i, o, a: 0)
+    if op in layout.LAYOUT_OPS:  # channels-last nodes of cpu-planned bundles
+        bind, scratch = layout.adapt(
+            op,
+            bind,
+            scratch,
+            _f32_slot,
+            lambda dst, src: _copy_step(_d(), src, dst),
+            lambda a: _d().xp.ascontiguousarray(a),
+        )
+    k = Kernel(f"cuda.{op}", bind, scratch, accepts or (lambda a: True))
     register(op, dtypes, "cuda", k)
 
 

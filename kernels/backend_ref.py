@@ -1,6 +1,7 @@
 """The reference backend: every op, every dtype, straight from ``reference.py``.
 
-It allocates on every call; it exists to be obviously right, not fast.
+It allocates on every call; it exists to be obviously right, not fast. (Channels-last
+nodes are handled inside ``reference.py``.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ kernels taking weights of several dtypes get one export per dtype.
 from __future__ import annotations
 
 HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
+# The GEMM's bias and scale run along its columns (channels-last convs: rows are
+# pixels, columns output channels) instead of its rows.
+PER_COL = 8
 # Floats per worker slot of the GEMM's packed-column buffer (gemm_tiles.py): 256 KB,
 # half an L2. Here, not in gemm_tiles, because planning scratch must not import numba.
 GEMM_XP_FLOATS = 65536
@@ -33,6 +36,9 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
     v = T.void
     sigs: dict[str, tuple[str, object]] = {
         "im2col": ("im2col", v(arr(f4, 3), arr(f4, 2), *([i8] * 10))),
+        "im2row": ("im2row", v(arr(f4, 3), arr(f4, 2), *([i8] * 10))),
+        "to_channels_last": ("to_channels_last", v(arr(f4, 3), arr(f4, 3))),
+        "to_channels_first": ("to_channels_first", v(arr(f4, 3), arr(f4, 3))),
         "epilogue_cols": ("epilogue_cols", v(arr(f4, 2), w1, w1, i8, i8, f4, f4)),
         "act_into": ("act_into", v(arr(f4, 1), arr(f4, 1), i8, f4, f4)),
         "linear_q": (
@@ -42,6 +48,8 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "maxpool": ("maxpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "avgpool": ("avgpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 9))),
         "global_avgpool": ("global_avgpool", v(arr(f4, 2), arr(f4, 1))),
+        "maxpool_nhwc": ("cpu_nhwc.maxpool_nhwc", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
+        "global_avgpool_nhwc": ("cpu_nhwc.global_avgpool_nhwc", v(arr(f4, 2), arr(f4, 1))),
         "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3))),
         "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),
@@ -54,9 +62,11 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
     a2 = arr(f4, 2, "A")  # GEMM operands may be bands of a larger plane
     f3, f2 = arr(f4, 3), arr(f4, 2)
     tiled = {
-        "gemm": v(arr(f4, 2, ro=True), a2, a2, w1, w1, a2, i8, i8, f4, f4, f2),
+        "gemm": v(
+            arr(f4, 2, ro=True), arr(f4, 2, "A", ro=True), a2, w1, w1, a2, i8, i8, f4, f4, f2
+        ),
         "wino_conv": v(f3, f3, arr(f4, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4),
-                       w1, w1, f3, i8, i8, f4, f4),
+                       w1, w1, f3, i8, i8, f4, f4, i8),
     }
     assert set(tiled) == set(GEMM_TILE_KERNELS)
     for name, sig in tiled.items():
@@ -67,18 +77,9 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         )
         for kern in ("dwconv3_flat", "dwconv3_s2"):  # 3x3 special cases (backend_cpu)
             sigs[f"{kern}_{name}"] = (kern, special)
-        sigs[f"dwconv_{name}"] = (
-            "dwconv",
-            v(
-                arr(f4, 3),
-                arr(wdt, 4, ro=True),
-                w1,
-                w1,
-                arr(f4, 3),
-                arr(f4, 3),
-                *([i8] * 8),
-                f4,
-                f4,
-            ),
+        dwconv_sig = v(
+            arr(f4, 3), arr(wdt, 4, ro=True), w1, w1, arr(f4, 3), arr(f4, 3), *([i8] * 8), f4, f4
         )
+        for kern in ("dwconv", "cpu_nhwc.dwconv_nhwc"):  # planar, channels-last
+            sigs[f"{kern.rpartition('.')[2]}_{name}"] = (kern, dwconv_sig)
     return sigs

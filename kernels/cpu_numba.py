@@ -113,6 +113,45 @@ def im2col(x, cols, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow):
                 cols[r, np.uintp(base + ox)] = 0.0
 
 
+@njit(parallel=True, cache=True)
+def im2row(x, rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow):
+    """Channels-last im2col: rows[p, (i*kw + j)*C + c] = x[iy, ix, c] for the band's
+    output pixels p = (oy - oy0)*ow + ox, (iy, ix) = (oy*sh - pt + i*dh, ox*sw - pl +
+    j*dw), zeros outside the image. A tap is a contiguous run of C channels; with dw =
+    1 a whole kernel row is one run of kw*C (the stem's 3 channels)."""
+    h, wd, c_ = x.shape
+    kk = rows.shape[1]
+    xf = x.reshape(-1)
+    rf = rows.reshape(-1)
+    run = kw * c_
+    for p in prange(rows.shape[0]):
+        oy = oy0 + p // ow
+        ox = p % ow
+        ix0 = ox * sw - pl
+        whole = dw == 1 and ix0 >= 0 and ix0 + kw <= wd
+        for i in range(kh):
+            iy = oy * sh - pt + i * dh
+            d0 = p * kk + i * run
+            if iy < 0 or iy >= h:
+                for q in range(run):
+                    rf[np.uintp(d0 + q)] = 0.0
+            elif whole:
+                s0 = (iy * wd + ix0) * c_
+                for q in range(run):
+                    rf[np.uintp(d0 + q)] = xf[np.uintp(s0 + q)]
+            else:
+                for j in range(kw):
+                    ix = ix0 + j * dw
+                    o = d0 + j * c_
+                    if ix < 0 or ix >= wd:
+                        for c in range(c_):
+                            rf[np.uintp(o + c)] = 0.0
+                    else:
+                        s0 = (iy * wd + ix) * c_
+                        for c in range(c_):
+                            rf[np.uintp(o + c)] = xf[np.uintp(s0 + c)]
+
+
 @njit(inline="always")
 def act_row(row, act, a, b):
     """Activation in place over a 1-D view.
@@ -157,6 +196,20 @@ def epilogue_row(row, s, bb, res_row, has_res, act, a, b):
         for i in range(n):
             row[i] = row[i] * s + bb
     act_row(row, act, a, b)
+
+
+@njit(inline="always")
+def epilogue_at(c, m, n, k, bias, scale, res, flags, act, a, b):
+    """c[m, n] = act(c[m, n] * scale[k] + bias[k] [+ res[m, n]]): one element of a
+    channels-last output, k its channel."""
+    v = c[m, n]
+    if flags & HAS_SCALE:
+        v = v * scale[k]
+    if flags & HAS_BIAS:
+        v = v + bias[k]
+    if flags & HAS_RES:
+        v = v + res[m, n]
+    c[m, n] = act_scalar(v, act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -759,3 +812,82 @@ def nhwc_row_out(yt, y, oy, row0, bias, scale, res, flags, act, a, b):
         bb = bias[c] if flags & HAS_BIAS else np.float32(0)
         rr = res[c, oy] if has_res else res[0, 0]
         epilogue_row(y[c, oy], s, bb, rr, has_res, act, a, b)
+
+
+# The same two rows for channels-last activations (packager/layout.py): whole runs of
+# channels on both sides.
+
+
+@njit(cache=True)
+def nhwc_fill_row(x, xt, iy, pt, pl):
+    """Row iy of xt[Hp, Wp, Cp] from channels-last x[H, W, C] shifted by the pads, as
+    nhwc_row does from a planar x: one contiguous run of C channels per pixel."""
+    h, wd, c_ = x.shape
+    wp, cp = xt.shape[1], xt.shape[2]
+    xf, tf = x.reshape(-1), xt.reshape(-1)
+    y = iy - pt
+    n = min(wd, wp - pl) if 0 <= y < h else 0
+    row = iy * wp * cp
+    for ix in range(wp):
+        if ix < pl or ix >= pl + n:
+            o = row + ix * cp
+            for c in range(c_):
+                tf[np.uintp(o + c)] = 0.0
+    for ix in range(n):
+        o = row + (ix + pl) * cp
+        src = (y * wd + ix) * c_
+        for c in range(c_):
+            tf[np.uintp(o + c)] = xf[np.uintp(src + c)]
+
+
+@njit(cache=True)
+def nhwc_out_row(yt, y, oy, row0, bias, scale, res, flags, act, a, b):
+    """y[oy, :, c] = act(scale[c] * yt[oy - row0, :W, c] + bias[c] [+ res[oy, :, c]])
+    for channels-last y[OH, OW, C]: the row is copied, then each epilogue term is one
+    vectorisable pass over it (a test per element kept LLVM from vectorising)."""
+    _, ow, c_ = y.shape
+    ywp, cp = yt.shape[1], yt.shape[2]
+    tf, yf = yt.reshape(-1), y.reshape(-1)
+    r = oy - row0
+    row = oy * ow * c_
+    for ox in range(ow):
+        src = (r * ywp + ox) * cp
+        dst = row + ox * c_
+        for c in range(c_):
+            yf[np.uintp(dst + c)] = tf[np.uintp(src + c)]
+    if flags & HAS_SCALE:
+        for ox in range(ow):
+            dst = row + ox * c_
+            for c in range(c_):
+                yf[np.uintp(dst + c)] = yf[np.uintp(dst + c)] * scale[np.uintp(c)]
+    if flags & HAS_BIAS:
+        for ox in range(ow):
+            dst = row + ox * c_
+            for c in range(c_):
+                yf[np.uintp(dst + c)] = yf[np.uintp(dst + c)] + bias[np.uintp(c)]
+    if flags & HAS_RES:
+        rf = res.reshape(-1)
+        for i in range(row, row + ow * c_):
+            yf[np.uintp(i)] = yf[np.uintp(i)] + rf[np.uintp(i)]
+    act_row(yf[row : row + ow * c_], act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def to_channels_last(x, y):
+    """y[h, w, c] = x[c, h, w] (one image): a row of each plane at a time, so both sides
+    stream (NumPy's strided copy of a 3x224x224 input took 0.3 ms)."""
+    c_, h, wd = x.shape
+    for iy in prange(h):
+        for c in range(c_):
+            for ix in range(wd):
+                y[iy, ix, np.uintp(c)] = x[c, iy, np.uintp(ix)]
+
+
+@njit(parallel=True, cache=True)
+def to_channels_first(x, y):
+    """y[c, h, w] = x[h, w, c] (one image)."""
+    h, wd, c_ = x.shape
+    for iy in prange(h):
+        for c in range(c_):
+            for ix in range(wd):
+                y[c, iy, np.uintp(ix)] = x[iy, ix, np.uintp(c)]

@@ -4,8 +4,9 @@ scripts/gen_gemm_tiles.py: edit that script, not this file.
 ``gemm_<lanes>x<nv>(w, x, c, bias, scale, res, flags, act, a, b, xp)`` computes
 c = act(scale * (w @ x) + bias [+ res]) per row of c, for w (M, K) float32 (any
 strides), x (K, N) and c (M, N) with unit column stride (any row stride, so c
-can be a band of a larger plane). Per-row bias/scale and the residual follow the
-HAS_* bits of ``flags`` as in cpu_numba's epilogues.
+can be a band of a larger plane). Bias/scale (per row, or per column with PER_COL:
+channels-last convs put pixels in rows) and the residual follow the bits of
+``flags`` as in cpu_numba's epilogues.
 
 How (the BLIS loop order): x is packed per block of columns and rows into ``xp``
 (tiles of KC x NR floats, contiguous, so a tile's reads stay in L1 and do not hit
@@ -28,12 +29,12 @@ Tile shapes (lanes x vectors): 16x4, 8x2, 4x2, 4x4.
 import numpy as np
 from numba import njit, prange
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
-from .cpu_numba import act_row, epilogue_row, nhwc_row, nhwc_row_out
+from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
+from .cpu_numba import act_row, act_scalar, nhwc_fill_row, nhwc_out_row, nhwc_row, nhwc_row_out
 from .simd import Ops
 
 MR = 6
-KC = 256
+KC = 128
 MB = 4
 WKC = 128
 
@@ -493,18 +494,673 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
 
 
 @njit(cache=True)
-def _epilogue_16x4(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a, b):
-    """The conv epilogue on a just-stored full tile, still in L1 (relu/clip in vectors)."""
+def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 16 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_16x4()
+    a1_0 = vzero_16x4()
+    a2_0 = vzero_16x4()
+    a3_0 = vzero_16x4()
+    a4_0 = vzero_16x4()
+    a5_0 = vzero_16x4()
+    if accumulate and cols == 16:
+        a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+        a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+        a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+        a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+        a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+        a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 16:
+            a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_16x4(a0_0, i, sload_16x4(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 16:
+            a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_16x4(a1_0, i, sload_16x4(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 16:
+            a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_16x4(a2_0, i, sload_16x4(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 16:
+            a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_16x4(a3_0, i, sload_16x4(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 16:
+            a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_16x4(a4_0, i, sload_16x4(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 16:
+            a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_16x4(a5_0, i, sload_16x4(c, c0 + q5 * ldc + 0 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_16x4(xq, xo + 0)
+        wv = vbload_16x4(w, wo0 + ko)
+        a0_0 = vfma_16x4(wv, xv0, a0_0)
+        wv = vbload_16x4(w, wo1 + ko)
+        a1_0 = vfma_16x4(wv, xv0, a1_0)
+        wv = vbload_16x4(w, wo2 + ko)
+        a2_0 = vfma_16x4(wv, xv0, a2_0)
+        wv = vbload_16x4(w, wo3 + ko)
+        a3_0 = vfma_16x4(wv, xv0, a3_0)
+        wv = vbload_16x4(w, wo4 + ko)
+        a4_0 = vfma_16x4(wv, xv0, a4_0)
+        wv = vbload_16x4(w, wo5 + ko)
+        a5_0 = vfma_16x4(wv, xv0, a5_0)
+    if cols == 16:
+        if rows > 0:
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+        return
+    if rows > 0:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 0 * ldc + 0 + i, vextract_16x4(a0_0, i))
+    if rows > 1:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 1 * ldc + 0 + i, vextract_16x4(a1_0, i))
+    if rows > 2:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 2 * ldc + 0 + i, vextract_16x4(a2_0, i))
+    if rows > 3:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 3 * ldc + 0 + i, vextract_16x4(a3_0, i))
+    if rows > 4:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 4 * ldc + 0 + i, vextract_16x4(a4_0, i))
+    if rows > 5:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 5 * ldc + 0 + i, vextract_16x4(a5_0, i))
+
+
+@njit(cache=True)
+def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 32 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_16x4()
+    a0_1 = vzero_16x4()
+    a1_0 = vzero_16x4()
+    a1_1 = vzero_16x4()
+    a2_0 = vzero_16x4()
+    a2_1 = vzero_16x4()
+    a3_0 = vzero_16x4()
+    a3_1 = vzero_16x4()
+    a4_0 = vzero_16x4()
+    a4_1 = vzero_16x4()
+    a5_0 = vzero_16x4()
+    a5_1 = vzero_16x4()
+    if accumulate and cols == 32:
+        a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+        a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
+        a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+        a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
+        a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+        a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
+        a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+        a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
+        a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+        a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
+        a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+        a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 16:
+            a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_16x4(a0_0, i, sload_16x4(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 32:
+            a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a0_1 = vinsert_16x4(a0_1, i, sload_16x4(c, c0 + q0 * ldc + 16 + i))
+        if cols >= 16:
+            a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_16x4(a1_0, i, sload_16x4(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 32:
+            a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a1_1 = vinsert_16x4(a1_1, i, sload_16x4(c, c0 + q1 * ldc + 16 + i))
+        if cols >= 16:
+            a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_16x4(a2_0, i, sload_16x4(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 32:
+            a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a2_1 = vinsert_16x4(a2_1, i, sload_16x4(c, c0 + q2 * ldc + 16 + i))
+        if cols >= 16:
+            a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_16x4(a3_0, i, sload_16x4(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 32:
+            a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a3_1 = vinsert_16x4(a3_1, i, sload_16x4(c, c0 + q3 * ldc + 16 + i))
+        if cols >= 16:
+            a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_16x4(a4_0, i, sload_16x4(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 32:
+            a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a4_1 = vinsert_16x4(a4_1, i, sload_16x4(c, c0 + q4 * ldc + 16 + i))
+        if cols >= 16:
+            a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_16x4(a5_0, i, sload_16x4(c, c0 + q5 * ldc + 0 + i))
+        if cols >= 32:
+            a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a5_1 = vinsert_16x4(a5_1, i, sload_16x4(c, c0 + q5 * ldc + 16 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_16x4(xq, xo + 0)
+        xv1 = vload_16x4(xq, xo + 16)
+        wv = vbload_16x4(w, wo0 + ko)
+        a0_0 = vfma_16x4(wv, xv0, a0_0)
+        a0_1 = vfma_16x4(wv, xv1, a0_1)
+        wv = vbload_16x4(w, wo1 + ko)
+        a1_0 = vfma_16x4(wv, xv0, a1_0)
+        a1_1 = vfma_16x4(wv, xv1, a1_1)
+        wv = vbload_16x4(w, wo2 + ko)
+        a2_0 = vfma_16x4(wv, xv0, a2_0)
+        a2_1 = vfma_16x4(wv, xv1, a2_1)
+        wv = vbload_16x4(w, wo3 + ko)
+        a3_0 = vfma_16x4(wv, xv0, a3_0)
+        a3_1 = vfma_16x4(wv, xv1, a3_1)
+        wv = vbload_16x4(w, wo4 + ko)
+        a4_0 = vfma_16x4(wv, xv0, a4_0)
+        a4_1 = vfma_16x4(wv, xv1, a4_1)
+        wv = vbload_16x4(w, wo5 + ko)
+        a5_0 = vfma_16x4(wv, xv0, a5_0)
+        a5_1 = vfma_16x4(wv, xv1, a5_1)
+    if cols == 32:
+        if rows > 0:
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+        if rows > 1:
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+        if rows > 2:
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+        if rows > 3:
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+        if rows > 4:
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+        if rows > 5:
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+        return
+    if rows > 0:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 0 * ldc + 0 + i, vextract_16x4(a0_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 0 * ldc + 16 + i, vextract_16x4(a0_1, i))
+    if rows > 1:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 1 * ldc + 0 + i, vextract_16x4(a1_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 1 * ldc + 16 + i, vextract_16x4(a1_1, i))
+    if rows > 2:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 2 * ldc + 0 + i, vextract_16x4(a2_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 2 * ldc + 16 + i, vextract_16x4(a2_1, i))
+    if rows > 3:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 3 * ldc + 0 + i, vextract_16x4(a3_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 3 * ldc + 16 + i, vextract_16x4(a3_1, i))
+    if rows > 4:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 4 * ldc + 0 + i, vextract_16x4(a4_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 4 * ldc + 16 + i, vextract_16x4(a4_1, i))
+    if rows > 5:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 5 * ldc + 0 + i, vextract_16x4(a5_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 5 * ldc + 16 + i, vextract_16x4(a5_1, i))
+
+
+@njit(cache=True)
+def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 48 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_16x4()
+    a0_1 = vzero_16x4()
+    a0_2 = vzero_16x4()
+    a1_0 = vzero_16x4()
+    a1_1 = vzero_16x4()
+    a1_2 = vzero_16x4()
+    a2_0 = vzero_16x4()
+    a2_1 = vzero_16x4()
+    a2_2 = vzero_16x4()
+    a3_0 = vzero_16x4()
+    a3_1 = vzero_16x4()
+    a3_2 = vzero_16x4()
+    a4_0 = vzero_16x4()
+    a4_1 = vzero_16x4()
+    a4_2 = vzero_16x4()
+    a5_0 = vzero_16x4()
+    a5_1 = vzero_16x4()
+    a5_2 = vzero_16x4()
+    if accumulate and cols == 48:
+        a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+        a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
+        a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
+        a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+        a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
+        a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
+        a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+        a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
+        a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
+        a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+        a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
+        a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
+        a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+        a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
+        a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
+        a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+        a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
+        a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 16:
+            a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_16x4(a0_0, i, sload_16x4(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 32:
+            a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a0_1 = vinsert_16x4(a0_1, i, sload_16x4(c, c0 + q0 * ldc + 16 + i))
+        if cols >= 48:
+            a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
+        elif cols > 32:
+            for i in range(cols - 32):
+                a0_2 = vinsert_16x4(a0_2, i, sload_16x4(c, c0 + q0 * ldc + 32 + i))
+        if cols >= 16:
+            a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_16x4(a1_0, i, sload_16x4(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 32:
+            a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a1_1 = vinsert_16x4(a1_1, i, sload_16x4(c, c0 + q1 * ldc + 16 + i))
+        if cols >= 48:
+            a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
+        elif cols > 32:
+            for i in range(cols - 32):
+                a1_2 = vinsert_16x4(a1_2, i, sload_16x4(c, c0 + q1 * ldc + 32 + i))
+        if cols >= 16:
+            a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_16x4(a2_0, i, sload_16x4(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 32:
+            a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a2_1 = vinsert_16x4(a2_1, i, sload_16x4(c, c0 + q2 * ldc + 16 + i))
+        if cols >= 48:
+            a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
+        elif cols > 32:
+            for i in range(cols - 32):
+                a2_2 = vinsert_16x4(a2_2, i, sload_16x4(c, c0 + q2 * ldc + 32 + i))
+        if cols >= 16:
+            a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_16x4(a3_0, i, sload_16x4(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 32:
+            a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a3_1 = vinsert_16x4(a3_1, i, sload_16x4(c, c0 + q3 * ldc + 16 + i))
+        if cols >= 48:
+            a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
+        elif cols > 32:
+            for i in range(cols - 32):
+                a3_2 = vinsert_16x4(a3_2, i, sload_16x4(c, c0 + q3 * ldc + 32 + i))
+        if cols >= 16:
+            a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_16x4(a4_0, i, sload_16x4(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 32:
+            a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a4_1 = vinsert_16x4(a4_1, i, sload_16x4(c, c0 + q4 * ldc + 16 + i))
+        if cols >= 48:
+            a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
+        elif cols > 32:
+            for i in range(cols - 32):
+                a4_2 = vinsert_16x4(a4_2, i, sload_16x4(c, c0 + q4 * ldc + 32 + i))
+        if cols >= 16:
+            a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_16x4(a5_0, i, sload_16x4(c, c0 + q5 * ldc + 0 + i))
+        if cols >= 32:
+            a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
+        elif cols > 16:
+            for i in range(cols - 16):
+                a5_1 = vinsert_16x4(a5_1, i, sload_16x4(c, c0 + q5 * ldc + 16 + i))
+        if cols >= 48:
+            a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
+        elif cols > 32:
+            for i in range(cols - 32):
+                a5_2 = vinsert_16x4(a5_2, i, sload_16x4(c, c0 + q5 * ldc + 32 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_16x4(xq, xo + 0)
+        xv1 = vload_16x4(xq, xo + 16)
+        xv2 = vload_16x4(xq, xo + 32)
+        wv = vbload_16x4(w, wo0 + ko)
+        a0_0 = vfma_16x4(wv, xv0, a0_0)
+        a0_1 = vfma_16x4(wv, xv1, a0_1)
+        a0_2 = vfma_16x4(wv, xv2, a0_2)
+        wv = vbload_16x4(w, wo1 + ko)
+        a1_0 = vfma_16x4(wv, xv0, a1_0)
+        a1_1 = vfma_16x4(wv, xv1, a1_1)
+        a1_2 = vfma_16x4(wv, xv2, a1_2)
+        wv = vbload_16x4(w, wo2 + ko)
+        a2_0 = vfma_16x4(wv, xv0, a2_0)
+        a2_1 = vfma_16x4(wv, xv1, a2_1)
+        a2_2 = vfma_16x4(wv, xv2, a2_2)
+        wv = vbload_16x4(w, wo3 + ko)
+        a3_0 = vfma_16x4(wv, xv0, a3_0)
+        a3_1 = vfma_16x4(wv, xv1, a3_1)
+        a3_2 = vfma_16x4(wv, xv2, a3_2)
+        wv = vbload_16x4(w, wo4 + ko)
+        a4_0 = vfma_16x4(wv, xv0, a4_0)
+        a4_1 = vfma_16x4(wv, xv1, a4_1)
+        a4_2 = vfma_16x4(wv, xv2, a4_2)
+        wv = vbload_16x4(w, wo5 + ko)
+        a5_0 = vfma_16x4(wv, xv0, a5_0)
+        a5_1 = vfma_16x4(wv, xv1, a5_1)
+        a5_2 = vfma_16x4(wv, xv2, a5_2)
+    if cols == 48:
+        if rows > 0:
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+        if rows > 1:
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+        if rows > 2:
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+        if rows > 3:
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+        if rows > 4:
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+        if rows > 5:
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+        return
+    if rows > 0:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 0 * ldc + 0 + i, vextract_16x4(a0_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 0 * ldc + 16 + i, vextract_16x4(a0_1, i))
+        if cols >= 48:
+            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+        elif cols > 32:
+            for i in range(cols - 32):
+                sstore_16x4(c, c0 + 0 * ldc + 32 + i, vextract_16x4(a0_2, i))
+    if rows > 1:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 1 * ldc + 0 + i, vextract_16x4(a1_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 1 * ldc + 16 + i, vextract_16x4(a1_1, i))
+        if cols >= 48:
+            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+        elif cols > 32:
+            for i in range(cols - 32):
+                sstore_16x4(c, c0 + 1 * ldc + 32 + i, vextract_16x4(a1_2, i))
+    if rows > 2:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 2 * ldc + 0 + i, vextract_16x4(a2_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 2 * ldc + 16 + i, vextract_16x4(a2_1, i))
+        if cols >= 48:
+            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+        elif cols > 32:
+            for i in range(cols - 32):
+                sstore_16x4(c, c0 + 2 * ldc + 32 + i, vextract_16x4(a2_2, i))
+    if rows > 3:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 3 * ldc + 0 + i, vextract_16x4(a3_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 3 * ldc + 16 + i, vextract_16x4(a3_1, i))
+        if cols >= 48:
+            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+        elif cols > 32:
+            for i in range(cols - 32):
+                sstore_16x4(c, c0 + 3 * ldc + 32 + i, vextract_16x4(a3_2, i))
+    if rows > 4:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 4 * ldc + 0 + i, vextract_16x4(a4_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 4 * ldc + 16 + i, vextract_16x4(a4_1, i))
+        if cols >= 48:
+            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+        elif cols > 32:
+            for i in range(cols - 32):
+                sstore_16x4(c, c0 + 4 * ldc + 32 + i, vextract_16x4(a4_2, i))
+    if rows > 5:
+        if cols >= 16:
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_16x4(c, c0 + 5 * ldc + 0 + i, vextract_16x4(a5_0, i))
+        if cols >= 32:
+            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+        elif cols > 16:
+            for i in range(cols - 16):
+                sstore_16x4(c, c0 + 5 * ldc + 16 + i, vextract_16x4(a5_1, i))
+        if cols >= 48:
+            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+        elif cols > 32:
+            for i in range(cols - 32):
+                sstore_16x4(c, c0 + 5 * ldc + 32 + i, vextract_16x4(a5_2, i))
+
+
+@njit(cache=True)
+def _epilogue_16x4(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
+    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
+    last cols % 16 columns one by one. Bias and scale per row m0.., or per column
+    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
     one = np.float32(1)
     zero = vzero_16x4()
     lo = vsplat_16x4(a)
     hi = vsplat_16x4(b)
+    by_col = (flags & PER_COL) != 0
+    full = cols // 16 * 16
     for r in range(rows):
-        sv = vsplat_16x4(scale[m0 + r] if flags & HAS_SCALE else one)
-        bv = vsplat_16x4(bias[m0 + r] if flags & HAS_BIAS else one - one)
-        for v in range(0, 64, 16):
+        s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
+        b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
+        sv = vsplat_16x4(s1)
+        bv = vsplat_16x4(b1)
+        for v in range(0, full, 16):
             o = c0 + r * ldc + v
-            y = vadd_16x4(vmul_16x4(vload_16x4(c, o), sv), bv)
+            if by_col:
+                y = vload_16x4(c, o)
+                if flags & HAS_SCALE:
+                    y = vmul_16x4(y, vload_16x4(scale, n0 + v))
+                if flags & HAS_BIAS:
+                    y = vadd_16x4(y, vload_16x4(bias, n0 + v))
+            else:
+                y = vadd_16x4(vmul_16x4(vload_16x4(c, o), sv), bv)
             if flags & HAS_RES:
                 y = vadd_16x4(y, vload_16x4(res, r0 + r * ldr + v))
             if act == 1:
@@ -512,6 +1168,21 @@ def _epilogue_16x4(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, 
             elif act == 3:
                 y = vmin_16x4(vmax_16x4(y, lo), hi)
             vstore_16x4(c, o, y)
+        for j in range(full, cols):
+            o = c0 + r * ldc + j
+            z = sload_16x4(c, o)
+            if by_col:
+                if flags & HAS_SCALE:
+                    z = z * scale[n0 + j]
+                if flags & HAS_BIAS:
+                    z = z + bias[n0 + j]
+            else:
+                z = z * s1 + b1
+            if flags & HAS_RES:
+                z = z + sload_16x4(res, r0 + r * ldr + j)
+            if act == 1 or act == 3:
+                z = act_scalar(z, act, a, b)
+            sstore_16x4(c, o, z)
 
 
 
@@ -557,25 +1228,29 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
             for t in range((nn + 63) // 64):
                 c_n = n0 + t * 64
                 cols = min(64, nn - t * 64)
+                # A partial last column tile runs on a tile of just the vectors it
+                # needs: a 16-channel output would leave most of a 64-wide tile idle.
+                nvv = (cols + 15) // 16
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
-                    tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 64, 64,
-                            kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if not final or not epilogue:
-                        continue
-                    if cols == 64:
-                        _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, flags, act, a, b)
+                    if nvv == 1:
+                        tile1v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    elif nvv == 2:
+                        tile2v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    elif nvv == 3:
+                        tile3v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    else:
+                        tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    if final and epilogue:
+                        _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
                             for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + 64], act, a, b)
-                        continue
-                    for r in range(rows):  # partial tile: the scalar epilogue
-                        m = m0 + r
-                        sc = scale[m] if flags & HAS_SCALE else np.float32(1)
-                        bb = bias[m] if flags & HAS_BIAS else np.float32(0)
-                        rr = res[m, c_n:c_n + cols] if has_res else res[0, :0]
-                        epilogue_row(c[m, c_n:c_n + cols], sc, bb, rr, has_res, act, a, b)
+                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -737,7 +1412,7 @@ def _wout_tile_16x4(mt, q, es, m, yt, o, rs, cs, tmp):
 
 @njit(parallel=True, cache=True)
 def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
-               act, a, b):
+               act, a, b, nhwc):
     """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
     in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
     that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
@@ -749,14 +1424,15 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
        column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
-    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    Each step reads what the one before it wrote while it is still in cache. With
+    ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 16; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    oh = y.shape[1]
+    oh = y.shape[0] if nhwc else y.shape[1]
     th = -(-oh // m)
     t_ = th * tw
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
@@ -771,7 +1447,10 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
         ty0 = t0 // tw
         need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
         for iy in prange(filled, need):
-            nhwc_row(x, xt, iy, pt, pl)
+            if nhwc:
+                nhwc_fill_row(x, xt, iy, pt, pl)
+            else:
+                nhwc_row(x, xt, iy, pt, pl)
         filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
@@ -806,7 +1485,10 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                     _wout_tile_16x4(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
         for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
-            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            if nhwc:
+                nhwc_out_row(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            else:
+                nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
 
 
 
@@ -1025,18 +1707,160 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
 
 
 @njit(cache=True)
-def _epilogue_8x2(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a, b):
-    """The conv epilogue on a just-stored full tile, still in L1 (relu/clip in vectors)."""
+def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 8 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_8x2()
+    a1_0 = vzero_8x2()
+    a2_0 = vzero_8x2()
+    a3_0 = vzero_8x2()
+    a4_0 = vzero_8x2()
+    a5_0 = vzero_8x2()
+    if accumulate and cols == 8:
+        a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
+        a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
+        a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
+        a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
+        a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
+        a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 8:
+            a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_8x2(a0_0, i, sload_8x2(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 8:
+            a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_8x2(a1_0, i, sload_8x2(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 8:
+            a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_8x2(a2_0, i, sload_8x2(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 8:
+            a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_8x2(a3_0, i, sload_8x2(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 8:
+            a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_8x2(a4_0, i, sload_8x2(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 8:
+            a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_8x2(a5_0, i, sload_8x2(c, c0 + q5 * ldc + 0 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_8x2(xq, xo + 0)
+        wv = vbload_8x2(w, wo0 + ko)
+        a0_0 = vfma_8x2(wv, xv0, a0_0)
+        wv = vbload_8x2(w, wo1 + ko)
+        a1_0 = vfma_8x2(wv, xv0, a1_0)
+        wv = vbload_8x2(w, wo2 + ko)
+        a2_0 = vfma_8x2(wv, xv0, a2_0)
+        wv = vbload_8x2(w, wo3 + ko)
+        a3_0 = vfma_8x2(wv, xv0, a3_0)
+        wv = vbload_8x2(w, wo4 + ko)
+        a4_0 = vfma_8x2(wv, xv0, a4_0)
+        wv = vbload_8x2(w, wo5 + ko)
+        a5_0 = vfma_8x2(wv, xv0, a5_0)
+    if cols == 8:
+        if rows > 0:
+            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+        return
+    if rows > 0:
+        if cols >= 8:
+            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_8x2(c, c0 + 0 * ldc + 0 + i, vextract_8x2(a0_0, i))
+    if rows > 1:
+        if cols >= 8:
+            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_8x2(c, c0 + 1 * ldc + 0 + i, vextract_8x2(a1_0, i))
+    if rows > 2:
+        if cols >= 8:
+            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_8x2(c, c0 + 2 * ldc + 0 + i, vextract_8x2(a2_0, i))
+    if rows > 3:
+        if cols >= 8:
+            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_8x2(c, c0 + 3 * ldc + 0 + i, vextract_8x2(a3_0, i))
+    if rows > 4:
+        if cols >= 8:
+            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_8x2(c, c0 + 4 * ldc + 0 + i, vextract_8x2(a4_0, i))
+    if rows > 5:
+        if cols >= 8:
+            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_8x2(c, c0 + 5 * ldc + 0 + i, vextract_8x2(a5_0, i))
+
+
+@njit(cache=True)
+def _epilogue_8x2(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
+    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
+    last cols % 8 columns one by one. Bias and scale per row m0.., or per column
+    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
     one = np.float32(1)
     zero = vzero_8x2()
     lo = vsplat_8x2(a)
     hi = vsplat_8x2(b)
+    by_col = (flags & PER_COL) != 0
+    full = cols // 8 * 8
     for r in range(rows):
-        sv = vsplat_8x2(scale[m0 + r] if flags & HAS_SCALE else one)
-        bv = vsplat_8x2(bias[m0 + r] if flags & HAS_BIAS else one - one)
-        for v in range(0, 16, 8):
+        s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
+        b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
+        sv = vsplat_8x2(s1)
+        bv = vsplat_8x2(b1)
+        for v in range(0, full, 8):
             o = c0 + r * ldc + v
-            y = vadd_8x2(vmul_8x2(vload_8x2(c, o), sv), bv)
+            if by_col:
+                y = vload_8x2(c, o)
+                if flags & HAS_SCALE:
+                    y = vmul_8x2(y, vload_8x2(scale, n0 + v))
+                if flags & HAS_BIAS:
+                    y = vadd_8x2(y, vload_8x2(bias, n0 + v))
+            else:
+                y = vadd_8x2(vmul_8x2(vload_8x2(c, o), sv), bv)
             if flags & HAS_RES:
                 y = vadd_8x2(y, vload_8x2(res, r0 + r * ldr + v))
             if act == 1:
@@ -1044,6 +1868,21 @@ def _epilogue_8x2(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a
             elif act == 3:
                 y = vmin_8x2(vmax_8x2(y, lo), hi)
             vstore_8x2(c, o, y)
+        for j in range(full, cols):
+            o = c0 + r * ldc + j
+            z = sload_8x2(c, o)
+            if by_col:
+                if flags & HAS_SCALE:
+                    z = z * scale[n0 + j]
+                if flags & HAS_BIAS:
+                    z = z + bias[n0 + j]
+            else:
+                z = z * s1 + b1
+            if flags & HAS_RES:
+                z = z + sload_8x2(res, r0 + r * ldr + j)
+            if act == 1 or act == 3:
+                z = act_scalar(z, act, a, b)
+            sstore_8x2(c, o, z)
 
 
 
@@ -1089,25 +1928,23 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
                 cols = min(16, nn - t * 16)
+                # A partial last column tile runs on a tile of just the vectors it
+                # needs: a 16-channel output would leave most of a 16-wide tile idle.
+                nvv = (cols + 7) // 8
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
-                    tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 16, 16,
-                            kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if not final or not epilogue:
-                        continue
-                    if cols == 16:
-                        _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, flags, act, a, b)
+                    if nvv == 1:
+                        tile1v_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    else:
+                        tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    if final and epilogue:
+                        _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
                             for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + 16], act, a, b)
-                        continue
-                    for r in range(rows):  # partial tile: the scalar epilogue
-                        m = m0 + r
-                        sc = scale[m] if flags & HAS_SCALE else np.float32(1)
-                        bb = bias[m] if flags & HAS_BIAS else np.float32(0)
-                        rr = res[m, c_n:c_n + cols] if has_res else res[0, :0]
-                        epilogue_row(c[m, c_n:c_n + cols], sc, bb, rr, has_res, act, a, b)
+                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -1269,7 +2106,7 @@ def _wout_tile_8x2(mt, q, es, m, yt, o, rs, cs, tmp):
 
 @njit(parallel=True, cache=True)
 def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
-               act, a, b):
+               act, a, b, nhwc):
     """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
     in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
     that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
@@ -1281,14 +2118,15 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
        column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
-    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    Each step reads what the one before it wrote while it is still in cache. With
+    ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 8; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    oh = y.shape[1]
+    oh = y.shape[0] if nhwc else y.shape[1]
     th = -(-oh // m)
     t_ = th * tw
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
@@ -1303,7 +2141,10 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
         ty0 = t0 // tw
         need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
         for iy in prange(filled, need):
-            nhwc_row(x, xt, iy, pt, pl)
+            if nhwc:
+                nhwc_fill_row(x, xt, iy, pt, pl)
+            else:
+                nhwc_row(x, xt, iy, pt, pl)
         filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
@@ -1338,7 +2179,10 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                     _wout_tile_8x2(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
         for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
-            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            if nhwc:
+                nhwc_out_row(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            else:
+                nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
 
 
 
@@ -1557,18 +2401,160 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
 
 
 @njit(cache=True)
-def _epilogue_4x2(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a, b):
-    """The conv epilogue on a just-stored full tile, still in L1 (relu/clip in vectors)."""
+def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 4 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_4x2()
+    a1_0 = vzero_4x2()
+    a2_0 = vzero_4x2()
+    a3_0 = vzero_4x2()
+    a4_0 = vzero_4x2()
+    a5_0 = vzero_4x2()
+    if accumulate and cols == 4:
+        a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
+        a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
+        a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
+        a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
+        a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
+        a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 4:
+            a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_4x2(a0_0, i, sload_4x2(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 4:
+            a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_4x2(a1_0, i, sload_4x2(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 4:
+            a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_4x2(a2_0, i, sload_4x2(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 4:
+            a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_4x2(a3_0, i, sload_4x2(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 4:
+            a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_4x2(a4_0, i, sload_4x2(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 4:
+            a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_4x2(a5_0, i, sload_4x2(c, c0 + q5 * ldc + 0 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_4x2(xq, xo + 0)
+        wv = vbload_4x2(w, wo0 + ko)
+        a0_0 = vfma_4x2(wv, xv0, a0_0)
+        wv = vbload_4x2(w, wo1 + ko)
+        a1_0 = vfma_4x2(wv, xv0, a1_0)
+        wv = vbload_4x2(w, wo2 + ko)
+        a2_0 = vfma_4x2(wv, xv0, a2_0)
+        wv = vbload_4x2(w, wo3 + ko)
+        a3_0 = vfma_4x2(wv, xv0, a3_0)
+        wv = vbload_4x2(w, wo4 + ko)
+        a4_0 = vfma_4x2(wv, xv0, a4_0)
+        wv = vbload_4x2(w, wo5 + ko)
+        a5_0 = vfma_4x2(wv, xv0, a5_0)
+    if cols == 4:
+        if rows > 0:
+            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+        return
+    if rows > 0:
+        if cols >= 4:
+            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x2(c, c0 + 0 * ldc + 0 + i, vextract_4x2(a0_0, i))
+    if rows > 1:
+        if cols >= 4:
+            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x2(c, c0 + 1 * ldc + 0 + i, vextract_4x2(a1_0, i))
+    if rows > 2:
+        if cols >= 4:
+            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x2(c, c0 + 2 * ldc + 0 + i, vextract_4x2(a2_0, i))
+    if rows > 3:
+        if cols >= 4:
+            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x2(c, c0 + 3 * ldc + 0 + i, vextract_4x2(a3_0, i))
+    if rows > 4:
+        if cols >= 4:
+            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x2(c, c0 + 4 * ldc + 0 + i, vextract_4x2(a4_0, i))
+    if rows > 5:
+        if cols >= 4:
+            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x2(c, c0 + 5 * ldc + 0 + i, vextract_4x2(a5_0, i))
+
+
+@njit(cache=True)
+def _epilogue_4x2(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
+    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
+    last cols % 4 columns one by one. Bias and scale per row m0.., or per column
+    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
     one = np.float32(1)
     zero = vzero_4x2()
     lo = vsplat_4x2(a)
     hi = vsplat_4x2(b)
+    by_col = (flags & PER_COL) != 0
+    full = cols // 4 * 4
     for r in range(rows):
-        sv = vsplat_4x2(scale[m0 + r] if flags & HAS_SCALE else one)
-        bv = vsplat_4x2(bias[m0 + r] if flags & HAS_BIAS else one - one)
-        for v in range(0, 8, 4):
+        s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
+        b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
+        sv = vsplat_4x2(s1)
+        bv = vsplat_4x2(b1)
+        for v in range(0, full, 4):
             o = c0 + r * ldc + v
-            y = vadd_4x2(vmul_4x2(vload_4x2(c, o), sv), bv)
+            if by_col:
+                y = vload_4x2(c, o)
+                if flags & HAS_SCALE:
+                    y = vmul_4x2(y, vload_4x2(scale, n0 + v))
+                if flags & HAS_BIAS:
+                    y = vadd_4x2(y, vload_4x2(bias, n0 + v))
+            else:
+                y = vadd_4x2(vmul_4x2(vload_4x2(c, o), sv), bv)
             if flags & HAS_RES:
                 y = vadd_4x2(y, vload_4x2(res, r0 + r * ldr + v))
             if act == 1:
@@ -1576,6 +2562,21 @@ def _epilogue_4x2(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a
             elif act == 3:
                 y = vmin_4x2(vmax_4x2(y, lo), hi)
             vstore_4x2(c, o, y)
+        for j in range(full, cols):
+            o = c0 + r * ldc + j
+            z = sload_4x2(c, o)
+            if by_col:
+                if flags & HAS_SCALE:
+                    z = z * scale[n0 + j]
+                if flags & HAS_BIAS:
+                    z = z + bias[n0 + j]
+            else:
+                z = z * s1 + b1
+            if flags & HAS_RES:
+                z = z + sload_4x2(res, r0 + r * ldr + j)
+            if act == 1 or act == 3:
+                z = act_scalar(z, act, a, b)
+            sstore_4x2(c, o, z)
 
 
 
@@ -1621,25 +2622,23 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
             for t in range((nn + 7) // 8):
                 c_n = n0 + t * 8
                 cols = min(8, nn - t * 8)
+                # A partial last column tile runs on a tile of just the vectors it
+                # needs: a 16-channel output would leave most of a 8-wide tile idle.
+                nvv = (cols + 3) // 4
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
-                    tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 8, 8,
-                            kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if not final or not epilogue:
-                        continue
-                    if cols == 8:
-                        _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, flags, act, a, b)
+                    if nvv == 1:
+                        tile1v_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    else:
+                        tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                             t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    if final and epilogue:
+                        _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
                             for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + 8], act, a, b)
-                        continue
-                    for r in range(rows):  # partial tile: the scalar epilogue
-                        m = m0 + r
-                        sc = scale[m] if flags & HAS_SCALE else np.float32(1)
-                        bb = bias[m] if flags & HAS_BIAS else np.float32(0)
-                        rr = res[m, c_n:c_n + cols] if has_res else res[0, :0]
-                        epilogue_row(c[m, c_n:c_n + cols], sc, bb, rr, has_res, act, a, b)
+                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -1801,7 +2800,7 @@ def _wout_tile_4x2(mt, q, es, m, yt, o, rs, cs, tmp):
 
 @njit(parallel=True, cache=True)
 def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
-               act, a, b):
+               act, a, b, nhwc):
     """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
     in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
     that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
@@ -1813,14 +2812,15 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
        column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
-    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    Each step reads what the one before it wrote while it is still in cache. With
+    ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 4; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    oh = y.shape[1]
+    oh = y.shape[0] if nhwc else y.shape[1]
     th = -(-oh // m)
     t_ = th * tw
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
@@ -1835,7 +2835,10 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
         ty0 = t0 // tw
         need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
         for iy in prange(filled, need):
-            nhwc_row(x, xt, iy, pt, pl)
+            if nhwc:
+                nhwc_fill_row(x, xt, iy, pt, pl)
+            else:
+                nhwc_row(x, xt, iy, pt, pl)
         filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
@@ -1870,7 +2873,10 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                     _wout_tile_4x2(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
         for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
-            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            if nhwc:
+                nhwc_out_row(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            else:
+                nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
 
 
 
@@ -2259,18 +3265,673 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
 
 
 @njit(cache=True)
-def _epilogue_4x4(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a, b):
-    """The conv epilogue on a just-stored full tile, still in L1 (relu/clip in vectors)."""
+def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 4 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_4x4()
+    a1_0 = vzero_4x4()
+    a2_0 = vzero_4x4()
+    a3_0 = vzero_4x4()
+    a4_0 = vzero_4x4()
+    a5_0 = vzero_4x4()
+    if accumulate and cols == 4:
+        a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+        a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+        a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+        a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+        a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+        a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 4:
+            a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_4x4(a0_0, i, sload_4x4(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 4:
+            a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_4x4(a1_0, i, sload_4x4(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 4:
+            a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_4x4(a2_0, i, sload_4x4(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 4:
+            a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_4x4(a3_0, i, sload_4x4(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 4:
+            a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_4x4(a4_0, i, sload_4x4(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 4:
+            a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_4x4(a5_0, i, sload_4x4(c, c0 + q5 * ldc + 0 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_4x4(xq, xo + 0)
+        wv = vbload_4x4(w, wo0 + ko)
+        a0_0 = vfma_4x4(wv, xv0, a0_0)
+        wv = vbload_4x4(w, wo1 + ko)
+        a1_0 = vfma_4x4(wv, xv0, a1_0)
+        wv = vbload_4x4(w, wo2 + ko)
+        a2_0 = vfma_4x4(wv, xv0, a2_0)
+        wv = vbload_4x4(w, wo3 + ko)
+        a3_0 = vfma_4x4(wv, xv0, a3_0)
+        wv = vbload_4x4(w, wo4 + ko)
+        a4_0 = vfma_4x4(wv, xv0, a4_0)
+        wv = vbload_4x4(w, wo5 + ko)
+        a5_0 = vfma_4x4(wv, xv0, a5_0)
+    if cols == 4:
+        if rows > 0:
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+        return
+    if rows > 0:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 0 * ldc + 0 + i, vextract_4x4(a0_0, i))
+    if rows > 1:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 1 * ldc + 0 + i, vextract_4x4(a1_0, i))
+    if rows > 2:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 2 * ldc + 0 + i, vextract_4x4(a2_0, i))
+    if rows > 3:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 3 * ldc + 0 + i, vextract_4x4(a3_0, i))
+    if rows > 4:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 4 * ldc + 0 + i, vextract_4x4(a4_0, i))
+    if rows > 5:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 5 * ldc + 0 + i, vextract_4x4(a5_0, i))
+
+
+@njit(cache=True)
+def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 8 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_4x4()
+    a0_1 = vzero_4x4()
+    a1_0 = vzero_4x4()
+    a1_1 = vzero_4x4()
+    a2_0 = vzero_4x4()
+    a2_1 = vzero_4x4()
+    a3_0 = vzero_4x4()
+    a3_1 = vzero_4x4()
+    a4_0 = vzero_4x4()
+    a4_1 = vzero_4x4()
+    a5_0 = vzero_4x4()
+    a5_1 = vzero_4x4()
+    if accumulate and cols == 8:
+        a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+        a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
+        a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+        a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
+        a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+        a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
+        a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+        a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
+        a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+        a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
+        a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+        a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 4:
+            a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_4x4(a0_0, i, sload_4x4(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 8:
+            a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a0_1 = vinsert_4x4(a0_1, i, sload_4x4(c, c0 + q0 * ldc + 4 + i))
+        if cols >= 4:
+            a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_4x4(a1_0, i, sload_4x4(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 8:
+            a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a1_1 = vinsert_4x4(a1_1, i, sload_4x4(c, c0 + q1 * ldc + 4 + i))
+        if cols >= 4:
+            a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_4x4(a2_0, i, sload_4x4(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 8:
+            a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a2_1 = vinsert_4x4(a2_1, i, sload_4x4(c, c0 + q2 * ldc + 4 + i))
+        if cols >= 4:
+            a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_4x4(a3_0, i, sload_4x4(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 8:
+            a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a3_1 = vinsert_4x4(a3_1, i, sload_4x4(c, c0 + q3 * ldc + 4 + i))
+        if cols >= 4:
+            a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_4x4(a4_0, i, sload_4x4(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 8:
+            a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a4_1 = vinsert_4x4(a4_1, i, sload_4x4(c, c0 + q4 * ldc + 4 + i))
+        if cols >= 4:
+            a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_4x4(a5_0, i, sload_4x4(c, c0 + q5 * ldc + 0 + i))
+        if cols >= 8:
+            a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a5_1 = vinsert_4x4(a5_1, i, sload_4x4(c, c0 + q5 * ldc + 4 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_4x4(xq, xo + 0)
+        xv1 = vload_4x4(xq, xo + 4)
+        wv = vbload_4x4(w, wo0 + ko)
+        a0_0 = vfma_4x4(wv, xv0, a0_0)
+        a0_1 = vfma_4x4(wv, xv1, a0_1)
+        wv = vbload_4x4(w, wo1 + ko)
+        a1_0 = vfma_4x4(wv, xv0, a1_0)
+        a1_1 = vfma_4x4(wv, xv1, a1_1)
+        wv = vbload_4x4(w, wo2 + ko)
+        a2_0 = vfma_4x4(wv, xv0, a2_0)
+        a2_1 = vfma_4x4(wv, xv1, a2_1)
+        wv = vbload_4x4(w, wo3 + ko)
+        a3_0 = vfma_4x4(wv, xv0, a3_0)
+        a3_1 = vfma_4x4(wv, xv1, a3_1)
+        wv = vbload_4x4(w, wo4 + ko)
+        a4_0 = vfma_4x4(wv, xv0, a4_0)
+        a4_1 = vfma_4x4(wv, xv1, a4_1)
+        wv = vbload_4x4(w, wo5 + ko)
+        a5_0 = vfma_4x4(wv, xv0, a5_0)
+        a5_1 = vfma_4x4(wv, xv1, a5_1)
+    if cols == 8:
+        if rows > 0:
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+        if rows > 1:
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+        if rows > 2:
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+        if rows > 3:
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+        if rows > 4:
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+        if rows > 5:
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+        return
+    if rows > 0:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 0 * ldc + 0 + i, vextract_4x4(a0_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 0 * ldc + 4 + i, vextract_4x4(a0_1, i))
+    if rows > 1:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 1 * ldc + 0 + i, vextract_4x4(a1_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 1 * ldc + 4 + i, vextract_4x4(a1_1, i))
+    if rows > 2:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 2 * ldc + 0 + i, vextract_4x4(a2_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 2 * ldc + 4 + i, vextract_4x4(a2_1, i))
+    if rows > 3:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 3 * ldc + 0 + i, vextract_4x4(a3_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 3 * ldc + 4 + i, vextract_4x4(a3_1, i))
+    if rows > 4:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 4 * ldc + 0 + i, vextract_4x4(a4_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 4 * ldc + 4 + i, vextract_4x4(a4_1, i))
+    if rows > 5:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 5 * ldc + 0 + i, vextract_4x4(a5_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 5 * ldc + 4 + i, vextract_4x4(a5_1, i))
+
+
+@njit(cache=True)
+def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
+    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+    xq has 12 columns (zeros past cols); c is touched only in its cols columns."""
+    q0 = min(0, rows - 1)
+    q1 = min(1, rows - 1)
+    q2 = min(2, rows - 1)
+    q3 = min(3, rows - 1)
+    q4 = min(4, rows - 1)
+    q5 = min(5, rows - 1)
+    wo0 = w0 + q0 * wsr
+    wo1 = w0 + q1 * wsr
+    wo2 = w0 + q2 * wsr
+    wo3 = w0 + q3 * wsr
+    wo4 = w0 + q4 * wsr
+    wo5 = w0 + q5 * wsr
+    a0_0 = vzero_4x4()
+    a0_1 = vzero_4x4()
+    a0_2 = vzero_4x4()
+    a1_0 = vzero_4x4()
+    a1_1 = vzero_4x4()
+    a1_2 = vzero_4x4()
+    a2_0 = vzero_4x4()
+    a2_1 = vzero_4x4()
+    a2_2 = vzero_4x4()
+    a3_0 = vzero_4x4()
+    a3_1 = vzero_4x4()
+    a3_2 = vzero_4x4()
+    a4_0 = vzero_4x4()
+    a4_1 = vzero_4x4()
+    a4_2 = vzero_4x4()
+    a5_0 = vzero_4x4()
+    a5_1 = vzero_4x4()
+    a5_2 = vzero_4x4()
+    if accumulate and cols == 12:
+        a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+        a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
+        a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
+        a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+        a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
+        a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
+        a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+        a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
+        a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
+        a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+        a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
+        a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
+        a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+        a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
+        a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
+        a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+        a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
+        a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
+    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+        if cols >= 4:
+            a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a0_0 = vinsert_4x4(a0_0, i, sload_4x4(c, c0 + q0 * ldc + 0 + i))
+        if cols >= 8:
+            a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a0_1 = vinsert_4x4(a0_1, i, sload_4x4(c, c0 + q0 * ldc + 4 + i))
+        if cols >= 12:
+            a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
+        elif cols > 8:
+            for i in range(cols - 8):
+                a0_2 = vinsert_4x4(a0_2, i, sload_4x4(c, c0 + q0 * ldc + 8 + i))
+        if cols >= 4:
+            a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a1_0 = vinsert_4x4(a1_0, i, sload_4x4(c, c0 + q1 * ldc + 0 + i))
+        if cols >= 8:
+            a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a1_1 = vinsert_4x4(a1_1, i, sload_4x4(c, c0 + q1 * ldc + 4 + i))
+        if cols >= 12:
+            a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
+        elif cols > 8:
+            for i in range(cols - 8):
+                a1_2 = vinsert_4x4(a1_2, i, sload_4x4(c, c0 + q1 * ldc + 8 + i))
+        if cols >= 4:
+            a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a2_0 = vinsert_4x4(a2_0, i, sload_4x4(c, c0 + q2 * ldc + 0 + i))
+        if cols >= 8:
+            a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a2_1 = vinsert_4x4(a2_1, i, sload_4x4(c, c0 + q2 * ldc + 4 + i))
+        if cols >= 12:
+            a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
+        elif cols > 8:
+            for i in range(cols - 8):
+                a2_2 = vinsert_4x4(a2_2, i, sload_4x4(c, c0 + q2 * ldc + 8 + i))
+        if cols >= 4:
+            a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a3_0 = vinsert_4x4(a3_0, i, sload_4x4(c, c0 + q3 * ldc + 0 + i))
+        if cols >= 8:
+            a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a3_1 = vinsert_4x4(a3_1, i, sload_4x4(c, c0 + q3 * ldc + 4 + i))
+        if cols >= 12:
+            a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
+        elif cols > 8:
+            for i in range(cols - 8):
+                a3_2 = vinsert_4x4(a3_2, i, sload_4x4(c, c0 + q3 * ldc + 8 + i))
+        if cols >= 4:
+            a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a4_0 = vinsert_4x4(a4_0, i, sload_4x4(c, c0 + q4 * ldc + 0 + i))
+        if cols >= 8:
+            a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a4_1 = vinsert_4x4(a4_1, i, sload_4x4(c, c0 + q4 * ldc + 4 + i))
+        if cols >= 12:
+            a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
+        elif cols > 8:
+            for i in range(cols - 8):
+                a4_2 = vinsert_4x4(a4_2, i, sload_4x4(c, c0 + q4 * ldc + 8 + i))
+        if cols >= 4:
+            a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                a5_0 = vinsert_4x4(a5_0, i, sload_4x4(c, c0 + q5 * ldc + 0 + i))
+        if cols >= 8:
+            a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
+        elif cols > 4:
+            for i in range(cols - 4):
+                a5_1 = vinsert_4x4(a5_1, i, sload_4x4(c, c0 + q5 * ldc + 4 + i))
+        if cols >= 12:
+            a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
+        elif cols > 8:
+            for i in range(cols - 8):
+                a5_2 = vinsert_4x4(a5_2, i, sload_4x4(c, c0 + q5 * ldc + 8 + i))
+    for k in range(kc):
+        xo = x0 + k * ldx
+        ko = k * wsk
+        xv0 = vload_4x4(xq, xo + 0)
+        xv1 = vload_4x4(xq, xo + 4)
+        xv2 = vload_4x4(xq, xo + 8)
+        wv = vbload_4x4(w, wo0 + ko)
+        a0_0 = vfma_4x4(wv, xv0, a0_0)
+        a0_1 = vfma_4x4(wv, xv1, a0_1)
+        a0_2 = vfma_4x4(wv, xv2, a0_2)
+        wv = vbload_4x4(w, wo1 + ko)
+        a1_0 = vfma_4x4(wv, xv0, a1_0)
+        a1_1 = vfma_4x4(wv, xv1, a1_1)
+        a1_2 = vfma_4x4(wv, xv2, a1_2)
+        wv = vbload_4x4(w, wo2 + ko)
+        a2_0 = vfma_4x4(wv, xv0, a2_0)
+        a2_1 = vfma_4x4(wv, xv1, a2_1)
+        a2_2 = vfma_4x4(wv, xv2, a2_2)
+        wv = vbload_4x4(w, wo3 + ko)
+        a3_0 = vfma_4x4(wv, xv0, a3_0)
+        a3_1 = vfma_4x4(wv, xv1, a3_1)
+        a3_2 = vfma_4x4(wv, xv2, a3_2)
+        wv = vbload_4x4(w, wo4 + ko)
+        a4_0 = vfma_4x4(wv, xv0, a4_0)
+        a4_1 = vfma_4x4(wv, xv1, a4_1)
+        a4_2 = vfma_4x4(wv, xv2, a4_2)
+        wv = vbload_4x4(w, wo5 + ko)
+        a5_0 = vfma_4x4(wv, xv0, a5_0)
+        a5_1 = vfma_4x4(wv, xv1, a5_1)
+        a5_2 = vfma_4x4(wv, xv2, a5_2)
+    if cols == 12:
+        if rows > 0:
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+        if rows > 1:
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+        if rows > 2:
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+        if rows > 3:
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+        if rows > 4:
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+        if rows > 5:
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+        return
+    if rows > 0:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 0 * ldc + 0 + i, vextract_4x4(a0_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 0 * ldc + 4 + i, vextract_4x4(a0_1, i))
+        if cols >= 12:
+            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+        elif cols > 8:
+            for i in range(cols - 8):
+                sstore_4x4(c, c0 + 0 * ldc + 8 + i, vextract_4x4(a0_2, i))
+    if rows > 1:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 1 * ldc + 0 + i, vextract_4x4(a1_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 1 * ldc + 4 + i, vextract_4x4(a1_1, i))
+        if cols >= 12:
+            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+        elif cols > 8:
+            for i in range(cols - 8):
+                sstore_4x4(c, c0 + 1 * ldc + 8 + i, vextract_4x4(a1_2, i))
+    if rows > 2:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 2 * ldc + 0 + i, vextract_4x4(a2_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 2 * ldc + 4 + i, vextract_4x4(a2_1, i))
+        if cols >= 12:
+            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+        elif cols > 8:
+            for i in range(cols - 8):
+                sstore_4x4(c, c0 + 2 * ldc + 8 + i, vextract_4x4(a2_2, i))
+    if rows > 3:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 3 * ldc + 0 + i, vextract_4x4(a3_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 3 * ldc + 4 + i, vextract_4x4(a3_1, i))
+        if cols >= 12:
+            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+        elif cols > 8:
+            for i in range(cols - 8):
+                sstore_4x4(c, c0 + 3 * ldc + 8 + i, vextract_4x4(a3_2, i))
+    if rows > 4:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 4 * ldc + 0 + i, vextract_4x4(a4_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 4 * ldc + 4 + i, vextract_4x4(a4_1, i))
+        if cols >= 12:
+            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+        elif cols > 8:
+            for i in range(cols - 8):
+                sstore_4x4(c, c0 + 4 * ldc + 8 + i, vextract_4x4(a4_2, i))
+    if rows > 5:
+        if cols >= 4:
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+        elif cols > 0:
+            for i in range(cols - 0):
+                sstore_4x4(c, c0 + 5 * ldc + 0 + i, vextract_4x4(a5_0, i))
+        if cols >= 8:
+            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+        elif cols > 4:
+            for i in range(cols - 4):
+                sstore_4x4(c, c0 + 5 * ldc + 4 + i, vextract_4x4(a5_1, i))
+        if cols >= 12:
+            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+        elif cols > 8:
+            for i in range(cols - 8):
+                sstore_4x4(c, c0 + 5 * ldc + 8 + i, vextract_4x4(a5_2, i))
+
+
+@njit(cache=True)
+def _epilogue_4x4(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
+    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
+    last cols % 4 columns one by one. Bias and scale per row m0.., or per column
+    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
     one = np.float32(1)
     zero = vzero_4x4()
     lo = vsplat_4x4(a)
     hi = vsplat_4x4(b)
+    by_col = (flags & PER_COL) != 0
+    full = cols // 4 * 4
     for r in range(rows):
-        sv = vsplat_4x4(scale[m0 + r] if flags & HAS_SCALE else one)
-        bv = vsplat_4x4(bias[m0 + r] if flags & HAS_BIAS else one - one)
-        for v in range(0, 16, 4):
+        s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
+        b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
+        sv = vsplat_4x4(s1)
+        bv = vsplat_4x4(b1)
+        for v in range(0, full, 4):
             o = c0 + r * ldc + v
-            y = vadd_4x4(vmul_4x4(vload_4x4(c, o), sv), bv)
+            if by_col:
+                y = vload_4x4(c, o)
+                if flags & HAS_SCALE:
+                    y = vmul_4x4(y, vload_4x4(scale, n0 + v))
+                if flags & HAS_BIAS:
+                    y = vadd_4x4(y, vload_4x4(bias, n0 + v))
+            else:
+                y = vadd_4x4(vmul_4x4(vload_4x4(c, o), sv), bv)
             if flags & HAS_RES:
                 y = vadd_4x4(y, vload_4x4(res, r0 + r * ldr + v))
             if act == 1:
@@ -2278,6 +3939,21 @@ def _epilogue_4x4(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a
             elif act == 3:
                 y = vmin_4x4(vmax_4x4(y, lo), hi)
             vstore_4x4(c, o, y)
+        for j in range(full, cols):
+            o = c0 + r * ldc + j
+            z = sload_4x4(c, o)
+            if by_col:
+                if flags & HAS_SCALE:
+                    z = z * scale[n0 + j]
+                if flags & HAS_BIAS:
+                    z = z + bias[n0 + j]
+            else:
+                z = z * s1 + b1
+            if flags & HAS_RES:
+                z = z + sload_4x4(res, r0 + r * ldr + j)
+            if act == 1 or act == 3:
+                z = act_scalar(z, act, a, b)
+            sstore_4x4(c, o, z)
 
 
 
@@ -2323,25 +3999,29 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
                 cols = min(16, nn - t * 16)
+                # A partial last column tile runs on a tile of just the vectors it
+                # needs: a 16-channel output would leave most of a 16-wide tile idle.
+                nvv = (cols + 3) // 4
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
-                    tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * 16, 16,
-                            kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if not final or not epilogue:
-                        continue
-                    if cols == 16:
-                        _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, flags, act, a, b)
+                    if nvv == 1:
+                        tile1v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    elif nvv == 2:
+                        tile2v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    elif nvv == 3:
+                        tile3v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    else:
+                        tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                    if final and epilogue:
+                        _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
                             for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + 16], act, a, b)
-                        continue
-                    for r in range(rows):  # partial tile: the scalar epilogue
-                        m = m0 + r
-                        sc = scale[m] if flags & HAS_SCALE else np.float32(1)
-                        bb = bias[m] if flags & HAS_BIAS else np.float32(0)
-                        rr = res[m, c_n:c_n + cols] if has_res else res[0, :0]
-                        epilogue_row(c[m, c_n:c_n + cols], sc, bb, rr, has_res, act, a, b)
+                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -2503,7 +4183,7 @@ def _wout_tile_4x4(mt, q, es, m, yt, o, rs, cs, tmp):
 
 @njit(parallel=True, cache=True)
 def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
-               act, a, b):
+               act, a, b, nhwc):
     """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
     in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
     that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
@@ -2515,14 +4195,15 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
        column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
-    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    Each step reads what the one before it wrote while it is still in cache. With
+    ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 4; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    oh = y.shape[1]
+    oh = y.shape[0] if nhwc else y.shape[1]
     th = -(-oh // m)
     t_ = th * tw
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
@@ -2537,7 +4218,10 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
         ty0 = t0 // tw
         need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
         for iy in prange(filled, need):
-            nhwc_row(x, xt, iy, pt, pl)
+            if nhwc:
+                nhwc_fill_row(x, xt, iy, pt, pl)
+            else:
+                nhwc_row(x, xt, iy, pt, pl)
         filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
@@ -2572,4 +4256,7 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                     _wout_tile_4x4(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
         for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
-            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            if nhwc:
+                nhwc_out_row(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            else:
+                nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)

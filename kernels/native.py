@@ -20,7 +20,7 @@ from .cpu_abi import AOT_MODULE, GEMM_TILE_KERNELS, HAS_BIAS, HAS_RES, HAS_SCALE
 def _aot_namespace(mod) -> SimpleNamespace:
     """The AOT exports under the JIT kernels' names (one export per weight dtype)."""
     ns = {name: getattr(mod, name) for name in dir(mod) if not name.startswith("_")}
-    for name in ("dwconv", "dwconv3_flat", "dwconv3_s2"):
+    for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc"):
         ns[name] = _by_weight_dtype(ns.pop(f"{name}_f32"), ns.pop(f"{name}_i8"))
     return SimpleNamespace(build="aot", **ns)
 
@@ -50,9 +50,10 @@ def load_kernels() -> SimpleNamespace:
     # each made ResNet-18 take 188 ms instead of 60 (scripts/bench_cnn.py, 2 threads):
     # idle OpenMP threads must sleep. Read when numba first loads its OpenMP pool.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from . import cpu_numba, gemm_tiles
+    from . import cpu_nhwc, cpu_numba, gemm_tiles
 
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
+    names.update({k: getattr(cpu_nhwc, k) for k in dir(cpu_nhwc) if k.endswith("_nhwc")})
     shape = gemm_shape()
     for name in GEMM_TILE_KERNELS:
         names[name] = getattr(gemm_tiles, f"{name}_{shape}")

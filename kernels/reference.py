@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from . import layout
 from .activations import apply_act_ref
 from .winograd import untransform_weights
 
@@ -187,6 +188,25 @@ def pad(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.pad(x, width, mode={"reflect": "reflect", "edge": "edge"}[mode])
 
 
+def _any_layout(op: str, fn: RefFn) -> RefFn:
+    """``fn`` extended to channels-last nodes (kernels/layout.py): the channels-first
+    reference on transposed activations and weights, its output transposed back."""
+
+    def run(inputs: Sequence[Array | None], attrs: dict) -> Array:
+        if not layout.is_nhwc(attrs):
+            return fn(inputs, attrs)
+        args = list(inputs)
+        for i in layout.activation_inputs(op, len(args)):
+            if args[i] is not None:
+                args[i] = args[i].transpose(layout.TO_NCHW)
+        if op in layout.WEIGHT_IN_HWIO:
+            args[1] = args[1].transpose(layout.OIHW_FROM_HWIO)
+        y = fn(args, layout.channels_first_attrs(attrs))
+        return np.ascontiguousarray(y.transpose(layout.TO_NHWC)) if layout.output_is_nhwc(op) else y
+
+    return run
+
+
 REFERENCE: dict[str, RefFn] = {
     "conv": conv,
     "dwconv": conv,
@@ -206,3 +226,5 @@ REFERENCE: dict[str, RefFn] = {
     "reduce_mean": reduce_mean,
     "pad": pad,
 }
+for _op in layout.LAYOUT_OPS:
+    REFERENCE[_op] = _any_layout(_op, REFERENCE[_op])

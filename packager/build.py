@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from ..runtime.executor import Executor
 from .conv_algo import choose_conv_algorithms
 from .fuse import optimise
 from .ir import Graph, PackError
+from .layout import choose_layouts
 from .manifest import make_manifest
 from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
@@ -104,6 +106,7 @@ def build(
     backends: Sequence[str] = ("cpu", "ref"),
     extra_manifest: dict | None = None,
     conv_algo: str = "auto",
+    layout: str = "auto",
     log: Callable[[str], None] = print,
 ) -> BuildResult:
     if quant not in MODES:
@@ -136,6 +139,9 @@ def build(
     n_wino = choose_conv_algorithms(q, backends, conv_algo)
     if n_wino:
         log(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
+    n_last = choose_layouts(q, backends, layout)
+    if n_last:
+        log(f"      {n_last} op(s) run channels-last (NHWC)")
     stage(4, "plan memory")
     plan = plan_memory(q, backends)
     log(
@@ -152,6 +158,10 @@ def build(
     if quant != "fp32":
         stage(5, "measure quantization error on calibration inputs")
         feeds = load_calibration(calib, g)
+        # The fp32 reference takes the same layouts, so both traces hold each tensor
+        # in the same order.
+        g = copy.deepcopy(g)
+        choose_layouts(g, backends, layout)
         ref_plan = plan_memory(g)
         # On the host: the packager needs no GPU, and a cuda plan's recorded cpu
         # fallbacks compute the same function (checked kernel by kernel in the tests).

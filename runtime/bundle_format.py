@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 MAGIC = b"EPKB\r\n\x1a\n"  # PNG-style: text-mode transfers and truncation show up at once
 # 2: conv_wino weights are stored U[a*a, Cin, Cout] (version 1: U[a*a, Cout, Cin])
-FORMAT_VERSION = 2
+# 3: nodes may run channels-last (attrs["layout"] == "nhwc", kernels/layout.py)
+FORMAT_VERSION = 3
 ALIGN = 64
 HEADER_STRUCT = struct.Struct("<8sIIQQQQQ32s32sI")  # + u32 crc32 of everything before it
 HEADER_SIZE = HEADER_STRUCT.size + 4

@@ -21,7 +21,7 @@ OUT = Path(__file__).resolve().parent.parent / "kernels" / "gemm_tiles.py"
 MR = 6  # rows of the output tile (output channels): 6 broadcasts per reduction step
 # (lanes, vectors across): the shapes simd.lanes_for picks per ISA
 CONFIGS = ((16, 4), (8, 2), (4, 2), (4, 4))
-KC = 256  # reduction block: a tile's packed columns (KC x NR floats) stay in L1
+KC = 128  # reduction block: a tile's packed columns (KC x NR floats) stay in L1
 MB = 4  # row tiles per pass over a column block: bounds the output rows written at once
 # Winograd's reduction block: a block of U[e] (WKC x NR, 32 KB at NR = 64) stays in L1
 # while all the row tiles of V pass over it.
@@ -34,8 +34,9 @@ scripts/gen_gemm_tiles.py: edit that script, not this file.
 ``gemm_<lanes>x<nv>(w, x, c, bias, scale, res, flags, act, a, b, xp)`` computes
 c = act(scale * (w @ x) + bias [+ res]) per row of c, for w (M, K) float32 (any
 strides), x (K, N) and c (M, N) with unit column stride (any row stride, so c
-can be a band of a larger plane). Per-row bias/scale and the residual follow the
-HAS_* bits of ``flags`` as in cpu_numba's epilogues.
+can be a band of a larger plane). Bias/scale (per row, or per column with PER_COL:
+channels-last convs put pixels in rows) and the residual follow the bits of
+``flags`` as in cpu_numba's epilogues.
 
 How (the BLIS loop order): x is packed per block of columns and rows into ``xp``
 (tiles of KC x NR floats, contiguous, so a tile's reads stay in L1 and do not hit
@@ -58,8 +59,8 @@ Tile shapes (lanes x vectors): {", ".join(f"{lanes}x{nv}" for lanes, nv in CONFI
 import numpy as np
 from numba import njit, prange
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
-from .cpu_numba import act_row, epilogue_row, nhwc_row, nhwc_row_out
+from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
+from .cpu_numba import act_row, act_scalar, nhwc_fill_row, nhwc_out_row, nhwc_row, nhwc_row_out
 from .simd import Ops
 
 MR = {MR}
@@ -70,15 +71,16 @@ WKC = 128
 '''
 
 
-def tile_source(lanes: int, nv: int) -> str:
-    s = f"_{lanes}x{nv}"
+def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str = "") -> str:
+    s = sfx or f"_{lanes}x{nv}"  # names the vector ops and the function
     nr = lanes * nv
+    MR = mr  # noqa: N806 (the loops below read the tile's row count under this name)
     acc = [[f"a{r}_{v}" for v in range(nv)] for r in range(MR)]
     L = [
         "",
         "",
         "@njit(cache=True)",
-        f"def tile{s}(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):",
+        f"def {name}{s}(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):",
         '    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the',
         "    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).",
         f'    xq has {nr} columns (zeros past cols); c is touched only in its cols columns."""',
@@ -135,22 +137,34 @@ def tile_source(lanes: int, nv: int) -> str:
 
 def epilogue_source(lanes: int, nv: int) -> str:
     s = f"_{lanes}x{nv}"
-    nr = lanes * nv
     return f'''
 
 @njit(cache=True)
-def _epilogue{s}(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a, b):
-    """The conv epilogue on a just-stored full tile, still in L1 (relu/clip in vectors)."""
+def _epilogue{s}(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
+    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
+    last cols % {lanes} columns one by one. Bias and scale per row m0.., or per column
+    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
     one = np.float32(1)
     zero = vzero{s}()
     lo = vsplat{s}(a)
     hi = vsplat{s}(b)
+    by_col = (flags & PER_COL) != 0
+    full = cols // {lanes} * {lanes}
     for r in range(rows):
-        sv = vsplat{s}(scale[m0 + r] if flags & HAS_SCALE else one)
-        bv = vsplat{s}(bias[m0 + r] if flags & HAS_BIAS else one - one)
-        for v in range(0, {nr}, {lanes}):
+        s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
+        b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
+        sv = vsplat{s}(s1)
+        bv = vsplat{s}(b1)
+        for v in range(0, full, {lanes}):
             o = c0 + r * ldc + v
-            y = vadd{s}(vmul{s}(vload{s}(c, o), sv), bv)
+            if by_col:
+                y = vload{s}(c, o)
+                if flags & HAS_SCALE:
+                    y = vmul{s}(y, vload{s}(scale, n0 + v))
+                if flags & HAS_BIAS:
+                    y = vadd{s}(y, vload{s}(bias, n0 + v))
+            else:
+                y = vadd{s}(vmul{s}(vload{s}(c, o), sv), bv)
             if flags & HAS_RES:
                 y = vadd{s}(y, vload{s}(res, r0 + r * ldr + v))
             if act == 1:
@@ -158,12 +172,41 @@ def _epilogue{s}(c, c0, ldc, rows, bias, scale, res, r0, ldr, m0, flags, act, a,
             elif act == 3:
                 y = vmin{s}(vmax{s}(y, lo), hi)
             vstore{s}(c, o, y)
+        for j in range(full, cols):
+            o = c0 + r * ldc + j
+            z = sload{s}(c, o)
+            if by_col:
+                if flags & HAS_SCALE:
+                    z = z * scale[n0 + j]
+                if flags & HAS_BIAS:
+                    z = z + bias[n0 + j]
+            else:
+                z = z * s1 + b1
+            if flags & HAS_RES:
+                z = z + sload{s}(res, r0 + r * ldr + j)
+            if act == 1 or act == 3:
+                z = act_scalar(z, act, a, b)
+            sstore{s}(c, o, z)
 '''
 
 
 def driver_source(lanes: int, nv: int) -> str:
     s = f"_{lanes}x{nv}"
     nr = lanes * nv
+    narrow = []
+    for k in range(1, nv):
+        narrow.append(f"                    {'if' if k == 1 else 'elif'} nvv == {k}:")
+        narrow.append(
+            f"                        tile{k}v{s}(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,\n"
+            f"                                t * kc * {nr}, {nr}, kc, acc, c, m0 * ldc + c_n, ldc,"
+            " cols)"
+        )
+    narrow.append("                    else:")
+    narrow.append(
+        f"                        tile{s}(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,\n"
+        f"                             t * kc * {nr}, {nr}, kc, acc, c, m0 * ldc + c_n, ldc, cols)"
+    )
+    narrow = "\n".join(narrow)
     return f'''
 
 @njit(cache=True)
@@ -208,25 +251,18 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, x
             for t in range((nn + {nr - 1}) // {nr}):
                 c_n = n0 + t * {nr}
                 cols = min({nr}, nn - t * {nr})
+                # A partial last column tile runs on a tile of just the vectors it
+                # needs: a 16-channel output would leave most of a {nr}-wide tile idle.
+                nvv = (cols + {lanes - 1}) // {lanes}
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
-                    tile{s}(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp, t * kc * {nr}, {nr},
-                            kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if not final or not epilogue:
-                        continue
-                    if cols == {nr}:
-                        _epilogue{s}(c, m0 * ldc + c_n, ldc, rows, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, flags, act, a, b)
+{narrow}
+                    if final and epilogue:
+                        _epilogue{s}(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
                             for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + {nr}], act, a, b)
-                        continue
-                    for r in range(rows):  # partial tile: the scalar epilogue
-                        m = m0 + r
-                        sc = scale[m] if flags & HAS_SCALE else np.float32(1)
-                        bb = bias[m] if flags & HAS_BIAS else np.float32(0)
-                        rr = res[m, c_n:c_n + cols] if has_res else res[0, :0]
-                        epilogue_row(c[m, c_n:c_n + cols], sc, bb, rr, has_res, act, a, b)
+                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -395,7 +431,7 @@ def _wout_tile{s}(mt, q, es, m, yt, o, rs, cs, tmp):
 
 @njit(parallel=True, cache=True)
 def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, res, flags,
-               act, a, b):
+               act, a, b, nhwc):
     """One image of a Winograd conv (a = m + 2; tiles t = ty * tw + tx), channels last,
     in blocks of whole tile rows (vb.shape[1] tiles; the packager sizes a block so
     that its V and M stay in L2 while each U[e] is reused across blocks). Per block:
@@ -407,14 +443,15 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
        column block, else packed per block into xp) -> the m x m outputs into the band
        yt[rows, tw*m, Cp];
     3. its output rows: y[c, oy, :] = act(scale * yt[., :, c] + bias [+ res]).
-    Each step reads what the one before it wrote while it is still in cache. Cp is a
+    Each step reads what the one before it wrote while it is still in cache. With
+    ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of {lanes}; channels past C carry garbage that nothing reads.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
     cop = mb.shape[2]
     ci, co = u.shape[1], u.shape[2]
-    oh = y.shape[1]
+    oh = y.shape[0] if nhwc else y.shape[1]
     th = -(-oh // m)
     t_ = th * tw
     hp, wp, ywp = xt.shape[0], xt.shape[1], yt.shape[1]
@@ -429,7 +466,10 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
         ty0 = t0 // tw
         need = min(hp, ((t0 + nt - 1) // tw) * m + m + 2)
         for iy in prange(filled, need):
-            nhwc_row(x, xt, iy, pt, pl)
+            if nhwc:
+                nhwc_fill_row(x, xt, iy, pt, pl)
+            else:
+                nhwc_row(x, xt, iy, pt, pl)
         filled = need
         per = -(-nt // slots)  # contiguous runs of tiles: the serial build walks in order
         for sl in prange(slots):
@@ -464,7 +504,10 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
                     _wout_tile{s}(mb, (t - t0) * cop + c0, tb * cop, m, yt, o + c0,
                                  ywp * cop, cop, tmp[sl])
         for oy in prange(ty0 * m, min(oh, (ty0 + (nt + tw - 1) // tw) * m)):
-            nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            if nhwc:
+                nhwc_out_row(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+            else:
+                nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
 '''
 
 
@@ -493,6 +536,8 @@ def source() -> str:
             parts.append(f"{op}{s} = _ops{s}.{op}")
     for lanes, nv in CONFIGS:
         parts.append(tile_source(lanes, nv))
+        for k in range(1, nv):  # the partial last column tile's narrower forms
+            parts.append(tile_source(lanes, k, MR, f"tile{k}v", f"_{lanes}x{nv}"))
         parts.append(epilogue_source(lanes, nv))
         parts.append(driver_source(lanes, nv))
         parts.append(wino_source(lanes, nv))

@@ -126,7 +126,7 @@ def _wino_run(shape: str, m: int, c: int, co: int, side: int) -> np.ndarray:
     b = {name: np.full(shape, np.nan, np.float32) for name, shape in bufs}
     getattr(gemm_tiles, f"wino_conv_{shape}")(
         x, b["xt"], u, b["vb"], b["mb"], b["yt"], b["tmp"], b["xp"][:1], y, m, 1, 1,
-        dims["tw"], bias, bias, res, HAS_BIAS | HAS_RES, 1, 0.0, 0.0,
+        dims["tw"], bias, bias, res, HAS_BIAS | HAS_RES, 1, 0.0, 0.0, 0,
     )
     return y
 

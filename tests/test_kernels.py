@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from edgepack.kernels import layout, registry
 from edgepack.kernels import reference as R
-from edgepack.kernels import registry
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import _pool_out
@@ -296,6 +296,29 @@ def affine_case(name: str, xshape, act: str = "none", inplace: bool = False) -> 
     return Case(name, make, const=(1, 2), inplace=inplace)
 
 
+def nhwc(op: str, base: Case) -> Case:
+    """``base`` as a channels-last node (kernels/layout.py): activations [N, H, W, C],
+    conv weights HWIO; the reference computes it channels-first on transposed copies."""
+
+    def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
+        ins, attrs = base.make(rng, dt)
+        ins = list(ins)
+        for i in layout.activation_inputs(op, len(ins)):
+            if ins[i] is not None:
+                ins[i] = np.ascontiguousarray(ins[i].transpose(layout.TO_NHWC))
+        if op in layout.WEIGHT_IN_HWIO:
+            ins[1] = np.ascontiguousarray(ins[1].transpose(layout.HWIO_FROM_OIHW))
+        return ins, {**attrs, "layout": layout.NHWC}
+
+    return Case(f"nhwc_{base.name}", make, const=base.const, onnx=base.onnx)
+
+
+def _nhwc_of(op: str, cases: list[Case], names: tuple[str, ...]) -> list[Case]:
+    picked = [nhwc(op, c) for c in cases if c.name in names]
+    assert len(picked) == len(names), f"{op}: no case among {names}"
+    return picked
+
+
 _ACTS = [a for a in ACT_ARGS if a != "none"]
 
 CASES: dict[str, list[Case]] = {
@@ -533,6 +556,75 @@ CASES: dict[str, list[Case]] = {
     ],
 }
 
+# Channels-last forms of the ops that have one: enough cases to cover each kernel's
+# paths (pointwise, im2row bands, partial column tiles, strides, pads, residuals).
+CASES["conv"] += _nhwc_of(
+    "conv",
+    CASES["conv"],
+    (
+        "g1_k3_s1_p1",
+        "k3_s2_p1",
+        "k3_asym_pads_s2",
+        "k3_dil2",
+        "pw_1x1",
+        "pw_1x1_b2_res",
+        "1x1_s2",
+        "1x1_pad",
+        "k7_s2_p3",
+        "k7_s1_p3",
+        "res_s2",
+        "nobias_res",
+        "act_clip",
+        "act_hard_swish",
+        "special_weights_pw",
+    ),
+) + [
+    nhwc("conv", conv_case("pw_c40_co23", k=(1, 1), p=(0, 0, 0, 0), c=40, co=23, hw=(7, 7))),
+    nhwc("conv", conv_case("k3_c20_co70_res", c=20, co=70, hw=(6, 5), res=True, act="relu")),
+    nhwc(
+        "conv",
+        conv_case(
+            "pw_c300_co40_clip", k=(1, 1), p=(0, 0, 0, 0), c=300, co=40, hw=(5, 7), act="clip"
+        ),
+    ),
+]
+CASES["conv_wino"] += _nhwc_of(
+    "conv_wino",
+    CASES["conv_wino"],
+    ("f2_res_relu_b2", "f4_9x9_overhang", "f2_asym_pads", "f4_blocks_c48_co72", "f4_tiny_3x3"),
+)
+CASES["dwconv"] += _nhwc_of(
+    "dwconv",
+    CASES["dwconv"],
+    (
+        "k3_s1_p1",
+        "k3_s1_w37_res_clip",
+        "k5_s1_p2",
+        "k3_s2_p1",
+        "k3_s2_p1_even",
+        "k5_s2_p2",
+        "k3_s21",
+        "k3_asym_pads",
+        "k3_pads_gt_half",
+        "k3_dil2",
+        "k3_nopad_narrow",
+        "batch2_res_relu",
+        "nobias",
+        "c16",
+        "special_weights",
+        "act_hard_swish",
+    ),
+)
+CASES["maxpool"] += _nhwc_of(
+    "maxpool",
+    CASES["maxpool"],
+    ("k3_s2_p1", "k3_s2_p1_ceil", "k3_s21", "k32_asym", "dil2", "k2_s2_nopad"),
+)
+CASES["global_avgpool"] += _nhwc_of(
+    "global_avgpool", CASES["global_avgpool"], ("n2_c3_7x5", "1x1", "c8_3x3")
+)
+
+
 CPU_KEYS = sorted(k for k in registry.KERNELS if k[2] == "cpu")
 CUDA_KEYS = sorted(k for k in registry.KERNELS if k[2] == "cuda")
 
@@ -609,6 +701,24 @@ def test_cuda_conv_wino_scratch_fits_a_cpu_plan():
             for b in ("cpu", "cuda")
         }
         assert need["cuda"] <= need["cpu"], (c, side, need)
+
+
+@pytest.mark.parametrize("op", layout.LAYOUT_OPS)
+def test_cuda_channels_last_scratch_fits_a_cpu_plan(op: str):
+    # Channels-last nodes are only planned on cpu (packager/layout.py); --device cuda
+    # runs them channels-first on transposed copies in the scratch the cpu plan reserved.
+    cases = [c for c in CASES[op] if c.name.startswith("nhwc_")]
+    assert cases
+    for case in cases:
+        for dt in ("f32", "i8") if op in registry.WEIGHT_OPS else ("f32",):
+            ins, attrs = _build(op, dt, case)
+            specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+            out = R.REFERENCE[op](ins, attrs).shape
+            need = {
+                b: registry.KERNELS[(op, dt, b)].scratch(specs, [out], attrs)
+                for b in ("cpu", "cuda")
+            }
+            assert need["cuda"] <= need["cpu"], (case.name, dt, need)
 
 
 class HostMem:
@@ -722,7 +832,17 @@ def test_cpu_kernel(op: str, dt: str, case: Case) -> None:
 _BAND_CASES = [
     c
     for c in CASES["conv"]
-    if c.name in ("g1_k3_s1_p1", "g2_k3_s2_p1_res", "k7_s2_p3", "k3_asym_pads_s2", "batch2")
+    if c.name
+    in (
+        "g1_k3_s1_p1",
+        "g2_k3_s2_p1_res",
+        "k7_s2_p3",
+        "k3_asym_pads_s2",
+        "batch2",
+        "nhwc_g1_k3_s1_p1",
+        "nhwc_k7_s2_p3",
+        "nhwc_k3_asym_pads_s2",
+    )
 ]
 
 
@@ -852,7 +972,9 @@ _ORT_CONV = [
     pytest.param(op, c, id=f"{op}-{c.name}")
     for op in ("conv", "dwconv")
     for c in CASES[op]
-    if not c.name.startswith("act_") and "res" not in c.name
+    # channels-last cases run the same reference on transposed copies: ORT checks the
+    # channels-first one
+    if not c.name.startswith(("act_", "nhwc_")) and "res" not in c.name
 ]
 
 
@@ -879,7 +1001,12 @@ def test_reference_conv_matches_onnxruntime(op: str, case: Case) -> None:
 
 @pytest.mark.parametrize(
     ("op", "case"),
-    [pytest.param(op, c, id=f"{op}-{c.name}") for op in ("maxpool", "avgpool") for c in CASES[op]],
+    [
+        pytest.param(op, c, id=f"{op}-{c.name}")
+        for op in ("maxpool", "avgpool")
+        for c in CASES[op]
+        if not c.name.startswith("nhwc_")
+    ],
 )
 def test_reference_pool_matches_onnxruntime(op: str, case: Case) -> None:
     from onnx import helper

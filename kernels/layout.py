@@ -1,0 +1,153 @@
+"""Channels-last (NHWC) nodes: what the ``layout`` attribute means, and how a backend
+that only computes channels-first runs such a node.
+
+The packager decides the layout (packager/layout.py): on CPU targets, conv-like ops
+read and write ``[N, H, W, C]`` activations so that channels are the contiguous,
+vectorised axis (a depthwise conv or a 1x1 conv on a 7x7 image fills whole vectors;
+planar, a 7x7 plane wastes a quarter of each 16-lane vector). A node with
+``attrs["layout"] == "nhwc"`` has:
+
+- activation input 0, the residual (input 4 of the conv ops) and output 0 in
+  ``[N, H, W, C]``, except ``global_avgpool``, whose ``[N, C, 1, 1]`` output has the
+  same bytes either way and stays channels-first;
+- ``conv`` / ``dwconv`` weights in ``[kh, kw, C/group, Co]`` (HWIO: row k of the
+  ``[kh*kw*C/group, Co]`` matrix is one input tap, its columns the output channels);
+  ``conv_wino`` weights unchanged (``U[a*a, C, Co]`` is already channels-last).
+
+The reference and CUDA backends compute these nodes channels-first through
+``adapt``: transposed copies of the activations, the weights permuted back once at
+bind time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+NHWC = "nhwc"
+TO_NCHW = (0, 3, 1, 2)
+TO_NHWC = (0, 2, 3, 1)
+HWIO_FROM_OIHW = (2, 3, 1, 0)
+OIHW_FROM_HWIO = (3, 2, 0, 1)
+# Ops with a channels-last form, and which of their inputs are activations.
+LAYOUT_OPS = ("conv", "dwconv", "conv_wino", "maxpool", "global_avgpool")
+RESIDUAL_INPUT = 4  # of conv, dwconv and conv_wino
+WEIGHT_IN_HWIO = ("conv", "dwconv")
+
+
+def is_nhwc(attrs: dict) -> bool:
+    return attrs.get("layout") == NHWC
+
+
+def nchw(shape: Sequence[int]) -> tuple[int, ...]:
+    """The channels-first shape of a channels-last ``[N, H, W, C]`` shape."""
+    n, h, w, c = shape
+    return (n, c, h, w)
+
+
+def output_is_nhwc(op: str) -> bool:
+    return op != "global_avgpool"
+
+
+def activation_inputs(op: str, n_inputs: int) -> list[int]:
+    """Indices of a channels-last node's inputs held in ``[N, H, W, C]``."""
+    if op in ("maxpool", "global_avgpool"):
+        return [0]
+    return [0] + ([RESIDUAL_INPUT] if n_inputs > RESIDUAL_INPUT else [])
+
+
+def channels_first_attrs(attrs: dict) -> dict:
+    return {k: v for k, v in attrs.items() if k != "layout"}
+
+
+def adapt(
+    op: str,
+    bind,
+    scratch_fn,
+    slot: Callable[[Any, int, tuple[int, ...]], tuple[Any, int]],
+    copier: Callable[[Any, Any], Callable[[], None]],
+    contiguous: Callable[[Any], Any],
+):
+    """(bind, scratch) of a channels-first kernel extended to channels-last nodes.
+
+    ``slot(scratch, offset, shape)`` -> (float32 view, next offset), ``copier(dst, src)``
+    -> a step copying src into dst, and ``contiguous(a)`` are the backend's array
+    operations. The transposed copies of
+    the activations live in scratch after the kernel's own, so nothing is allocated
+    per call; the permuted weights are copied once, when the node is bound.
+    """
+
+    def specs_first(ins, outs):
+        ins2 = list(ins)
+        for i in activation_inputs(op, len(ins)):
+            if i < len(ins2) and ins2[i] is not None:
+                ins2[i] = (nchw(ins2[i][0]), ins2[i][1])
+        if op in WEIGHT_IN_HWIO and ins2[1] is not None:
+            ins2[1] = (tuple(ins2[1][0][j] for j in OIHW_FROM_HWIO), ins2[1][1])
+        outs2 = [nchw(o) if output_is_nhwc(op) else o for o in outs]
+        return ins2, outs2
+
+    def copies(ins, outs) -> list[tuple[int, ...]]:
+        shapes = [nchw(ins[i][0]) for i in activation_inputs(op, len(ins)) if ins[i] is not None]
+        return shapes + ([nchw(outs[0])] if output_is_nhwc(op) else [])
+
+    def _up64(n: int) -> int:
+        return -(-n // 64) * 64
+
+    def scratch(ins, outs, attrs: dict) -> int:
+        if not is_nhwc(attrs):
+            return scratch_fn(ins, outs, attrs)
+        ins2, outs2 = specs_first(ins, outs)
+        own = _up64(scratch_fn(ins2, outs2, channels_first_attrs(attrs)))
+        return own + sum(_up64(4 * _prod(s)) for s in copies(ins, outs))
+
+    def bound(ins, outs, scr, attrs: dict):
+        if not is_nhwc(attrs):
+            return bind(ins, outs, scr, attrs)
+        a2 = channels_first_attrs(attrs)
+        specs = [None if a is None else (tuple(a.shape), dtype_name(a.dtype)) for a in ins]
+        ins2s, outs2s = specs_first(specs, [o.shape for o in outs])
+        off = _up64(scratch_fn(ins2s, outs2s, a2))
+        ins2 = list(ins)
+        pre = []  # steps filling the channels-first copies
+        for i in activation_inputs(op, len(ins)):
+            if ins[i] is None:
+                continue
+            view, nxt = slot(scr, off, nchw(ins[i].shape))
+            off = _up64(nxt)
+            pre.append(copier(view, ins[i].transpose(TO_NCHW)))
+            ins2[i] = view
+        if op in WEIGHT_IN_HWIO:
+            ins2[1] = contiguous(ins[1].transpose(OIHW_FROM_HWIO))
+        out = outs[0]
+        post = None
+        if output_is_nhwc(op):
+            first, _ = slot(scr, off, nchw(out.shape))
+            post = copier(out, first.transpose(TO_NHWC))
+            outs2 = [first]
+        else:
+            outs2 = list(outs)
+        step = bind(ins2, outs2, scr, a2)
+
+        def run() -> None:
+            for copy in pre:
+                copy()
+            if step is not None:
+                step()
+            if post is not None:
+                post()
+
+        return run
+
+    return bound, scratch
+
+
+def dtype_name(dt) -> str:
+    return {"float32": "f32", "float16": "f16", "int8": "i8"}.get(str(dt), str(dt))
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

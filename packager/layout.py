@@ -1,0 +1,128 @@
+"""Choose each activation's memory layout at pack time (the bundle carries it).
+
+On CPU targets, convolutions and the ops between them run channels-last
+(``attrs["layout"] = "nhwc"``, kernels/layout.py): channels are then the contiguous
+axis the kernels vectorise, whatever the image size. Planar, MobileNetV2's 7x7 and
+14x14 layers left up to a quarter of each vector empty, and its depthwise convs ran
+2-5x slower than ONNX Runtime's channels-blocked ones (docs/cpu-kernels.md).
+
+A conv (group 1 or depthwise) starts or extends a channels-last region; max pooling,
+global average pooling and elementwise ops whose inputs are all channels-last extend
+it. Where a region meets an op that only has a channels-first form, or a graph input
+or output, a ``transpose`` node converts once; each tensor is converted at most once
+each way. Conv weights are stored HWIO (``[kh, kw, C/group, Co]``) for these nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..kernels import layout as L
+from .ir import Graph, Node
+
+LAYOUTS = ("auto", "nchw")
+STARTS = ("conv", "dwconv", "conv_wino")  # ops that open a channels-last region
+JOINS = ("maxpool", "global_avgpool")  # ops that join one their input is already in
+AGNOSTIC = ("unary", "binary")  # elementwise: any layout, as long as all inputs agree
+
+
+def _starts(node: Node, g: Graph) -> bool:
+    if node.op not in STARTS or len(g.shapes.get(node.inputs[0], ())) != 4:
+        return False
+    return node.op != "conv" or node.attrs.get("group", 1) == 1
+
+
+def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> int:
+    """Rewrite conv regions channels-last in place; returns how many nodes changed.
+
+    Only when the CPU backend is the target's first choice (the CUDA kernels are
+    channels-first), and never with ``layout="nchw"``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    if layout == "nchw" or not backends or backends[0] != "cpu":
+        return 0
+    last: set[str] = set()  # activations now held channels-last
+    to_last: dict[str, str] = {}  # channels-first tensor -> its channels-last copy
+    to_first: dict[str, str] = {}  # channels-last tensor -> its channels-first copy
+    nodes: list[Node] = []
+    changed = 0
+
+    def convert(t: str, want_last: bool) -> str:
+        cache, perm, suffix = (
+            (to_last, L.TO_NHWC, ".nhwc") if want_last else (to_first, L.TO_NCHW, ".nchw")
+        )
+        if t not in cache:
+            name = _fresh(g, t + suffix)
+            g.shapes[name] = tuple(g.shapes[t][p] for p in perm)
+            nodes.append(Node("transpose", f"{name}.transpose", [t], [name], {"perm": list(perm)}))
+            cache[t] = name
+        return cache[t]
+
+    for node in g.nodes:
+        acts = [i for i in node.inputs if i and i not in g.consts]
+        if _starts(node, g):
+            go = True
+        elif node.op in JOINS:
+            go = node.inputs[0] in last
+        elif node.op in AGNOSTIC:  # no broadcasting: every input has the output's shape
+            out_shape = g.shapes[node.outputs[0]]
+            go = (
+                len(out_shape) == 4
+                and len(acts) == len(node.inputs)
+                and all(a in last for a in acts)
+                and all(g.shapes[a] == tuple(out_shape[p] for p in L.TO_NHWC) for a in acts)
+            )
+        else:
+            go = False
+        if not go:  # channels-first: convert any channels-last inputs back
+            node.inputs = [convert(i, False) if i in last else i for i in node.inputs]
+            nodes.append(node)
+            continue
+        idx = (
+            range(len(node.inputs))
+            if node.op in AGNOSTIC
+            else L.activation_inputs(node.op, len(node.inputs))
+        )
+        for i in idx:
+            t = node.inputs[i]
+            if t and t not in last:
+                node.inputs[i] = convert(t, True)
+        if node.op in L.WEIGHT_IN_HWIO:
+            w = node.inputs[1]
+            hw = w + ".hwio"
+            if hw not in g.consts:
+                g.consts[hw] = np.ascontiguousarray(g.consts[w].transpose(L.HWIO_FROM_OIHW))
+            node.inputs[1] = hw
+        if node.op not in AGNOSTIC:
+            node.attrs = {**node.attrs, "layout": L.NHWC}
+        if node.op in AGNOSTIC or L.output_is_nhwc(node.op):
+            out = node.outputs[0]
+            g.shapes[out] = tuple(g.shapes[out][p] for p in L.TO_NHWC)
+            last.add(out)
+        nodes.append(node)
+        changed += 1
+    # Graph outputs keep their names and channels-first shapes: a channels-last
+    # producer writes a renamed tensor that a final transpose converts.
+    for o in g.outputs:
+        if o in last:
+            inner = _fresh(g, o + ".nhwc")
+            g.shapes[inner] = g.shapes.pop(o)
+            for n in nodes:
+                n.inputs = [inner if i == o else i for i in n.inputs]
+                n.outputs = [inner if t == o else t for t in n.outputs]
+            g.shapes[o] = tuple(g.shapes[inner][p] for p in L.TO_NCHW)
+            back = {"perm": list(L.TO_NCHW)}
+            nodes.append(Node("transpose", f"{o}.transpose", [inner], [o], back))
+    g.nodes = nodes
+    if changed:
+        g.remove_dead()  # OIHW weights no other node reads
+    return changed
+
+
+def _fresh(g: Graph, name: str) -> str:
+    while name in g.shapes or name in g.consts:
+        name += "_"
+    return name
