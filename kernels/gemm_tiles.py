@@ -110,10 +110,14 @@ sstore_4x4 = _ops_4x4.sstore
 
 
 @njit(cache=True)
-def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 64 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 64 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -333,6 +337,388 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
         a5_1 = vfma_16x4(wv, xv1, a5_1)
         a5_2 = vfma_16x4(wv, xv2, a5_2)
         a5_3 = vfma_16x4(wv, xv3, a5_3)
+    if cols == 64 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_16x4()
+        lo = vsplat_16x4(a)
+        hi = vsplat_16x4(b)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else zero
+        bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
+        sc3 = vload_16x4(scale, n0 + 48) if by_col and flags & HAS_SCALE else zero
+        bi3 = vload_16x4(bias, n0 + 48) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_16x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_16x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_16x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_16x4(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_16x4(a0_1, bi1)
+            else:
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+            if act == 1:
+                a0_1 = vmax_16x4(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_2 = vmul_16x4(a0_2, sc2)
+                if flags & HAS_BIAS:
+                    a0_2 = vadd_16x4(a0_2, bi2)
+            else:
+                a0_2 = vadd_16x4(vmul_16x4(a0_2, sv), bv)
+            if flags & HAS_RES:
+                a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
+            if act == 1:
+                a0_2 = vmax_16x4(zero, a0_2)
+            elif act == 3:
+                a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_3 = vmul_16x4(a0_3, sc3)
+                if flags & HAS_BIAS:
+                    a0_3 = vadd_16x4(a0_3, bi3)
+            else:
+                a0_3 = vadd_16x4(vmul_16x4(a0_3, sv), bv)
+            if flags & HAS_RES:
+                a0_3 = vadd_16x4(a0_3, vload_16x4(res, r0 + 0 * ldr + 48))
+            if act == 1:
+                a0_3 = vmax_16x4(zero, a0_3)
+            elif act == 3:
+                a0_3 = vmin_16x4(vmax_16x4(a0_3, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_16x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_16x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_16x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_16x4(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_16x4(a1_1, bi1)
+            else:
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+            if act == 1:
+                a1_1 = vmax_16x4(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_2 = vmul_16x4(a1_2, sc2)
+                if flags & HAS_BIAS:
+                    a1_2 = vadd_16x4(a1_2, bi2)
+            else:
+                a1_2 = vadd_16x4(vmul_16x4(a1_2, sv), bv)
+            if flags & HAS_RES:
+                a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
+            if act == 1:
+                a1_2 = vmax_16x4(zero, a1_2)
+            elif act == 3:
+                a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_3 = vmul_16x4(a1_3, sc3)
+                if flags & HAS_BIAS:
+                    a1_3 = vadd_16x4(a1_3, bi3)
+            else:
+                a1_3 = vadd_16x4(vmul_16x4(a1_3, sv), bv)
+            if flags & HAS_RES:
+                a1_3 = vadd_16x4(a1_3, vload_16x4(res, r0 + 1 * ldr + 48))
+            if act == 1:
+                a1_3 = vmax_16x4(zero, a1_3)
+            elif act == 3:
+                a1_3 = vmin_16x4(vmax_16x4(a1_3, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_16x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_16x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_16x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_16x4(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_16x4(a2_1, bi1)
+            else:
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+            if act == 1:
+                a2_1 = vmax_16x4(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_2 = vmul_16x4(a2_2, sc2)
+                if flags & HAS_BIAS:
+                    a2_2 = vadd_16x4(a2_2, bi2)
+            else:
+                a2_2 = vadd_16x4(vmul_16x4(a2_2, sv), bv)
+            if flags & HAS_RES:
+                a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
+            if act == 1:
+                a2_2 = vmax_16x4(zero, a2_2)
+            elif act == 3:
+                a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_3 = vmul_16x4(a2_3, sc3)
+                if flags & HAS_BIAS:
+                    a2_3 = vadd_16x4(a2_3, bi3)
+            else:
+                a2_3 = vadd_16x4(vmul_16x4(a2_3, sv), bv)
+            if flags & HAS_RES:
+                a2_3 = vadd_16x4(a2_3, vload_16x4(res, r0 + 2 * ldr + 48))
+            if act == 1:
+                a2_3 = vmax_16x4(zero, a2_3)
+            elif act == 3:
+                a2_3 = vmin_16x4(vmax_16x4(a2_3, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_16x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_16x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_16x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_16x4(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_16x4(a3_1, bi1)
+            else:
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+            if act == 1:
+                a3_1 = vmax_16x4(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_2 = vmul_16x4(a3_2, sc2)
+                if flags & HAS_BIAS:
+                    a3_2 = vadd_16x4(a3_2, bi2)
+            else:
+                a3_2 = vadd_16x4(vmul_16x4(a3_2, sv), bv)
+            if flags & HAS_RES:
+                a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
+            if act == 1:
+                a3_2 = vmax_16x4(zero, a3_2)
+            elif act == 3:
+                a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_3 = vmul_16x4(a3_3, sc3)
+                if flags & HAS_BIAS:
+                    a3_3 = vadd_16x4(a3_3, bi3)
+            else:
+                a3_3 = vadd_16x4(vmul_16x4(a3_3, sv), bv)
+            if flags & HAS_RES:
+                a3_3 = vadd_16x4(a3_3, vload_16x4(res, r0 + 3 * ldr + 48))
+            if act == 1:
+                a3_3 = vmax_16x4(zero, a3_3)
+            elif act == 3:
+                a3_3 = vmin_16x4(vmax_16x4(a3_3, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_16x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_16x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_16x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_16x4(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_16x4(a4_1, bi1)
+            else:
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+            if act == 1:
+                a4_1 = vmax_16x4(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_2 = vmul_16x4(a4_2, sc2)
+                if flags & HAS_BIAS:
+                    a4_2 = vadd_16x4(a4_2, bi2)
+            else:
+                a4_2 = vadd_16x4(vmul_16x4(a4_2, sv), bv)
+            if flags & HAS_RES:
+                a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
+            if act == 1:
+                a4_2 = vmax_16x4(zero, a4_2)
+            elif act == 3:
+                a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_3 = vmul_16x4(a4_3, sc3)
+                if flags & HAS_BIAS:
+                    a4_3 = vadd_16x4(a4_3, bi3)
+            else:
+                a4_3 = vadd_16x4(vmul_16x4(a4_3, sv), bv)
+            if flags & HAS_RES:
+                a4_3 = vadd_16x4(a4_3, vload_16x4(res, r0 + 4 * ldr + 48))
+            if act == 1:
+                a4_3 = vmax_16x4(zero, a4_3)
+            elif act == 3:
+                a4_3 = vmin_16x4(vmax_16x4(a4_3, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_16x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_16x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_16x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_16x4(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_16x4(a5_1, bi1)
+            else:
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+            if act == 1:
+                a5_1 = vmax_16x4(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_2 = vmul_16x4(a5_2, sc2)
+                if flags & HAS_BIAS:
+                    a5_2 = vadd_16x4(a5_2, bi2)
+            else:
+                a5_2 = vadd_16x4(vmul_16x4(a5_2, sv), bv)
+            if flags & HAS_RES:
+                a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
+            if act == 1:
+                a5_2 = vmax_16x4(zero, a5_2)
+            elif act == 3:
+                a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_3 = vmul_16x4(a5_3, sc3)
+                if flags & HAS_BIAS:
+                    a5_3 = vadd_16x4(a5_3, bi3)
+            else:
+                a5_3 = vadd_16x4(vmul_16x4(a5_3, sv), bv)
+            if flags & HAS_RES:
+                a5_3 = vadd_16x4(a5_3, vload_16x4(res, r0 + 5 * ldr + 48))
+            if act == 1:
+                a5_3 = vmax_16x4(zero, a5_3)
+            elif act == 3:
+                a5_3 = vmin_16x4(vmax_16x4(a5_3, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
+        return
     if cols == 64:
         if rows > 0:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -494,10 +880,14 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
 
 
 @njit(cache=True)
-def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 16 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 16 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -570,6 +960,130 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a4_0 = vfma_16x4(wv, xv0, a4_0)
         wv = vbload_16x4(w, wo5 + ko)
         a5_0 = vfma_16x4(wv, xv0, a5_0)
+    if cols == 16 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_16x4()
+        lo = vsplat_16x4(a)
+        hi = vsplat_16x4(b)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_16x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_16x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_16x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_16x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_16x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_16x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_16x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_16x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_16x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_16x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_16x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_16x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_16x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_16x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_16x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_16x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_16x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_16x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+        return
     if cols == 16:
         if rows > 0:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -623,10 +1137,14 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
 
 
 @njit(cache=True)
-def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 32 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 32 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -748,6 +1266,216 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         wv = vbload_16x4(w, wo5 + ko)
         a5_0 = vfma_16x4(wv, xv0, a5_0)
         a5_1 = vfma_16x4(wv, xv1, a5_1)
+    if cols == 32 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_16x4()
+        lo = vsplat_16x4(a)
+        hi = vsplat_16x4(b)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_16x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_16x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_16x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_16x4(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_16x4(a0_1, bi1)
+            else:
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+            if act == 1:
+                a0_1 = vmax_16x4(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_16x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_16x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_16x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_16x4(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_16x4(a1_1, bi1)
+            else:
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+            if act == 1:
+                a1_1 = vmax_16x4(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_16x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_16x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_16x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_16x4(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_16x4(a2_1, bi1)
+            else:
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+            if act == 1:
+                a2_1 = vmax_16x4(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_16x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_16x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_16x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_16x4(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_16x4(a3_1, bi1)
+            else:
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+            if act == 1:
+                a3_1 = vmax_16x4(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_16x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_16x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_16x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_16x4(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_16x4(a4_1, bi1)
+            else:
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+            if act == 1:
+                a4_1 = vmax_16x4(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_16x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_16x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_16x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_16x4(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_16x4(a5_1, bi1)
+            else:
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+            if act == 1:
+                a5_1 = vmax_16x4(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+        return
     if cols == 32:
         if rows > 0:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -837,10 +1565,14 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
 
 
 @njit(cache=True)
-def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 48 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 48 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -1011,6 +1743,302 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a5_0 = vfma_16x4(wv, xv0, a5_0)
         a5_1 = vfma_16x4(wv, xv1, a5_1)
         a5_2 = vfma_16x4(wv, xv2, a5_2)
+    if cols == 48 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_16x4()
+        lo = vsplat_16x4(a)
+        hi = vsplat_16x4(b)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else zero
+        bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_16x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_16x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_16x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_16x4(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_16x4(a0_1, bi1)
+            else:
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+            if act == 1:
+                a0_1 = vmax_16x4(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_2 = vmul_16x4(a0_2, sc2)
+                if flags & HAS_BIAS:
+                    a0_2 = vadd_16x4(a0_2, bi2)
+            else:
+                a0_2 = vadd_16x4(vmul_16x4(a0_2, sv), bv)
+            if flags & HAS_RES:
+                a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
+            if act == 1:
+                a0_2 = vmax_16x4(zero, a0_2)
+            elif act == 3:
+                a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
+            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_16x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_16x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_16x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_16x4(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_16x4(a1_1, bi1)
+            else:
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+            if act == 1:
+                a1_1 = vmax_16x4(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_2 = vmul_16x4(a1_2, sc2)
+                if flags & HAS_BIAS:
+                    a1_2 = vadd_16x4(a1_2, bi2)
+            else:
+                a1_2 = vadd_16x4(vmul_16x4(a1_2, sv), bv)
+            if flags & HAS_RES:
+                a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
+            if act == 1:
+                a1_2 = vmax_16x4(zero, a1_2)
+            elif act == 3:
+                a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
+            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_16x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_16x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_16x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_16x4(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_16x4(a2_1, bi1)
+            else:
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+            if act == 1:
+                a2_1 = vmax_16x4(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_2 = vmul_16x4(a2_2, sc2)
+                if flags & HAS_BIAS:
+                    a2_2 = vadd_16x4(a2_2, bi2)
+            else:
+                a2_2 = vadd_16x4(vmul_16x4(a2_2, sv), bv)
+            if flags & HAS_RES:
+                a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
+            if act == 1:
+                a2_2 = vmax_16x4(zero, a2_2)
+            elif act == 3:
+                a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
+            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_16x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_16x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_16x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_16x4(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_16x4(a3_1, bi1)
+            else:
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+            if act == 1:
+                a3_1 = vmax_16x4(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_2 = vmul_16x4(a3_2, sc2)
+                if flags & HAS_BIAS:
+                    a3_2 = vadd_16x4(a3_2, bi2)
+            else:
+                a3_2 = vadd_16x4(vmul_16x4(a3_2, sv), bv)
+            if flags & HAS_RES:
+                a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
+            if act == 1:
+                a3_2 = vmax_16x4(zero, a3_2)
+            elif act == 3:
+                a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
+            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_16x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_16x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_16x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_16x4(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_16x4(a4_1, bi1)
+            else:
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+            if act == 1:
+                a4_1 = vmax_16x4(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_2 = vmul_16x4(a4_2, sc2)
+                if flags & HAS_BIAS:
+                    a4_2 = vadd_16x4(a4_2, bi2)
+            else:
+                a4_2 = vadd_16x4(vmul_16x4(a4_2, sv), bv)
+            if flags & HAS_RES:
+                a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
+            if act == 1:
+                a4_2 = vmax_16x4(zero, a4_2)
+            elif act == 3:
+                a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
+            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_16x4(s1)
+            bv = vsplat_16x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_16x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_16x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_16x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_16x4(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_16x4(a5_1, bi1)
+            else:
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+            if act == 1:
+                a5_1 = vmax_16x4(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_2 = vmul_16x4(a5_2, sc2)
+                if flags & HAS_BIAS:
+                    a5_2 = vadd_16x4(a5_2, bi2)
+            else:
+                a5_2 = vadd_16x4(vmul_16x4(a5_2, sv), bv)
+            if flags & HAS_RES:
+                a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
+            if act == 1:
+                a5_2 = vmax_16x4(zero, a5_2)
+            elif act == 3:
+                a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
+            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+        return
     if cols == 48:
         if rows > 0:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -1224,6 +2252,7 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
         _pack_16x4(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 63) // 64):
                 c_n = n0 + t * 64
@@ -1231,21 +2260,30 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 64-wide tile idle.
                 nvv = (cols + 15) // 16
+                fused = fuse and cols == nvv * 16  # whole vectors: in registers
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
                     if nvv == 1:
                         tile1v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     elif nvv == 2:
                         tile2v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     elif nvv == 3:
                         tile3v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     else:
                         tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if final and epilogue:
+                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
+                    if final and epilogue and not fused:
                         _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
@@ -1441,6 +2479,7 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
     # U[e] is already a packed panel when Co is one column block; wider rows are
     # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
     direct = co == 64
+    no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -1473,11 +2512,11 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                             if direct:
                                 tile_16x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
                             else:
                                 tile_16x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
                                         64, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols)
+                                        cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -1493,10 +2532,14 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
 
 
 @njit(cache=True)
-def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 16 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 16 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -1618,6 +2661,216 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         wv = vbload_8x2(w, wo5 + ko)
         a5_0 = vfma_8x2(wv, xv0, a5_0)
         a5_1 = vfma_8x2(wv, xv1, a5_1)
+    if cols == 16 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_8x2()
+        lo = vsplat_8x2(a)
+        hi = vsplat_8x2(b)
+        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_8x2(scale, n0 + 8) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_8x2(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_8x2(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_8x2(a0_0, bi0)
+            else:
+                a0_0 = vadd_8x2(vmul_8x2(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_8x2(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
+            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_8x2(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_8x2(a0_1, bi1)
+            else:
+                a0_1 = vadd_8x2(vmul_8x2(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_8x2(a0_1, vload_8x2(res, r0 + 0 * ldr + 8))
+            if act == 1:
+                a0_1 = vmax_8x2(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_8x2(vmax_8x2(a0_1, lo), hi)
+            vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_8x2(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_8x2(a1_0, bi0)
+            else:
+                a1_0 = vadd_8x2(vmul_8x2(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_8x2(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
+            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_8x2(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_8x2(a1_1, bi1)
+            else:
+                a1_1 = vadd_8x2(vmul_8x2(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_8x2(a1_1, vload_8x2(res, r0 + 1 * ldr + 8))
+            if act == 1:
+                a1_1 = vmax_8x2(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_8x2(vmax_8x2(a1_1, lo), hi)
+            vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_8x2(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_8x2(a2_0, bi0)
+            else:
+                a2_0 = vadd_8x2(vmul_8x2(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_8x2(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
+            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_8x2(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_8x2(a2_1, bi1)
+            else:
+                a2_1 = vadd_8x2(vmul_8x2(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_8x2(a2_1, vload_8x2(res, r0 + 2 * ldr + 8))
+            if act == 1:
+                a2_1 = vmax_8x2(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_8x2(vmax_8x2(a2_1, lo), hi)
+            vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_8x2(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_8x2(a3_0, bi0)
+            else:
+                a3_0 = vadd_8x2(vmul_8x2(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_8x2(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
+            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_8x2(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_8x2(a3_1, bi1)
+            else:
+                a3_1 = vadd_8x2(vmul_8x2(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_8x2(a3_1, vload_8x2(res, r0 + 3 * ldr + 8))
+            if act == 1:
+                a3_1 = vmax_8x2(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_8x2(vmax_8x2(a3_1, lo), hi)
+            vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_8x2(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_8x2(a4_0, bi0)
+            else:
+                a4_0 = vadd_8x2(vmul_8x2(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_8x2(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
+            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_8x2(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_8x2(a4_1, bi1)
+            else:
+                a4_1 = vadd_8x2(vmul_8x2(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_8x2(a4_1, vload_8x2(res, r0 + 4 * ldr + 8))
+            if act == 1:
+                a4_1 = vmax_8x2(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_8x2(vmax_8x2(a4_1, lo), hi)
+            vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_8x2(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_8x2(a5_0, bi0)
+            else:
+                a5_0 = vadd_8x2(vmul_8x2(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_8x2(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
+            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_8x2(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_8x2(a5_1, bi1)
+            else:
+                a5_1 = vadd_8x2(vmul_8x2(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_8x2(a5_1, vload_8x2(res, r0 + 5 * ldr + 8))
+            if act == 1:
+                a5_1 = vmax_8x2(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_8x2(vmax_8x2(a5_1, lo), hi)
+            vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
+        return
     if cols == 16:
         if rows > 0:
             vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
@@ -1707,10 +2960,14 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
 
 
 @njit(cache=True)
-def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 8 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 8 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -1783,6 +3040,130 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a4_0 = vfma_8x2(wv, xv0, a4_0)
         wv = vbload_8x2(w, wo5 + ko)
         a5_0 = vfma_8x2(wv, xv0, a5_0)
+    if cols == 8 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_8x2()
+        lo = vsplat_8x2(a)
+        hi = vsplat_8x2(b)
+        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_8x2(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_8x2(a0_0, bi0)
+            else:
+                a0_0 = vadd_8x2(vmul_8x2(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_8x2(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
+            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_8x2(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_8x2(a1_0, bi0)
+            else:
+                a1_0 = vadd_8x2(vmul_8x2(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_8x2(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
+            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_8x2(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_8x2(a2_0, bi0)
+            else:
+                a2_0 = vadd_8x2(vmul_8x2(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_8x2(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
+            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_8x2(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_8x2(a3_0, bi0)
+            else:
+                a3_0 = vadd_8x2(vmul_8x2(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_8x2(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
+            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_8x2(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_8x2(a4_0, bi0)
+            else:
+                a4_0 = vadd_8x2(vmul_8x2(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_8x2(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
+            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_8x2(s1)
+            bv = vsplat_8x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_8x2(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_8x2(a5_0, bi0)
+            else:
+                a5_0 = vadd_8x2(vmul_8x2(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_8x2(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
+            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+        return
     if cols == 8:
         if rows > 0:
             vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
@@ -1924,6 +3305,7 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
         _pack_8x2(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
@@ -1931,15 +3313,20 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 16-wide tile idle.
                 nvv = (cols + 7) // 8
+                fused = fuse and cols == nvv * 8  # whole vectors: in registers
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
                     if nvv == 1:
                         tile1v_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     else:
                         tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if final and epilogue:
+                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
+                    if final and epilogue and not fused:
                         _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
@@ -2135,6 +3522,7 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     # U[e] is already a packed panel when Co is one column block; wider rows are
     # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
     direct = co == 16
+    no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -2167,11 +3555,11 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             if direct:
                                 tile_8x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
                             else:
                                 tile_8x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
                                         16, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols)
+                                        cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -2187,10 +3575,14 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 8 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 8 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -2312,6 +3704,216 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         wv = vbload_4x2(w, wo5 + ko)
         a5_0 = vfma_4x2(wv, xv0, a5_0)
         a5_1 = vfma_4x2(wv, xv1, a5_1)
+    if cols == 8 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_4x2()
+        lo = vsplat_4x2(a)
+        hi = vsplat_4x2(b)
+        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_4x2(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_4x2(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_4x2(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_4x2(a0_0, bi0)
+            else:
+                a0_0 = vadd_4x2(vmul_4x2(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_4x2(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
+            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_4x2(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_4x2(a0_1, bi1)
+            else:
+                a0_1 = vadd_4x2(vmul_4x2(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_4x2(a0_1, vload_4x2(res, r0 + 0 * ldr + 4))
+            if act == 1:
+                a0_1 = vmax_4x2(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_4x2(vmax_4x2(a0_1, lo), hi)
+            vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_4x2(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_4x2(a1_0, bi0)
+            else:
+                a1_0 = vadd_4x2(vmul_4x2(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_4x2(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
+            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_4x2(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_4x2(a1_1, bi1)
+            else:
+                a1_1 = vadd_4x2(vmul_4x2(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_4x2(a1_1, vload_4x2(res, r0 + 1 * ldr + 4))
+            if act == 1:
+                a1_1 = vmax_4x2(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_4x2(vmax_4x2(a1_1, lo), hi)
+            vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_4x2(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_4x2(a2_0, bi0)
+            else:
+                a2_0 = vadd_4x2(vmul_4x2(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_4x2(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
+            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_4x2(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_4x2(a2_1, bi1)
+            else:
+                a2_1 = vadd_4x2(vmul_4x2(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_4x2(a2_1, vload_4x2(res, r0 + 2 * ldr + 4))
+            if act == 1:
+                a2_1 = vmax_4x2(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_4x2(vmax_4x2(a2_1, lo), hi)
+            vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_4x2(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_4x2(a3_0, bi0)
+            else:
+                a3_0 = vadd_4x2(vmul_4x2(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_4x2(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
+            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_4x2(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_4x2(a3_1, bi1)
+            else:
+                a3_1 = vadd_4x2(vmul_4x2(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_4x2(a3_1, vload_4x2(res, r0 + 3 * ldr + 4))
+            if act == 1:
+                a3_1 = vmax_4x2(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_4x2(vmax_4x2(a3_1, lo), hi)
+            vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_4x2(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_4x2(a4_0, bi0)
+            else:
+                a4_0 = vadd_4x2(vmul_4x2(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_4x2(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
+            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_4x2(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_4x2(a4_1, bi1)
+            else:
+                a4_1 = vadd_4x2(vmul_4x2(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_4x2(a4_1, vload_4x2(res, r0 + 4 * ldr + 4))
+            if act == 1:
+                a4_1 = vmax_4x2(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_4x2(vmax_4x2(a4_1, lo), hi)
+            vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_4x2(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_4x2(a5_0, bi0)
+            else:
+                a5_0 = vadd_4x2(vmul_4x2(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_4x2(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
+            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_4x2(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_4x2(a5_1, bi1)
+            else:
+                a5_1 = vadd_4x2(vmul_4x2(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_4x2(a5_1, vload_4x2(res, r0 + 5 * ldr + 4))
+            if act == 1:
+                a5_1 = vmax_4x2(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_4x2(vmax_4x2(a5_1, lo), hi)
+            vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
+        return
     if cols == 8:
         if rows > 0:
             vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
@@ -2401,10 +4003,14 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
 
 
 @njit(cache=True)
-def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 4 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 4 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -2477,6 +4083,130 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a4_0 = vfma_4x2(wv, xv0, a4_0)
         wv = vbload_4x2(w, wo5 + ko)
         a5_0 = vfma_4x2(wv, xv0, a5_0)
+    if cols == 4 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_4x2()
+        lo = vsplat_4x2(a)
+        hi = vsplat_4x2(b)
+        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_4x2(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_4x2(a0_0, bi0)
+            else:
+                a0_0 = vadd_4x2(vmul_4x2(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_4x2(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
+            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_4x2(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_4x2(a1_0, bi0)
+            else:
+                a1_0 = vadd_4x2(vmul_4x2(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_4x2(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
+            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_4x2(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_4x2(a2_0, bi0)
+            else:
+                a2_0 = vadd_4x2(vmul_4x2(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_4x2(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
+            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_4x2(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_4x2(a3_0, bi0)
+            else:
+                a3_0 = vadd_4x2(vmul_4x2(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_4x2(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
+            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_4x2(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_4x2(a4_0, bi0)
+            else:
+                a4_0 = vadd_4x2(vmul_4x2(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_4x2(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
+            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x2(s1)
+            bv = vsplat_4x2(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_4x2(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_4x2(a5_0, bi0)
+            else:
+                a5_0 = vadd_4x2(vmul_4x2(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_4x2(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
+            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+        return
     if cols == 4:
         if rows > 0:
             vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
@@ -2618,6 +4348,7 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
         _pack_4x2(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 7) // 8):
                 c_n = n0 + t * 8
@@ -2625,15 +4356,20 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 8-wide tile idle.
                 nvv = (cols + 3) // 4
+                fused = fuse and cols == nvv * 4  # whole vectors: in registers
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
                     if nvv == 1:
                         tile1v_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     else:
                         tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                             t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if final and epilogue:
+                            t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
+                    if final and epilogue and not fused:
                         _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
@@ -2829,6 +4565,7 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     # U[e] is already a packed panel when Co is one column block; wider rows are
     # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
     direct = co == 8
+    no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -2861,11 +4598,11 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             if direct:
                                 tile_4x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
                             else:
                                 tile_4x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
                                         8, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols)
+                                        cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -2881,10 +4618,14 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 16 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 16 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -3104,6 +4845,388 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         a5_1 = vfma_4x4(wv, xv1, a5_1)
         a5_2 = vfma_4x4(wv, xv2, a5_2)
         a5_3 = vfma_4x4(wv, xv3, a5_3)
+    if cols == 16 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_4x4()
+        lo = vsplat_4x4(a)
+        hi = vsplat_4x4(b)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else zero
+        bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+        sc3 = vload_4x4(scale, n0 + 12) if by_col and flags & HAS_SCALE else zero
+        bi3 = vload_4x4(bias, n0 + 12) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_4x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_4x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_4x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_4x4(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_4x4(a0_1, bi1)
+            else:
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+            if act == 1:
+                a0_1 = vmax_4x4(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_2 = vmul_4x4(a0_2, sc2)
+                if flags & HAS_BIAS:
+                    a0_2 = vadd_4x4(a0_2, bi2)
+            else:
+                a0_2 = vadd_4x4(vmul_4x4(a0_2, sv), bv)
+            if flags & HAS_RES:
+                a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
+            if act == 1:
+                a0_2 = vmax_4x4(zero, a0_2)
+            elif act == 3:
+                a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_3 = vmul_4x4(a0_3, sc3)
+                if flags & HAS_BIAS:
+                    a0_3 = vadd_4x4(a0_3, bi3)
+            else:
+                a0_3 = vadd_4x4(vmul_4x4(a0_3, sv), bv)
+            if flags & HAS_RES:
+                a0_3 = vadd_4x4(a0_3, vload_4x4(res, r0 + 0 * ldr + 12))
+            if act == 1:
+                a0_3 = vmax_4x4(zero, a0_3)
+            elif act == 3:
+                a0_3 = vmin_4x4(vmax_4x4(a0_3, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_4x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_4x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_4x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_4x4(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_4x4(a1_1, bi1)
+            else:
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+            if act == 1:
+                a1_1 = vmax_4x4(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_2 = vmul_4x4(a1_2, sc2)
+                if flags & HAS_BIAS:
+                    a1_2 = vadd_4x4(a1_2, bi2)
+            else:
+                a1_2 = vadd_4x4(vmul_4x4(a1_2, sv), bv)
+            if flags & HAS_RES:
+                a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
+            if act == 1:
+                a1_2 = vmax_4x4(zero, a1_2)
+            elif act == 3:
+                a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_3 = vmul_4x4(a1_3, sc3)
+                if flags & HAS_BIAS:
+                    a1_3 = vadd_4x4(a1_3, bi3)
+            else:
+                a1_3 = vadd_4x4(vmul_4x4(a1_3, sv), bv)
+            if flags & HAS_RES:
+                a1_3 = vadd_4x4(a1_3, vload_4x4(res, r0 + 1 * ldr + 12))
+            if act == 1:
+                a1_3 = vmax_4x4(zero, a1_3)
+            elif act == 3:
+                a1_3 = vmin_4x4(vmax_4x4(a1_3, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_4x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_4x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_4x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_4x4(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_4x4(a2_1, bi1)
+            else:
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+            if act == 1:
+                a2_1 = vmax_4x4(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_2 = vmul_4x4(a2_2, sc2)
+                if flags & HAS_BIAS:
+                    a2_2 = vadd_4x4(a2_2, bi2)
+            else:
+                a2_2 = vadd_4x4(vmul_4x4(a2_2, sv), bv)
+            if flags & HAS_RES:
+                a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
+            if act == 1:
+                a2_2 = vmax_4x4(zero, a2_2)
+            elif act == 3:
+                a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_3 = vmul_4x4(a2_3, sc3)
+                if flags & HAS_BIAS:
+                    a2_3 = vadd_4x4(a2_3, bi3)
+            else:
+                a2_3 = vadd_4x4(vmul_4x4(a2_3, sv), bv)
+            if flags & HAS_RES:
+                a2_3 = vadd_4x4(a2_3, vload_4x4(res, r0 + 2 * ldr + 12))
+            if act == 1:
+                a2_3 = vmax_4x4(zero, a2_3)
+            elif act == 3:
+                a2_3 = vmin_4x4(vmax_4x4(a2_3, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_4x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_4x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_4x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_4x4(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_4x4(a3_1, bi1)
+            else:
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+            if act == 1:
+                a3_1 = vmax_4x4(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_2 = vmul_4x4(a3_2, sc2)
+                if flags & HAS_BIAS:
+                    a3_2 = vadd_4x4(a3_2, bi2)
+            else:
+                a3_2 = vadd_4x4(vmul_4x4(a3_2, sv), bv)
+            if flags & HAS_RES:
+                a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
+            if act == 1:
+                a3_2 = vmax_4x4(zero, a3_2)
+            elif act == 3:
+                a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_3 = vmul_4x4(a3_3, sc3)
+                if flags & HAS_BIAS:
+                    a3_3 = vadd_4x4(a3_3, bi3)
+            else:
+                a3_3 = vadd_4x4(vmul_4x4(a3_3, sv), bv)
+            if flags & HAS_RES:
+                a3_3 = vadd_4x4(a3_3, vload_4x4(res, r0 + 3 * ldr + 12))
+            if act == 1:
+                a3_3 = vmax_4x4(zero, a3_3)
+            elif act == 3:
+                a3_3 = vmin_4x4(vmax_4x4(a3_3, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_4x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_4x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_4x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_4x4(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_4x4(a4_1, bi1)
+            else:
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+            if act == 1:
+                a4_1 = vmax_4x4(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_2 = vmul_4x4(a4_2, sc2)
+                if flags & HAS_BIAS:
+                    a4_2 = vadd_4x4(a4_2, bi2)
+            else:
+                a4_2 = vadd_4x4(vmul_4x4(a4_2, sv), bv)
+            if flags & HAS_RES:
+                a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
+            if act == 1:
+                a4_2 = vmax_4x4(zero, a4_2)
+            elif act == 3:
+                a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_3 = vmul_4x4(a4_3, sc3)
+                if flags & HAS_BIAS:
+                    a4_3 = vadd_4x4(a4_3, bi3)
+            else:
+                a4_3 = vadd_4x4(vmul_4x4(a4_3, sv), bv)
+            if flags & HAS_RES:
+                a4_3 = vadd_4x4(a4_3, vload_4x4(res, r0 + 4 * ldr + 12))
+            if act == 1:
+                a4_3 = vmax_4x4(zero, a4_3)
+            elif act == 3:
+                a4_3 = vmin_4x4(vmax_4x4(a4_3, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_4x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_4x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_4x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_4x4(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_4x4(a5_1, bi1)
+            else:
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+            if act == 1:
+                a5_1 = vmax_4x4(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_2 = vmul_4x4(a5_2, sc2)
+                if flags & HAS_BIAS:
+                    a5_2 = vadd_4x4(a5_2, bi2)
+            else:
+                a5_2 = vadd_4x4(vmul_4x4(a5_2, sv), bv)
+            if flags & HAS_RES:
+                a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
+            if act == 1:
+                a5_2 = vmax_4x4(zero, a5_2)
+            elif act == 3:
+                a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_3 = vmul_4x4(a5_3, sc3)
+                if flags & HAS_BIAS:
+                    a5_3 = vadd_4x4(a5_3, bi3)
+            else:
+                a5_3 = vadd_4x4(vmul_4x4(a5_3, sv), bv)
+            if flags & HAS_RES:
+                a5_3 = vadd_4x4(a5_3, vload_4x4(res, r0 + 5 * ldr + 12))
+            if act == 1:
+                a5_3 = vmax_4x4(zero, a5_3)
+            elif act == 3:
+                a5_3 = vmin_4x4(vmax_4x4(a5_3, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
+        return
     if cols == 16:
         if rows > 0:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -3265,10 +5388,14 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
 
 
 @njit(cache=True)
-def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 4 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 4 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -3341,6 +5468,130 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a4_0 = vfma_4x4(wv, xv0, a4_0)
         wv = vbload_4x4(w, wo5 + ko)
         a5_0 = vfma_4x4(wv, xv0, a5_0)
+    if cols == 4 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_4x4()
+        lo = vsplat_4x4(a)
+        hi = vsplat_4x4(b)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_4x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_4x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_4x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_4x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_4x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_4x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_4x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_4x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_4x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_4x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_4x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_4x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_4x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_4x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_4x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_4x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_4x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_4x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+        return
     if cols == 4:
         if rows > 0:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -3394,10 +5645,14 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
 
 
 @njit(cache=True)
-def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 8 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 8 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -3519,6 +5774,216 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         wv = vbload_4x4(w, wo5 + ko)
         a5_0 = vfma_4x4(wv, xv0, a5_0)
         a5_1 = vfma_4x4(wv, xv1, a5_1)
+    if cols == 8 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_4x4()
+        lo = vsplat_4x4(a)
+        hi = vsplat_4x4(b)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_4x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_4x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_4x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_4x4(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_4x4(a0_1, bi1)
+            else:
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+            if act == 1:
+                a0_1 = vmax_4x4(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_4x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_4x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_4x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_4x4(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_4x4(a1_1, bi1)
+            else:
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+            if act == 1:
+                a1_1 = vmax_4x4(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_4x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_4x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_4x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_4x4(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_4x4(a2_1, bi1)
+            else:
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+            if act == 1:
+                a2_1 = vmax_4x4(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_4x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_4x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_4x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_4x4(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_4x4(a3_1, bi1)
+            else:
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+            if act == 1:
+                a3_1 = vmax_4x4(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_4x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_4x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_4x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_4x4(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_4x4(a4_1, bi1)
+            else:
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+            if act == 1:
+                a4_1 = vmax_4x4(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_4x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_4x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_4x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_4x4(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_4x4(a5_1, bi1)
+            else:
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+            if act == 1:
+                a5_1 = vmax_4x4(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+        return
     if cols == 8:
         if rows > 0:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -3608,10 +6073,14 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
 
 
 @njit(cache=True)
-def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):
+def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
+        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
     """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
     corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
-    xq has 12 columns (zeros past cols); c is touched only in its cols columns."""
+    xq has 12 columns (zeros past cols); c is touched only in its cols columns.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM."""
     q0 = min(0, rows - 1)
     q1 = min(1, rows - 1)
     q2 = min(2, rows - 1)
@@ -3782,6 +6251,302 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a5_0 = vfma_4x4(wv, xv0, a5_0)
         a5_1 = vfma_4x4(wv, xv1, a5_1)
         a5_2 = vfma_4x4(wv, xv2, a5_2)
+    if cols == 12 and epi:
+        by_col = (flags & PER_COL) != 0
+        one = np.float32(1)
+        zero1 = np.float32(0)
+        zero = vzero_4x4()
+        lo = vsplat_4x4(a)
+        hi = vsplat_4x4(b)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else zero
+        bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+        if rows > 0:
+            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_0 = vmul_4x4(a0_0, sc0)
+                if flags & HAS_BIAS:
+                    a0_0 = vadd_4x4(a0_0, bi0)
+            else:
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
+            if flags & HAS_RES:
+                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+            if act == 1:
+                a0_0 = vmax_4x4(zero, a0_0)
+            elif act == 3:
+                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_1 = vmul_4x4(a0_1, sc1)
+                if flags & HAS_BIAS:
+                    a0_1 = vadd_4x4(a0_1, bi1)
+            else:
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sv), bv)
+            if flags & HAS_RES:
+                a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+            if act == 1:
+                a0_1 = vmax_4x4(zero, a0_1)
+            elif act == 3:
+                a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a0_2 = vmul_4x4(a0_2, sc2)
+                if flags & HAS_BIAS:
+                    a0_2 = vadd_4x4(a0_2, bi2)
+            else:
+                a0_2 = vadd_4x4(vmul_4x4(a0_2, sv), bv)
+            if flags & HAS_RES:
+                a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
+            if act == 1:
+                a0_2 = vmax_4x4(zero, a0_2)
+            elif act == 3:
+                a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
+            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+        if rows > 1:
+            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_0 = vmul_4x4(a1_0, sc0)
+                if flags & HAS_BIAS:
+                    a1_0 = vadd_4x4(a1_0, bi0)
+            else:
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
+            if flags & HAS_RES:
+                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+            if act == 1:
+                a1_0 = vmax_4x4(zero, a1_0)
+            elif act == 3:
+                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_1 = vmul_4x4(a1_1, sc1)
+                if flags & HAS_BIAS:
+                    a1_1 = vadd_4x4(a1_1, bi1)
+            else:
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sv), bv)
+            if flags & HAS_RES:
+                a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+            if act == 1:
+                a1_1 = vmax_4x4(zero, a1_1)
+            elif act == 3:
+                a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a1_2 = vmul_4x4(a1_2, sc2)
+                if flags & HAS_BIAS:
+                    a1_2 = vadd_4x4(a1_2, bi2)
+            else:
+                a1_2 = vadd_4x4(vmul_4x4(a1_2, sv), bv)
+            if flags & HAS_RES:
+                a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
+            if act == 1:
+                a1_2 = vmax_4x4(zero, a1_2)
+            elif act == 3:
+                a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
+            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+        if rows > 2:
+            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_0 = vmul_4x4(a2_0, sc0)
+                if flags & HAS_BIAS:
+                    a2_0 = vadd_4x4(a2_0, bi0)
+            else:
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
+            if flags & HAS_RES:
+                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+            if act == 1:
+                a2_0 = vmax_4x4(zero, a2_0)
+            elif act == 3:
+                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_1 = vmul_4x4(a2_1, sc1)
+                if flags & HAS_BIAS:
+                    a2_1 = vadd_4x4(a2_1, bi1)
+            else:
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sv), bv)
+            if flags & HAS_RES:
+                a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+            if act == 1:
+                a2_1 = vmax_4x4(zero, a2_1)
+            elif act == 3:
+                a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a2_2 = vmul_4x4(a2_2, sc2)
+                if flags & HAS_BIAS:
+                    a2_2 = vadd_4x4(a2_2, bi2)
+            else:
+                a2_2 = vadd_4x4(vmul_4x4(a2_2, sv), bv)
+            if flags & HAS_RES:
+                a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
+            if act == 1:
+                a2_2 = vmax_4x4(zero, a2_2)
+            elif act == 3:
+                a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
+            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+        if rows > 3:
+            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_0 = vmul_4x4(a3_0, sc0)
+                if flags & HAS_BIAS:
+                    a3_0 = vadd_4x4(a3_0, bi0)
+            else:
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
+            if flags & HAS_RES:
+                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+            if act == 1:
+                a3_0 = vmax_4x4(zero, a3_0)
+            elif act == 3:
+                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_1 = vmul_4x4(a3_1, sc1)
+                if flags & HAS_BIAS:
+                    a3_1 = vadd_4x4(a3_1, bi1)
+            else:
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sv), bv)
+            if flags & HAS_RES:
+                a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+            if act == 1:
+                a3_1 = vmax_4x4(zero, a3_1)
+            elif act == 3:
+                a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a3_2 = vmul_4x4(a3_2, sc2)
+                if flags & HAS_BIAS:
+                    a3_2 = vadd_4x4(a3_2, bi2)
+            else:
+                a3_2 = vadd_4x4(vmul_4x4(a3_2, sv), bv)
+            if flags & HAS_RES:
+                a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
+            if act == 1:
+                a3_2 = vmax_4x4(zero, a3_2)
+            elif act == 3:
+                a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
+            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+        if rows > 4:
+            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_0 = vmul_4x4(a4_0, sc0)
+                if flags & HAS_BIAS:
+                    a4_0 = vadd_4x4(a4_0, bi0)
+            else:
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
+            if flags & HAS_RES:
+                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+            if act == 1:
+                a4_0 = vmax_4x4(zero, a4_0)
+            elif act == 3:
+                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_1 = vmul_4x4(a4_1, sc1)
+                if flags & HAS_BIAS:
+                    a4_1 = vadd_4x4(a4_1, bi1)
+            else:
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sv), bv)
+            if flags & HAS_RES:
+                a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+            if act == 1:
+                a4_1 = vmax_4x4(zero, a4_1)
+            elif act == 3:
+                a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a4_2 = vmul_4x4(a4_2, sc2)
+                if flags & HAS_BIAS:
+                    a4_2 = vadd_4x4(a4_2, bi2)
+            else:
+                a4_2 = vadd_4x4(vmul_4x4(a4_2, sv), bv)
+            if flags & HAS_RES:
+                a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
+            if act == 1:
+                a4_2 = vmax_4x4(zero, a4_2)
+            elif act == 3:
+                a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
+            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+        if rows > 5:
+            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+            sv = vsplat_4x4(s1)
+            bv = vsplat_4x4(b1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_0 = vmul_4x4(a5_0, sc0)
+                if flags & HAS_BIAS:
+                    a5_0 = vadd_4x4(a5_0, bi0)
+            else:
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
+            if flags & HAS_RES:
+                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+            if act == 1:
+                a5_0 = vmax_4x4(zero, a5_0)
+            elif act == 3:
+                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_1 = vmul_4x4(a5_1, sc1)
+                if flags & HAS_BIAS:
+                    a5_1 = vadd_4x4(a5_1, bi1)
+            else:
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sv), bv)
+            if flags & HAS_RES:
+                a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+            if act == 1:
+                a5_1 = vmax_4x4(zero, a5_1)
+            elif act == 3:
+                a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            if by_col:
+                if flags & HAS_SCALE:
+                    a5_2 = vmul_4x4(a5_2, sc2)
+                if flags & HAS_BIAS:
+                    a5_2 = vadd_4x4(a5_2, bi2)
+            else:
+                a5_2 = vadd_4x4(vmul_4x4(a5_2, sv), bv)
+            if flags & HAS_RES:
+                a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
+            if act == 1:
+                a5_2 = vmax_4x4(zero, a5_2)
+            elif act == 3:
+                a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
+            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+        return
     if cols == 12:
         if rows > 0:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
@@ -3995,6 +6760,7 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
         _pack_4x4(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
@@ -4002,21 +6768,30 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 16-wide tile idle.
                 nvv = (cols + 3) // 4
+                fused = fuse and cols == nvv * 4  # whole vectors: in registers
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
                     if nvv == 1:
                         tile1v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     elif nvv == 2:
                         tile2v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     elif nvv == 3:
                         tile3v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                                t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
+                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
                     else:
                         tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols)
-                    if final and epilogue:
+                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
+                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                            flags, act, a, b)
+                    if final and epilogue and not fused:
                         _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
@@ -4212,6 +6987,7 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     # U[e] is already a packed panel when Co is one column block; wider rows are
     # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
     direct = co == 16
+    no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -4244,11 +7020,11 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             if direct:
                                 tile_4x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
                             else:
                                 tile_4x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
                                         16, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols)
+                                        cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop

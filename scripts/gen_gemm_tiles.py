@@ -80,10 +80,14 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
         "",
         "",
         "@njit(cache=True)",
-        f"def {name}{s}(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols):",
+        f"def {name}{s}(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,",
+        "        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):",
         '    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the',
         "    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).",
-        f'    xq has {nr} columns (zeros past cols); c is touched only in its cols columns."""',
+        f"    xq has {nr} columns (zeros past cols); c is touched only in its cols columns.",
+        "    With ``epi`` a full tile takes the conv epilogue in registers before its one",
+        "    store (relu/clip only; arguments as _epilogue's): for short reductions the",
+        '    separate pass over the stored tile cost a quarter of the GEMM."""',
     ]
     # rows past `rows` repeat the last valid row: loads stay inside the arrays, no branches
     for r in range(MR):
@@ -117,6 +121,45 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
         L.append(f"        wv = vbload{s}(w, wo{r} + ko)")
         for v in range(nv):
             L.append(f"        {acc[r][v]} = vfma{s}(wv, xv{v}, {acc[r][v]})")
+    L.append(f"    if cols == {nr} and epi:")
+    # the same operations in the same order as _epilogue, so fused and separate give
+    # the same bits
+    L.append("        by_col = (flags & PER_COL) != 0")
+    L.append("        one = np.float32(1)")
+    L.append("        zero1 = np.float32(0)")
+    L.append(f"        zero = vzero{s}()")
+    L.append(f"        lo = vsplat{s}(a)")
+    L.append(f"        hi = vsplat{s}(b)")
+    for v in range(nv):
+        for vec, arr, bit in (("sc", "scale", "HAS_SCALE"), ("bi", "bias", "HAS_BIAS")):
+            L.append(
+                f"        {vec}{v} = vload{s}({arr}, n0 + {v * lanes}) if by_col and flags & {bit}"
+                " else zero"
+            )
+    for r in range(MR):
+        L.append(f"        if rows > {r}:")
+        L.append(f"            s1 = scale[m0 + {r}] if flags & HAS_SCALE and not by_col else one")
+        L.append(f"            b1 = bias[m0 + {r}] if flags & HAS_BIAS and not by_col else zero1")
+        L.append(f"            sv = vsplat{s}(s1)")
+        L.append(f"            bv = vsplat{s}(b1)")
+        for v in range(nv):
+            y = acc[r][v]
+            L.append("            if by_col:")
+            L.append("                if flags & HAS_SCALE:")
+            L.append(f"                    {y} = vmul{s}({y}, sc{v})")
+            L.append("                if flags & HAS_BIAS:")
+            L.append(f"                    {y} = vadd{s}({y}, bi{v})")
+            L.append("            else:")
+            L.append(f"                {y} = vadd{s}(vmul{s}({y}, sv), bv)")
+            L.append("            if flags & HAS_RES:")
+            o = f"r0 + {r} * ldr + {v * lanes}"
+            L.append(f"                {y} = vadd{s}({y}, vload{s}(res, {o}))")
+            L.append("            if act == 1:")
+            L.append(f"                {y} = vmax{s}(zero, {y})")
+            L.append("            elif act == 3:")
+            L.append(f"                {y} = vmin{s}(vmax{s}({y}, lo), hi)")
+            L.append(f"            vstore{s}(c, c0 + {r} * ldc + {v * lanes}, {y})")
+    L.append("        return")
     L.append(f"    if cols == {nr}:")
     for r in range(MR):
         L.append(f"        if rows > {r}:")
@@ -194,18 +237,17 @@ def driver_source(lanes: int, nv: int) -> str:
     s = f"_{lanes}x{nv}"
     nr = lanes * nv
     narrow = []
+    call = (
+        "(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,\n"
+        f"                            t * kc * {nr}, {nr}, kc, acc, c, m0 * ldc + c_n, ldc, cols,\n"
+        "                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,\n"
+        "                            flags, act, a, b)"
+    )
     for k in range(1, nv):
         narrow.append(f"                    {'if' if k == 1 else 'elif'} nvv == {k}:")
-        narrow.append(
-            f"                        tile{k}v{s}(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,\n"
-            f"                                t * kc * {nr}, {nr}, kc, acc, c, m0 * ldc + c_n, ldc,"
-            " cols)"
-        )
+        narrow.append(f"                        tile{k}v{s}{call}")
     narrow.append("                    else:")
-    narrow.append(
-        f"                        tile{s}(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,\n"
-        f"                             t * kc * {nr}, {nr}, kc, acc, c, m0 * ldc + c_n, ldc, cols)"
-    )
+    narrow.append(f"                        tile{s}{call}")
     narrow = "\n".join(narrow)
     return f'''
 
@@ -247,6 +289,7 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, x
         _pack{s}(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + {nr - 1}) // {nr}):
                 c_n = n0 + t * {nr}
@@ -254,10 +297,11 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, x
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a {nr}-wide tile idle.
                 nvv = (cols + {lanes - 1}) // {lanes}
+                fused = fuse and cols == nvv * {lanes}  # whole vectors: in registers
                 for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
                     rows = min(MR, m_hi - m0)
 {narrow}
-                    if final and epilogue:
+                    if final and epilogue and not fused:
                         _epilogue{s}(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
                         if not vec_act:
@@ -460,6 +504,7 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
     # U[e] is already a packed panel when Co is one column block; wider rows are
     # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
     direct = co == {nr}
+    no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
         nt = min(tb, t_ - t0)
@@ -492,11 +537,11 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
                             if direct:
                                 tile{s}(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
                                         (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols)
+                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
                             else:
                                 tile{s}(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
                                         {nr}, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols)
+                                        cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
