@@ -20,6 +20,7 @@ from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
 from .binding import optional_inputs as _opt
+from .binding import up64
 from .cpu_abi import GEMM_XP_FLOATS, PER_COL
 from .native import K, kernel_threads
 from .registry import Bound, Kernel, Spec, register
@@ -28,10 +29,6 @@ F32 = np.dtype(np.float32)
 _DUMMY1 = np.zeros(1, np.float32)
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY3 = np.zeros((1, 1, 1), np.float32)
-
-
-def _up64(n: int) -> int:
-    return -(-n // 64) * 64  # buffers start on cache lines (the arena is 64-byte aligned)
 
 
 def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
@@ -77,7 +74,7 @@ def _gemm_xp_shape() -> tuple[int, int]:
 
 
 def _gemm_scratch_bytes() -> int:
-    return _up64(_nbytes(_gemm_xp_shape()))
+    return up64(_nbytes(_gemm_xp_shape()))
 
 
 def _gemm_slots(scratch: np.ndarray, off: int) -> tuple[np.ndarray, int]:
@@ -92,7 +89,7 @@ def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], a
     co, cg, kh, kw = wshape
     oh, ow = outs[0][2], outs[0][3]
     kk = cg * kh * kw
-    need = 0 if wdt == "f32" else _up64(_nbytes((co, kk)))  # decoded weights
+    need = 0 if wdt == "f32" else up64(_nbytes((co, kk)))  # decoded weights
     need += _gemm_scratch_bytes()
     if not _is_pointwise(wshape, attrs):
         need += _nbytes((kk, _band_rows(kk, oh, ow) * ow))  # im2col columns of one band
@@ -122,7 +119,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     # (ResNet-18 int8 took 103 ms that way against 71 for fp32)
     if w.dtype != F32:
         wf, _ = _f32_slot(scratch, off, (co, kk))
-        off += _up64(_nbytes((co, kk)))
+        off += up64(_nbytes((co, kk)))
         decode = _decoder(w2, wf)
         w2 = wf
     xp, off = _gemm_slots(scratch, off)
@@ -182,7 +179,7 @@ def _conv_nhwc_scratch(ins, outs, attrs) -> int:
     kh, kw, cg, co = wshape
     oh, ow = outs[0][1], outs[0][2]
     kk = kh * kw * cg
-    need = 0 if wdt == "f32" else _up64(_nbytes((kk, co)))  # decoded weights
+    need = 0 if wdt == "f32" else up64(_nbytes((kk, co)))  # decoded weights
     need += _gemm_scratch_bytes()
     if not _is_pointwise((co, cg, kh, kw), attrs):
         need += _nbytes((_band_rows(kk, oh, ow) * ow, kk))  # im2row rows of one band
@@ -208,7 +205,7 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     decode = None
     if w.dtype != F32:  # widened once per call, as in the channels-first conv
         wf, _ = _f32_slot(scratch, off, (kk, co))
-        off += _up64(_nbytes((kk, co)))
+        off += up64(_nbytes((kk, co)))
         decode = _decoder(w2, wf)
         w2 = wf
     w2 = _readonly(w2)
@@ -306,7 +303,7 @@ def _wino_layout(ushape, out_shape, attrs) -> tuple[list[tuple[str, tuple[int, .
 
 def _wino_scratch(ins, outs, attrs) -> int:
     bufs, _ = _wino_layout(ins[1][0], outs[0], attrs)
-    own = sum(_up64(_nbytes(shape)) for _, shape in bufs)
+    own = sum(up64(_nbytes(shape)) for _, shape in bufs)
     # A cpu-planned bundle also runs with --device cuda, whose kernel holds V and M of
     # the whole image: the plan reserves at least that (backend_cuda._wino_scratch).
     m, a2, co, ci, th, tw = _wino_dims(ins[1][0], outs[0], attrs)
@@ -320,7 +317,7 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     views, off = {}, 0
     for name, shape in bufs:
         views[name] = _f32_slot(scratch, off, shape)[0]
-        off += _up64(_nbytes(shape))
+        off += up64(_nbytes(shape))
     xt, yt, vb, mb, tmp = (views[k] for k in ("xt", "yt", "vb", "mb", "tmp"))
     xp = views["xp"][: max(1, min(GEMM_SLOTS, kernel_threads()))]  # one slot per thread
     m, tw = dims["m"], dims["tw"]

@@ -33,3 +33,9 @@ def epilogue_flags(bias, scale, res) -> int:
 
 def nbytes(shape: Sequence[int], itemsize: int = 4) -> int:
     return int(np.prod(shape)) * itemsize
+
+
+def up64(n: int) -> int:
+    """``n`` rounded up to a cache line: scratch buffers start on one (the arena is
+    64-byte aligned)."""
+    return -(-n // 64) * 64

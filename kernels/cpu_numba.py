@@ -198,20 +198,6 @@ def epilogue_row(row, s, bb, res_row, has_res, act, a, b):
     act_row(row, act, a, b)
 
 
-@njit(inline="always")
-def epilogue_at(c, m, n, k, bias, scale, res, flags, act, a, b):
-    """c[m, n] = act(c[m, n] * scale[k] + bias[k] [+ res[m, n]]): one element of a
-    channels-last output, k its channel."""
-    v = c[m, n]
-    if flags & HAS_SCALE:
-        v = v * scale[k]
-    if flags & HAS_BIAS:
-        v = v + bias[k]
-    if flags & HAS_RES:
-        v = v + res[m, n]
-    c[m, n] = act_scalar(v, act, a, b)
-
-
 @njit(parallel=True, cache=True)
 def epilogue_rows(y, bias, scale, res, flags, act, a, b):
     """In place on y[R, P]: per-row scale and bias, optional residual, activation."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .binding import nbytes, up64
+
 NHWC = "nhwc"
 TO_NCHW = (0, 3, 1, 2)
 TO_NHWC = (0, 2, 3, 1)
@@ -91,15 +93,12 @@ def adapt(
         shapes = [nchw(ins[i][0]) for i in activation_inputs(op, len(ins)) if ins[i] is not None]
         return shapes + ([nchw(outs[0])] if output_is_nhwc(op) else [])
 
-    def _up64(n: int) -> int:
-        return -(-n // 64) * 64
-
     def scratch(ins, outs, attrs: dict) -> int:
         if not is_nhwc(attrs):
             return scratch_fn(ins, outs, attrs)
         ins2, outs2 = specs_first(ins, outs)
-        own = _up64(scratch_fn(ins2, outs2, channels_first_attrs(attrs)))
-        return own + sum(_up64(4 * _prod(s)) for s in copies(ins, outs))
+        own = up64(scratch_fn(ins2, outs2, channels_first_attrs(attrs)))
+        return own + sum(up64(nbytes(s)) for s in copies(ins, outs))
 
     def bound(ins, outs, scr, attrs: dict):
         if not is_nhwc(attrs):
@@ -107,14 +106,14 @@ def adapt(
         a2 = channels_first_attrs(attrs)
         specs = [None if a is None else (tuple(a.shape), dtype_name(a.dtype)) for a in ins]
         ins2s, outs2s = specs_first(specs, [o.shape for o in outs])
-        off = _up64(scratch_fn(ins2s, outs2s, a2))
+        off = up64(scratch_fn(ins2s, outs2s, a2))
         ins2 = list(ins)
         pre = []  # steps filling the channels-first copies
         for i in activation_inputs(op, len(ins)):
             if ins[i] is None:
                 continue
             view, nxt = slot(scr, off, nchw(ins[i].shape))
-            off = _up64(nxt)
+            off = up64(nxt)
             pre.append(copier(view, ins[i].transpose(TO_NCHW)))
             ins2[i] = view
         if op in WEIGHT_IN_HWIO:
@@ -144,10 +143,3 @@ def adapt(
 
 def dtype_name(dt) -> str:
     return {"float32": "f32", "float16": "f16", "int8": "i8"}.get(str(dt), str(dt))
-
-
-def _prod(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
