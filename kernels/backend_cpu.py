@@ -83,16 +83,20 @@ def _gemm_slots(scratch: np.ndarray, off: int) -> tuple[np.ndarray, int]:
 
 
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
-    if layout.is_nhwc(attrs):
-        return _conv_nhwc_scratch(ins, outs, attrs)
+    """Decoded weights, the GEMM's packing slots and one band of im2col columns (or,
+    channels-last, im2row rows: the same bytes transposed)."""
     (wshape, wdt) = ins[1]
-    co, cg, kh, kw = wshape
-    oh, ow = outs[0][2], outs[0][3]
+    if layout.is_nhwc(attrs):
+        kh, kw, cg, co = wshape
+        oh, ow = outs[0][1], outs[0][2]
+    else:
+        co, cg, kh, kw = wshape
+        oh, ow = outs[0][2], outs[0][3]
     kk = cg * kh * kw
     need = 0 if wdt == "f32" else up64(_nbytes((co, kk)))  # decoded weights
     need += _gemm_scratch_bytes()
-    if not _is_pointwise(wshape, attrs):
-        need += _nbytes((kk, _band_rows(kk, oh, ow) * ow))  # im2col columns of one band
+    if not _is_pointwise((co, cg, kh, kw), attrs):
+        need += _nbytes((kk, _band_rows(kk, oh, ow) * ow))  # one band of columns / rows
     return need
 
 
@@ -172,18 +176,6 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 
 
 # --- conv, channels-last (rows of pixels x output channels) ----------------------
-
-
-def _conv_nhwc_scratch(ins, outs, attrs) -> int:
-    (wshape, wdt) = ins[1]
-    kh, kw, cg, co = wshape
-    oh, ow = outs[0][1], outs[0][2]
-    kk = kh * kw * cg
-    need = 0 if wdt == "f32" else up64(_nbytes((kk, co)))  # decoded weights
-    need += _gemm_scratch_bytes()
-    if not _is_pointwise((co, cg, kh, kw), attrs):
-        need += _nbytes((_band_rows(kk, oh, ow) * ow, kk))  # im2row rows of one band
-    return need
 
 
 def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
