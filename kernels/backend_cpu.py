@@ -82,6 +82,21 @@ def _gemm_slots(scratch: np.ndarray, off: int) -> tuple[np.ndarray, int]:
     return _f32_slot(scratch, off, _gemm_xp_shape())[0], off + _gemm_scratch_bytes()
 
 
+def _gemm_operands(w2: np.ndarray, scratch: np.ndarray):
+    """(float32 weights, decode step or None, GEMM slots, next scratch offset) of a conv:
+    int8/fp16 weights are widened into the front of scratch once per call (the GEMM
+    could read int8 directly, but widening each broadcast costs 3 instructions in its
+    inner loop: ResNet-18 int8 took 103 ms that way against 71 for fp32)."""
+    off, decode = 0, None
+    if w2.dtype != F32:
+        wf, _ = _f32_slot(scratch, 0, w2.shape)
+        off = up64(_nbytes(w2.shape))
+        decode = _decoder(w2, wf)
+        w2 = wf
+    xp, off = _gemm_slots(scratch, off)
+    return w2, decode, xp[: max(1, min(GEMM_SLOTS, kernel_threads()))], off  # a slot a thread
+
+
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
     """Decoded weights, the GEMM's packing slots and one band of im2col columns (or,
     channels-last, im2row rows: the same bytes transposed)."""
@@ -115,19 +130,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
-    off = 0
-    w2 = w.reshape(co, kk)
-    decode = None
-    # int8/fp16 weights are widened into scratch once per call: the GEMM could read int8
-    # directly, but widening each broadcast costs 3 instructions in its inner loop
-    # (ResNet-18 int8 took 103 ms that way against 71 for fp32)
-    if w.dtype != F32:
-        wf, _ = _f32_slot(scratch, off, (co, kk))
-        off += up64(_nbytes((co, kk)))
-        decode = _decoder(w2, wf)
-        w2 = wf
-    xp, off = _gemm_slots(scratch, off)
-    xp = xp[: max(1, min(GEMM_SLOTS, kernel_threads()))]  # one slot per thread
+    w2, decode, xp, off = _gemm_operands(w.reshape(co, kk), scratch)
     pointwise = _is_pointwise(w.shape, attrs)
     band = _band_rows(kk, oh, ow)
     cols_flat = None if pointwise else _f32_slot(scratch, off, (kk * band * ow,))[0]
@@ -192,17 +195,8 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
-    off = 0
-    w2 = w.reshape(kk, co)
-    decode = None
-    if w.dtype != F32:  # widened once per call, as in the channels-first conv
-        wf, _ = _f32_slot(scratch, off, (kk, co))
-        off += up64(_nbytes((kk, co)))
-        decode = _decoder(w2, wf)
-        w2 = wf
+    w2, decode, xp, off = _gemm_operands(w.reshape(kk, co), scratch)
     w2 = _readonly(w2)
-    xp, off = _gemm_slots(scratch, off)
-    xp = xp[: max(1, min(GEMM_SLOTS, kernel_threads()))]
     pointwise = _is_pointwise((co, cg, kh, kw), attrs)
     band = _band_rows(kk, oh, ow)
     rows_flat = None if pointwise else _f32_slot(scratch, off, (band * ow * kk,))[0]
