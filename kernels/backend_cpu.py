@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import layout, winograd
+from . import layout, mbconv, winograd
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
@@ -639,6 +639,109 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
     return step
 
 
+# --- mbconv: pointwise -> depthwise -> pointwise, in bands of output rows -----------
+
+
+def _mbconv_slots(specs: Sequence[Spec | None], y_shape, attrs: dict) -> list:
+    """(name, float32 shape) of each scratch buffer, in order: widened weights, the GEMM's
+    packing slots, then one band of the expanded rows (E) and of the depthwise output
+    (D). Scratch and bind both lay scratch out from this list."""
+    a = _opt(specs, mbconv.N_INPUTS)
+    _, h, w, _ = a[mbconv.X][0]
+    kh, _, _, ce = a[mbconv.WD][0]
+    _, oh, ow, _ = y_shape
+    rows = min(int(attrs["band"]), oh)
+    out = []
+    for i, name in ((mbconv.WE, "we"), (mbconv.WD, "wd"), (mbconv.WP, "wp")):
+        if a[i] is not None and a[i][1] != "f32" and (name != "wd" or a[i][1] == "f16"):
+            out.append((name, tuple(a[i][0])))  # int8 depthwise weights widen in-kernel
+    out.append(("xp", _gemm_xp_shape()))
+    if a[mbconv.WE] is not None:
+        out.append(("e", (min(h, mbconv.dw_rows_in(rows, attrs["dw"], kh)), w, ce)))
+    out.append(("d", (rows, ow, ce)))
+    return out
+
+
+def _mbconv_scratch(ins, outs, attrs) -> int:
+    return sum(up64(_nbytes(shape)) for _, shape in _mbconv_slots(ins, outs[0], attrs))
+
+
+def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
+    a = _opt(ins, mbconv.N_INPUTS)
+    x, y, res = a[mbconv.X], outs[0], a[mbconv.RES]
+    specs = [None if t is None else (tuple(t.shape), layout.dtype_name(t.dtype)) for t in a]
+    views, off = {}, 0
+    for name, shape in _mbconv_slots(specs, y.shape, attrs):
+        views[name] = _f32_slot(scratch, off, shape)[0]
+        off += up64(_nbytes(shape))
+    decodes = []
+
+    def widened(w: np.ndarray, name: str) -> np.ndarray:
+        if name not in views:
+            return w
+        decodes.append(_decoder(w, views[name]))
+        return views[name]
+
+    def pointwise(w: np.ndarray, name: str) -> np.ndarray:  # HWIO [1, 1, K, N] -> [K, N]
+        return _readonly(widened(w, name).reshape(w.shape[2], w.shape[3]))
+
+    def epilogue(bias, scale, r, sub: dict) -> tuple:
+        return (
+            bias if bias is not None else _DUMMY1,
+            scale if scale is not None else _DUMMY1,
+            _flags(bias, scale, r),
+            *_act(sub),
+        )
+
+    expand, dwin, proj = mbconv.parts(a)
+    we = None if expand is None else pointwise(expand[1], "we")
+    ep_e = None if expand is None else epilogue(expand[2], expand[3], None, attrs["expand"])
+    wd = widened(dwin[1], "wd")
+    ep_d = epilogue(dwin[2], dwin[3], None, attrs["dw"])
+    wp = pointwise(proj[1], "wp")
+    ep_p = epilogue(proj[2], proj[3], res, attrs["project"])
+    xp = views["xp"][: max(1, min(GEMM_SLOTS, kernel_threads()))]
+    da = attrs["dw"]
+    sh, sw = da["strides"]
+    pt, pl, _, _ = da["pads"]
+    dh, dw = da["dilations"]
+    kh = dwin[1].shape[0]
+    n_, h, _, ci = x.shape
+    _, oh, _, co = y.shape
+    ce = dwin[1].shape[3]
+    band = min(int(attrs["band"]), oh)
+    bands = []  # (expand's input rows or None, E band, D band, output rows, residual, top pad)
+    for n in range(n_):
+        for oy0 in range(0, oh, band):
+            r = min(band, oh - oy0)
+            lo = max(0, oy0 * sh - pt)  # first image row the band's depthwise taps read
+            hi = min(h, oy0 * sh - pt + mbconv.dw_rows_in(r, da, kh))
+            if expand is None:
+                xin, e = None, x[n, lo:hi]
+            else:
+                xin, e = _readonly(x[n, lo:hi].reshape(-1, ci)), views["e"][: hi - lo]
+            d = views["d"][:r]
+            yb = y[n, oy0 : oy0 + r].reshape(-1, co)
+            rb = _DUMMY2 if res is None else res[n, oy0 : oy0 + r].reshape(-1, co)
+            bands.append((xin, e, d, _readonly(d.reshape(-1, ce)), yb, rb, lo + pt - oy0 * sh))
+    gemm, dwk = K.gemm, K.dwconv_nhwc
+    pc = PER_COL
+
+    def step() -> None:
+        for decode in decodes:
+            decode()
+        for xin, e, d, d2, yb, rb, ptb in bands:
+            if xin is not None:
+                b_, s_, f_, act, lo_, hi_ = ep_e
+                gemm(xin, we, e.reshape(-1, ce), b_, s_, _DUMMY2, f_ | pc, act, lo_, hi_, xp)
+            b_, s_, f_, act, lo_, hi_ = ep_d
+            dwk(e, wd, b_, s_, _DUMMY3, d, sh, sw, ptb, pl, dh, dw, f_, act, lo_, hi_)
+            b_, s_, f_, act, lo_, hi_ = ep_p
+            gemm(d2, wp, yb, b_, s_, rb, f_ | pc, act, lo_, hi_, xp)
+
+    return step
+
+
 def _with_cuda_room(op: str, scratch):
     """A channels-last node's scratch, at least what the cuda kernel takes for it: a
     cpu-planned bundle also runs with --device cuda (kernels/layout.adapt there)."""
@@ -656,7 +759,7 @@ def _with_cuda_room(op: str, scratch):
 
 def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
     scratch = scratch or (lambda i, o, a: 0)
-    if op in layout.LAYOUT_OPS:  # these binds compute channels-last nodes themselves
+    if op in (*layout.LAYOUT_OPS, "mbconv"):  # these binds compute channels-last nodes
         scratch = _with_cuda_room(op, scratch)
     k = Kernel(f"cpu.{op}", bind, scratch, accepts or (lambda a: True))
     register(op, dtypes, "cpu", k)
@@ -673,6 +776,8 @@ def _conv_takes(attrs: dict) -> bool:
 _cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes)
 _cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
 _cpu("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
+# every weight dtype, and mixes of them (the registry keys fused nodes as f32)
+_cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
 _cpu("linear", _bind_linear, _ALL_W, _linear_scratch)
 _cpu("matmul", _bind_matmul)
 _cpu("binary", _bind_binary)

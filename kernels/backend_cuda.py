@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import layout, winograd
+from . import layout, mbconv, winograd
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
@@ -519,6 +519,9 @@ _ALL_W = ("f32", "f16", "i8")
 _cuda("conv", _bind_conv, _ALL_W, _conv_scratch)
 _cuda("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 _cuda("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
+# cpu-planned only (packager/mbconv.py): the three convs on whole intermediates
+_mb_bind, _mb_scratch = mbconv.composed("cuda", _f32_slot)
+_cuda("mbconv", _mb_bind, ("f32",), _mb_scratch)
 _cuda("linear", _bind_linear, _ALL_W, _linear_scratch)
 _cuda("matmul", _bind_matmul)
 _cuda("binary", _bind_binary)

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import layout
 from .activations import apply_act_ref
+from .mbconv import parts as mbconv_parts
 from .winograd import untransform_weights
 
 Array = np.ndarray
@@ -207,6 +208,15 @@ def _any_layout(op: str, fn: RefFn) -> RefFn:
     return run
 
 
+def mbconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """The fused pointwise -> depthwise -> pointwise chain (kernels/mbconv.py): the
+    three convs one after the other, whole."""
+    expand, dw, project = mbconv_parts(inputs)
+    x = dw[0] if expand is None else REFERENCE["conv"](expand, attrs["expand"])
+    d = REFERENCE["dwconv"]([x, *dw[1:]], attrs["dw"])
+    return REFERENCE["conv"]([d, *project[1:]], attrs["project"])
+
+
 REFERENCE: dict[str, RefFn] = {
     "conv": conv,
     "dwconv": conv,
@@ -225,6 +235,7 @@ REFERENCE: dict[str, RefFn] = {
     "concat": concat,
     "reduce_mean": reduce_mean,
     "pad": pad,
+    "mbconv": mbconv,
 }
 for _op in layout.LAYOUT_OPS:
     REFERENCE[_op] = _any_layout(_op, REFERENCE[_op])

@@ -19,6 +19,7 @@ from .fuse import optimise
 from .ir import Graph, PackError
 from .layout import choose_layouts
 from .manifest import make_manifest
+from .mbconv import fuse_mbconv
 from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
 from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
@@ -142,6 +143,9 @@ def build(
     n_last = choose_layouts(q, backends, layout)
     if n_last:
         log(f"      {n_last} op(s) run channels-last (NHWC)")
+    n_chains = fuse_mbconv(q, backends)
+    if n_chains:
+        log(f"      {n_chains} pointwise-depthwise-pointwise chain(s) run in bands of rows")
     stage(4, "plan memory")
     plan = plan_memory(q, backends)
     log(
@@ -162,6 +166,7 @@ def build(
         # in the same order.
         g = copy.deepcopy(g)
         choose_layouts(g, backends, layout)
+        fuse_mbconv(g, backends)
         ref_plan = plan_memory(g)
         # On the host: the packager needs no GPU, and a cuda plan's recorded cpu
         # fallbacks compute the same function (checked kernel by kernel in the tests).

@@ -56,6 +56,7 @@ TOL: dict[str, tuple[float, float]] = {
     "concat": (0.0, 0.0),
     "reduce_mean": (1e-5, 1e-6),
     "pad": (0.0, 0.0),
+    "mbconv": (2e-4, 2e-4),  # three convs in a row
 }
 
 # Sensible act_args per activation (a, b); clip bounds sit inside N(0, 1) so both bite.
@@ -159,6 +160,65 @@ def conv_case(
         return [x, wq, b, scale, r], attrs
 
     return Case(name, make, const=(1, 2, 3))
+
+
+def mbconv_case(
+    name: str,
+    *,
+    n: int = 1,
+    c: int = 8,
+    hw: tuple[int, int] = (9, 9),
+    ce: int = 24,
+    co: int = 8,
+    k: int = 3,
+    s: int = 1,
+    expand: bool = True,
+    res: bool = False,
+    bias: bool = True,
+    band: int = 2,
+    acts: tuple[str, str, str] = ("clip", "clip", "none"),
+    dts: tuple[str | None, str | None, str | None] = (None, None, None),
+) -> Case:
+    """A channels-last pointwise -> depthwise -> pointwise chain (kernels/mbconv.py).
+    ``dts`` overrides the weight dtype per conv (None: the test's), as the packager's
+    min_weights rule mixes them."""
+    p = (k - 1) // 2
+
+    def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
+        def conv(ci: int, co_: int, kk: int, g: int, which: int) -> list:
+            w = _randn(rng, co_, ci // g, kk, kk, scale=1.0 / np.sqrt(ci // g * kk * kk))
+            wq, scale = _store_weight(w, dts[which] or dt)
+            b = _randn(rng, co_, scale=0.5) if bias else None
+            return [np.ascontiguousarray(wq.transpose(layout.HWIO_FROM_OIHW)), b, scale]
+
+        def sub(act: str, **kw) -> dict:
+            return {
+                "strides": [1, 1],
+                "pads": [0, 0, 0, 0],
+                "dilations": [1, 1],
+                "group": 1,
+                "act": act,
+                "act_args": list(ACT_ARGS[act]),
+                "layout": layout.NHWC,
+                **kw,
+            }
+
+        x = _randn(rng, n, *hw, c if expand else ce)
+        oh, ow = _conv_out(hw, (k, k), (s, s), (p,) * 4, (1, 1))
+        ins = [x, *(conv(c, ce, 1, 1, 0) if expand else [None] * 3)]
+        ins += conv(ce, ce, k, ce, 1) + conv(ce, co, 1, 1, 2)
+        ins.append(_randn(rng, n, oh, ow, co) if res else None)
+        attrs = {
+            "layout": layout.NHWC,
+            "dw": sub(acts[1], strides=[s, s], pads=[p] * 4, group=ce),
+            "project": sub(acts[2]),
+            "band": band,
+        }
+        if expand:
+            attrs["expand"] = sub(acts[0])
+        return ins, attrs
+
+    return Case(name, make, const=tuple(range(1, 10)))
 
 
 def wino_case(name: str, m: int, **kw) -> Case:
@@ -624,6 +684,24 @@ CASES["global_avgpool"] += _nhwc_of(
     "global_avgpool", CASES["global_avgpool"], ("n2_c3_7x5", "1x1", "c8_3x3")
 )
 
+# Bands: partial last band, stride 2 (bands overlap by one input row), a 5x5 depthwise
+# (two), one band for the whole image, no expand (bands are views of the input).
+CASES["mbconv"] = [
+    mbconv_case("s1_res_band2", res=True),
+    mbconv_case("s2_10x11_band3", hw=(10, 11), s=2, band=3),
+    mbconv_case("k5_s2_band1", hw=(11, 8), k=5, s=2, band=1),
+    mbconv_case("k5_s1_res_band4", k=5, res=True, band=4, acts=("relu", "hard_swish", "none")),
+    mbconv_case("one_band", band=100),
+    mbconv_case("no_expand_band4", expand=False, band=4, co=5),
+    mbconv_case("no_expand_s2_clip", expand=False, s=2, band=2, acts=("none", "relu", "clip")),
+    mbconv_case("batch2_res", n=2, res=True, band=3),
+    mbconv_case("odd_channels", c=5, ce=40, co=23, hw=(7, 6), band=3),
+    mbconv_case("nobias", bias=False, band=4),
+    mbconv_case("mixed_i8_f32_i8", dts=("i8", "f32", "i8"), res=True),
+    mbconv_case("f16_dw", dts=("f32", "f16", "f32"), s=2),
+    mbconv_case("i8_all", dts=("i8", "i8", "i8"), band=3),
+]
+
 
 CPU_KEYS = sorted(k for k in registry.KERNELS if k[2] == "cpu")
 CUDA_KEYS = sorted(k for k in registry.KERNELS if k[2] == "cuda")
@@ -940,6 +1018,11 @@ OPSET = 17
 
 
 def _ort_run(node, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]) -> np.ndarray:
+    return _ort_graph([node], feeds, inits)
+
+
+def _ort_graph(nodes, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]) -> np.ndarray:
+    """ORT's output of a graph of ``nodes`` (the last one's first output)."""
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper, numpy_helper
@@ -948,10 +1031,10 @@ def _ort_run(node, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]) -
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(a.shape))
 
     graph = helper.make_graph(
-        [node],
-        "one_node",
+        nodes,
+        "under_test",
         [vi(n, a) for n, a in feeds.items()],
-        [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)],
         initializer=[numpy_helper.from_array(a, n) for n, a in inits.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
@@ -1082,3 +1165,60 @@ def test_cuda_pad_reflect_and_edge(case: Case) -> None:
         == "cuda"
     )
     _check_kernel("cuda", DevMem(), "pad", "f32", case)
+
+
+_ONNX_ACT = {"none": None, "relu": "Relu", "hard_swish": "HardSwish", "clip": "Clip"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in CASES["mbconv"]
+        if c.name in ("s1_res_band2", "k5_s1_res_band4", "no_expand_s2_clip")
+    ],
+    ids=lambda c: c.name,
+)
+def test_reference_mbconv_matches_onnxruntime(case: Case) -> None:
+    """The fused chain's reference against ORT running the three Conv nodes (channels
+    first, activations as their own nodes, the residual as an Add)."""
+    from onnx import helper
+
+    ins, attrs = case.make(_rng("ort", "mbconv", case.name), "f32")
+    nodes, inits, cur = [], {}, "x"
+    convs = [("expand", 1), ("dw", 4), ("project", 7)]
+    for tag, i in convs:
+        if ins[i] is None:
+            continue
+        sub = attrs[tag]
+        w = np.ascontiguousarray(ins[i].transpose(layout.OIHW_FROM_HWIO))
+        inits[f"w_{tag}"], inits[f"b_{tag}"] = w, ins[i + 1]
+        nodes.append(
+            helper.make_node(
+                "Conv",
+                [cur, f"w_{tag}", f"b_{tag}"],
+                [f"{tag}_conv"],
+                kernel_shape=list(w.shape[2:]),
+                strides=sub["strides"],
+                pads=sub["pads"],
+                group=sub["group"],
+            )
+        )
+        cur = f"{tag}_conv"
+        act = _ONNX_ACT[sub["act"]]
+        if act == "Clip":
+            lo, hi = sub["act_args"]
+            inits[f"lo_{tag}"], inits[f"hi_{tag}"] = np.float32(lo), np.float32(hi)
+            nodes.append(helper.make_node("Clip", [cur, f"lo_{tag}", f"hi_{tag}"], [f"{tag}_act"]))
+            cur = f"{tag}_act"
+        elif act:
+            nodes.append(helper.make_node(act, [cur], [f"{tag}_act"]))
+            cur = f"{tag}_act"
+    feeds = {"x": np.ascontiguousarray(ins[0].transpose(layout.TO_NCHW))}
+    if ins[10] is not None:
+        feeds["r"] = np.ascontiguousarray(ins[10].transpose(layout.TO_NCHW))
+        nodes.append(helper.make_node("Add", [cur, "r"], ["with_res"]))
+        cur = "with_res"
+    nodes.append(helper.make_node("Identity", [cur], ["y"]))
+    got_ort = _ort_graph(nodes, feeds, inits).transpose(layout.TO_NHWC)
+    _compare_ref(R.REFERENCE["mbconv"](ins, attrs), got_ort, 1e-4, 1e-4)

@@ -1,0 +1,126 @@
+"""``mbconv``: a pointwise -> depthwise -> pointwise conv chain run as one node
+(MobileNet's inverted residual block; packager/mbconv.py forms it).
+
+Unfused, the 6x-expanded tensor between the convs went to memory and back twice:
+MobileNetV2's first blocks hold 2-5 MB there, more than L2. Fused, the cpu kernel runs
+the chain in bands of output rows, so a band's expanded rows are still in cache when
+the depthwise conv and the projection read them (docs/cpu-kernels.md, "Banded
+chains").
+
+Inputs, in order (absent optional ones ""): ``x, we, be, se`` (the expand conv:
+activation, weights, bias, int8 scale; all absent for a chain without one),
+``wd, bd, sd`` (the depthwise conv), ``wp, bp, sp`` (the projection), ``res`` (the
+block's residual, added by the projection). Every activation and weight is in the
+channels-last layout (kernels/layout.py). Attributes: ``expand`` (absent without one),
+``dw`` and ``project`` hold the original convs' attributes; ``band`` the output rows
+per band, chosen by the packager.
+
+Here: splitting the inputs, the intermediate shapes, and ``composed``, which runs the
+three convs one after the other on whole intermediates in scratch, from any backend's
+kernels (the cuda backend uses it; the cpu one bands).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .binding import nbytes, optional_inputs, up64
+from .layout import dtype_name
+
+N_INPUTS = 11
+X, WE, WD, WP, RES = 0, 1, 4, 7, 10
+
+
+def parts(ins: Sequence) -> tuple[list | None, list, list]:
+    """(expand, depthwise, projection) inputs of each conv, with ``None`` standing for
+    the activation each takes from the one before; expand is None without one."""
+    a = optional_inputs(ins, N_INPUTS)
+    expand = None if a[WE] is None else [a[X], *a[WE : WE + 3]]
+    first = a[X] if expand is None else None
+    return expand, [first, *a[WD : WD + 3]], [None, *a[WP : WP + 3], a[RES]]
+
+
+def dw_rows_in(rows_out: int, attrs: dict, kh: int) -> int:
+    """Input rows the depthwise conv reads for ``rows_out`` output rows."""
+    sh, dh = attrs["strides"][0], attrs["dilations"][0]
+    return (rows_out - 1) * sh + (kh - 1) * dh + 1
+
+
+def intermediate_shapes(
+    x_shape: Sequence[int], wd_shape: Sequence[int], y_shape: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the expanded tensor E (the depthwise conv's input) and of the depthwise
+    conv's output D, channels-last. Depthwise weights are HWIO: ``[kh, kw, 1, C]``."""
+    n, h, w, _ = x_shape
+    ce = wd_shape[3]
+    return (n, h, w, ce), (n, y_shape[1], y_shape[2], ce)
+
+
+def composed(
+    backend: str, slot: Callable[[Any, int, tuple[int, ...]], tuple[Any, int]]
+) -> tuple[Callable, Callable]:
+    """(bind, scratch) running the chain as ``backend``'s three conv kernels, with E and
+    D whole in scratch (then each kernel's own scratch, reused by all three)."""
+    from .registry import KERNELS
+
+    def kernels(specs: Sequence) -> list:
+        a = optional_inputs(specs, N_INPUTS)
+        dt = [None if a[i] is None else a[i][1] for i in (WE, WD, WP)]
+        return [
+            None if dt[0] is None else KERNELS[("conv", dt[0], backend)],
+            KERNELS[("dwconv", dt[1], backend)],
+            KERNELS[("conv", dt[2], backend)],
+        ]
+
+    def layout_of(ins_shapes: Sequence, y_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        a = optional_inputs(ins_shapes, N_INPUTS)
+        return intermediate_shapes(a[X], a[WD], y_shape)
+
+    def sub_specs(specs, outs, attrs):
+        e, d = layout_of([None if s is None else s[0] for s in specs], outs[0])
+        pe, pd, pp = parts(specs)
+        subs = []
+        if pe is not None:
+            subs.append((pe, [e], attrs["expand"]))
+        pd = [(e, "f32") if pd[0] is None else pd[0], *pd[1:]]
+        subs.append((pd, [d], attrs["dw"]))
+        subs.append(([(d, "f32"), *pp[1:]], [outs[0]], attrs["project"]))
+        return e, d, subs
+
+    def scratch(specs, outs, attrs: dict) -> int:
+        e, d, subs = sub_specs(specs, outs, attrs)
+        ks = [k for k in kernels(specs) if k is not None]
+        own = max(k.scratch(s, o, a) for k, (s, o, a) in zip(ks, subs, strict=True))
+        has_e = optional_inputs(specs, N_INPUTS)[WE] is not None
+        return (up64(nbytes(e)) if has_e else 0) + up64(nbytes(d)) + up64(own)
+
+    def bind(ins, outs, scr, attrs: dict):
+        specs = [None if a is None else (tuple(a.shape), dtype_name(a.dtype)) for a in ins]
+        e_shape, d_shape, subs = sub_specs(specs, [o.shape for o in outs], attrs)
+        pe, pd, pp = parts(ins)
+        off = 0
+        e = None
+        if pe is not None:
+            e, off = slot(scr, 0, e_shape)
+            off = up64(off)
+        d, off = slot(scr, off, d_shape)
+        rest = scr[up64(off) :]
+        ks = [k for k in kernels(specs) if k is not None]
+        arrays = []
+        if pe is not None:
+            arrays.append((pe, [e]))
+        arrays.append(([e if pd[0] is None else pd[0], *pd[1:]], [d]))
+        arrays.append(([d, *pp[1:]], outs))
+        steps = [
+            k.bind(i, o, rest, a)
+            for k, (i, o), (_, _, a) in zip(ks, arrays, subs, strict=True)
+        ]
+
+        def run() -> None:
+            for s in steps:
+                s()
+
+        return run
+
+    return bind, scratch

@@ -1,0 +1,121 @@
+"""Fuse pointwise -> depthwise -> pointwise conv chains into one ``mbconv`` node
+(kernels/mbconv.py), which the cpu backend runs in bands of output rows.
+
+MobileNet's inverted residual blocks expand a thin tensor 6x with a 1x1 conv, run a
+depthwise conv on it and project it back with another 1x1 conv. Run node by node, the
+expanded tensor (4.8 MB in MobileNetV2's first block) and the depthwise output go to
+memory and are read back; in bands, each band's rows are still in L2 when the next
+conv reads them. Only worth it where those tensors outgrow the cache: smaller chains
+keep their three nodes (in bands they only add calls).
+
+Runs after the layout pass, on channels-last nodes, so only on cpu-first targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..kernels import layout as L
+from ..kernels import mbconv as M
+from .ir import Graph, Node
+
+# A chain is fused when the tensor it keeps out of memory (the expanded one, or the
+# depthwise output without an expand conv) is at least this big.
+FUSE_MIN_BYTES = 1 << 20
+# A band's expanded rows plus its depthwise output rows (256, 512, 768 and 1024 KB
+# measured on MobileNetV2: 768 was fastest, 256 slowest by 7%).
+BAND_BYTES = 768 * 1024
+
+
+def _pointwise(node: Node, g: Graph) -> bool:
+    if node.op != "conv" or not L.is_nhwc(node.attrs) or node.attrs.get("group", 1) != 1:
+        return False
+    w = g.consts.get(node.inputs[1])
+    return (
+        w is not None
+        and w.shape[:2] == (1, 1)
+        and list(node.attrs["strides"]) == [1, 1]
+        and not any(node.attrs["pads"])
+    )
+
+
+def _has_residual(node: Node) -> bool:
+    return len(node.inputs) > L.RESIDUAL_INPUT and bool(node.inputs[L.RESIDUAL_INPUT])
+
+
+def band_rows(e_shape: Sequence[int], d_shape: Sequence[int], attrs: dict, kh: int) -> int:
+    """Output rows per band: as many as keep a band's E and D rows within BAND_BYTES."""
+    _, h, w, ce = e_shape
+    _, oh, ow, _ = d_shape
+    best = 1
+    for rows in range(1, oh + 1):
+        e_rows = min(h, M.dw_rows_in(rows, attrs, kh))
+        if (e_rows * w + rows * ow) * ce * 4 > BAND_BYTES:
+            break
+        best = rows
+    return best
+
+
+def fuse_mbconv(g: Graph, backends: Sequence[str]) -> int:
+    """Fuse the chains that qualify, in place; returns how many."""
+    if not backends or backends[0] != "cpu":
+        return 0
+    consumers = g.consumers()
+    producer = g.producer()
+    outputs = set(g.outputs)
+
+    def only_into(t: str, node: Node) -> bool:
+        users = consumers.get(t, [])
+        return t not in outputs and len(users) == 1 and users[0] is node
+
+    def padded(node: Node, n: int) -> list[str]:
+        return (list(node.inputs) + [""] * n)[:n]
+
+    fused: dict[int, Node] = {}  # id of the projection -> the fused node
+    gone: set[int] = set()
+    for dw in g.nodes:
+        if dw.op != "dwconv" or not L.is_nhwc(dw.attrs) or _has_residual(dw):
+            continue
+        users = consumers.get(dw.outputs[0], [])
+        if len(users) != 1 or not _pointwise(users[0], g) or not only_into(dw.outputs[0], users[0]):
+            continue
+        proj = users[0]
+        exp = producer.get(dw.inputs[0])
+        if exp is not None and not (
+            id(exp) not in gone  # the projection of the chain before
+            and _pointwise(exp, g) and not _has_residual(exp) and only_into(dw.inputs[0], dw)
+        ):
+            exp = None
+        e_shape, d_shape = g.shapes[dw.inputs[0]], g.shapes[dw.outputs[0]]
+        kept = e_shape if exp is not None else d_shape  # what stays out of memory
+        if int(np.prod(kept)) * 4 < FUSE_MIN_BYTES:
+            continue
+        kh = g.consts[dw.inputs[1]].shape[0]
+        attrs = {
+            "layout": L.NHWC,
+            "dw": dict(dw.attrs),
+            "project": dict(proj.attrs),
+            "band": band_rows(e_shape, d_shape, dw.attrs, kh),
+        }
+        if exp is not None:
+            attrs["expand"] = dict(exp.attrs)
+            head = [exp.inputs[0], *padded(exp, 4)[1:]]
+        else:
+            head = [dw.inputs[0], "", "", ""]
+        inputs = head + padded(dw, 4)[1:] + padded(proj, 5)[1:]
+        chain = [n for n in (exp, dw, proj) if n is not None]
+        fused[id(proj)] = Node(
+            "mbconv",
+            f"{chain[0].name}..{proj.name}",
+            inputs,
+            list(proj.outputs),
+            attrs,
+            [s for n in chain for s in n.sources],
+        )
+        gone.update(id(n) for n in chain)
+        for n in chain[:-1]:
+            del g.shapes[n.outputs[0]]
+    g.nodes = [fused.get(id(n), n) for n in g.nodes if id(n) not in gone or id(n) in fused]
+    return len(fused)
