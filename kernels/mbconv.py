@@ -113,8 +113,7 @@ def composed(
         arrays.append(([e if pd[0] is None else pd[0], *pd[1:]], [d]))
         arrays.append(([d, *pp[1:]], outs))
         steps = [
-            k.bind(i, o, rest, a)
-            for k, (i, o), (_, _, a) in zip(ks, arrays, subs, strict=True)
+            k.bind(i, o, rest, a) for k, (i, o), (_, _, a) in zip(ks, arrays, subs, strict=True)
         ]
 
         def run() -> None:

@@ -85,7 +85,9 @@ def fuse_mbconv(g: Graph, backends: Sequence[str]) -> int:
         exp = producer.get(dw.inputs[0])
         if exp is not None and not (
             id(exp) not in gone  # the projection of the chain before
-            and _pointwise(exp, g) and not _has_residual(exp) and only_into(dw.inputs[0], dw)
+            and _pointwise(exp, g)
+            and not _has_residual(exp)
+            and only_into(dw.inputs[0], dw)
         ):
             exp = None
         e_shape, d_shape = g.shapes[dw.inputs[0]], g.shapes[dw.outputs[0]]
