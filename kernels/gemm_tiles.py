@@ -14,8 +14,8 @@ one cache set: conv planes have strides near multiples of 4 KB); each micro-kern
 call multiplies MR=6 weight rows (broadcast straight from w, no packing: within 5% of
 packed weights, and the bundle stays in its plain layout) with one packed tile into
 MR x NV vector accumulators, then applies the epilogue in registers and stores once.
-Partial tiles (N not a multiple of NR) load and store their last vectors lane by
-lane. Each output element is one
+Partial tiles (N not a multiple of NR) load and store their last vector with a mask
+(simd's vload_n/vstore_n). Each output element is one
 fma chain over k in order, so every tile shape gives bit-identical results.
 
 Scratch: ``xp`` (workers, cpu_abi.GEMM_XP_FLOATS) float32: one slot per parallel
@@ -52,8 +52,8 @@ vsub_16x4 = _ops_16x4.vsub
 vmul_16x4 = _ops_16x4.vmul
 vmax_16x4 = _ops_16x4.vmax
 vmin_16x4 = _ops_16x4.vmin
-vinsert_16x4 = _ops_16x4.vinsert
-vextract_16x4 = _ops_16x4.vextract
+vload_n_16x4 = _ops_16x4.vload_n
+vstore_n_16x4 = _ops_16x4.vstore_n
 sload_16x4 = _ops_16x4.sload
 sstore_16x4 = _ops_16x4.sstore
 
@@ -69,8 +69,8 @@ vsub_8x2 = _ops_8x2.vsub
 vmul_8x2 = _ops_8x2.vmul
 vmax_8x2 = _ops_8x2.vmax
 vmin_8x2 = _ops_8x2.vmin
-vinsert_8x2 = _ops_8x2.vinsert
-vextract_8x2 = _ops_8x2.vextract
+vload_n_8x2 = _ops_8x2.vload_n
+vstore_n_8x2 = _ops_8x2.vstore_n
 sload_8x2 = _ops_8x2.sload
 sstore_8x2 = _ops_8x2.sstore
 
@@ -86,8 +86,8 @@ vsub_4x2 = _ops_4x2.vsub
 vmul_4x2 = _ops_4x2.vmul
 vmax_4x2 = _ops_4x2.vmax
 vmin_4x2 = _ops_4x2.vmin
-vinsert_4x2 = _ops_4x2.vinsert
-vextract_4x2 = _ops_4x2.vextract
+vload_n_4x2 = _ops_4x2.vload_n
+vstore_n_4x2 = _ops_4x2.vstore_n
 sload_4x2 = _ops_4x2.sload
 sstore_4x2 = _ops_4x2.sstore
 
@@ -103,8 +103,8 @@ vsub_4x4 = _ops_4x4.vsub
 vmul_4x4 = _ops_4x4.vmul
 vmax_4x4 = _ops_4x4.vmax
 vmin_4x4 = _ops_4x4.vmin
-vinsert_4x4 = _ops_4x4.vinsert
-vextract_4x4 = _ops_4x4.vextract
+vload_n_4x4 = _ops_4x4.vload_n
+vstore_n_4x4 = _ops_4x4.vstore_n
 sload_4x4 = _ops_4x4.sload
 sstore_4x4 = _ops_4x4.sstore
 
@@ -179,127 +179,103 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
         a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
         a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
         a5_3 = vload_16x4(c, c0 + q5 * ldc + 48)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 16:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_16x4(a0_0, i, sload_16x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 32:
             a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a0_1 = vinsert_16x4(a0_1, i, sload_16x4(c, c0 + q0 * ldc + 16 + i))
+            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
         if cols >= 48:
             a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a0_2 = vinsert_16x4(a0_2, i, sload_16x4(c, c0 + q0 * ldc + 32 + i))
+            a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
         if cols >= 64:
             a0_3 = vload_16x4(c, c0 + q0 * ldc + 48)
         elif cols > 48:
-            for i in range(cols - 48):
-                a0_3 = vinsert_16x4(a0_3, i, sload_16x4(c, c0 + q0 * ldc + 48 + i))
+            a0_3 = vload_n_16x4(c, c0 + q0 * ldc + 48, cols - 48)
         if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_16x4(a1_0, i, sload_16x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 32:
             a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a1_1 = vinsert_16x4(a1_1, i, sload_16x4(c, c0 + q1 * ldc + 16 + i))
+            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
         if cols >= 48:
             a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a1_2 = vinsert_16x4(a1_2, i, sload_16x4(c, c0 + q1 * ldc + 32 + i))
+            a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
         if cols >= 64:
             a1_3 = vload_16x4(c, c0 + q1 * ldc + 48)
         elif cols > 48:
-            for i in range(cols - 48):
-                a1_3 = vinsert_16x4(a1_3, i, sload_16x4(c, c0 + q1 * ldc + 48 + i))
+            a1_3 = vload_n_16x4(c, c0 + q1 * ldc + 48, cols - 48)
         if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_16x4(a2_0, i, sload_16x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 32:
             a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a2_1 = vinsert_16x4(a2_1, i, sload_16x4(c, c0 + q2 * ldc + 16 + i))
+            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
         if cols >= 48:
             a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a2_2 = vinsert_16x4(a2_2, i, sload_16x4(c, c0 + q2 * ldc + 32 + i))
+            a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
         if cols >= 64:
             a2_3 = vload_16x4(c, c0 + q2 * ldc + 48)
         elif cols > 48:
-            for i in range(cols - 48):
-                a2_3 = vinsert_16x4(a2_3, i, sload_16x4(c, c0 + q2 * ldc + 48 + i))
+            a2_3 = vload_n_16x4(c, c0 + q2 * ldc + 48, cols - 48)
         if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_16x4(a3_0, i, sload_16x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 32:
             a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a3_1 = vinsert_16x4(a3_1, i, sload_16x4(c, c0 + q3 * ldc + 16 + i))
+            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
         if cols >= 48:
             a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a3_2 = vinsert_16x4(a3_2, i, sload_16x4(c, c0 + q3 * ldc + 32 + i))
+            a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
         if cols >= 64:
             a3_3 = vload_16x4(c, c0 + q3 * ldc + 48)
         elif cols > 48:
-            for i in range(cols - 48):
-                a3_3 = vinsert_16x4(a3_3, i, sload_16x4(c, c0 + q3 * ldc + 48 + i))
+            a3_3 = vload_n_16x4(c, c0 + q3 * ldc + 48, cols - 48)
         if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_16x4(a4_0, i, sload_16x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 32:
             a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a4_1 = vinsert_16x4(a4_1, i, sload_16x4(c, c0 + q4 * ldc + 16 + i))
+            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
         if cols >= 48:
             a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a4_2 = vinsert_16x4(a4_2, i, sload_16x4(c, c0 + q4 * ldc + 32 + i))
+            a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
         if cols >= 64:
             a4_3 = vload_16x4(c, c0 + q4 * ldc + 48)
         elif cols > 48:
-            for i in range(cols - 48):
-                a4_3 = vinsert_16x4(a4_3, i, sload_16x4(c, c0 + q4 * ldc + 48 + i))
+            a4_3 = vload_n_16x4(c, c0 + q4 * ldc + 48, cols - 48)
         if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_16x4(a5_0, i, sload_16x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 32:
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a5_1 = vinsert_16x4(a5_1, i, sload_16x4(c, c0 + q5 * ldc + 16 + i))
+            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
         if cols >= 48:
             a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a5_2 = vinsert_16x4(a5_2, i, sload_16x4(c, c0 + q5 * ldc + 32 + i))
+            a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
         if cols >= 64:
             a5_3 = vload_16x4(c, c0 + q5 * ldc + 48)
         elif cols > 48:
-            for i in range(cols - 48):
-                a5_3 = vinsert_16x4(a5_3, i, sload_16x4(c, c0 + q5 * ldc + 48 + i))
+            a5_3 = vload_n_16x4(c, c0 + q5 * ldc + 48, cols - 48)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -339,74 +315,52 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
         a5_3 = vfma_16x4(wv, xv3, a5_3)
     if cols == 64 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_16x4()
         lo = vsplat_16x4(a)
         hi = vsplat_16x4(b)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_16x4(one)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else zero
+        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
         bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
-        sc3 = vload_16x4(scale, n0 + 48) if by_col and flags & HAS_SCALE else zero
+        sc3 = vload_16x4(scale, n0 + 48) if by_col and flags & HAS_SCALE else ones
         bi3 = vload_16x4(bias, n0 + 48) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_16x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_16x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_16x4(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_16x4(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_16x4(a0_1, bi1)
-            else:
-                a0_1 = vadd_16x4(vmul_16x4(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
             if act == 1:
                 a0_1 = vmax_16x4(zero, a0_1)
             elif act == 3:
                 a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
             vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_2 = vmul_16x4(a0_2, sc2)
-                if flags & HAS_BIAS:
-                    a0_2 = vadd_16x4(a0_2, bi2)
-            else:
-                a0_2 = vadd_16x4(vmul_16x4(a0_2, sv), bv)
-            if flags & HAS_RES:
+            a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
             if act == 1:
                 a0_2 = vmax_16x4(zero, a0_2)
             elif act == 3:
                 a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
             vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_3 = vmul_16x4(a0_3, sc3)
-                if flags & HAS_BIAS:
-                    a0_3 = vadd_16x4(a0_3, bi3)
-            else:
-                a0_3 = vadd_16x4(vmul_16x4(a0_3, sv), bv)
-            if flags & HAS_RES:
+            a0_3 = vadd_16x4(vmul_16x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a0_3 = vadd_16x4(a0_3, vload_16x4(res, r0 + 0 * ldr + 48))
             if act == 1:
                 a0_3 = vmax_16x4(zero, a0_3)
@@ -418,56 +372,32 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_16x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_16x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_16x4(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
             vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_16x4(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_16x4(a1_1, bi1)
-            else:
-                a1_1 = vadd_16x4(vmul_16x4(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
             if act == 1:
                 a1_1 = vmax_16x4(zero, a1_1)
             elif act == 3:
                 a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
             vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_2 = vmul_16x4(a1_2, sc2)
-                if flags & HAS_BIAS:
-                    a1_2 = vadd_16x4(a1_2, bi2)
-            else:
-                a1_2 = vadd_16x4(vmul_16x4(a1_2, sv), bv)
-            if flags & HAS_RES:
+            a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
             if act == 1:
                 a1_2 = vmax_16x4(zero, a1_2)
             elif act == 3:
                 a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
             vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_3 = vmul_16x4(a1_3, sc3)
-                if flags & HAS_BIAS:
-                    a1_3 = vadd_16x4(a1_3, bi3)
-            else:
-                a1_3 = vadd_16x4(vmul_16x4(a1_3, sv), bv)
-            if flags & HAS_RES:
+            a1_3 = vadd_16x4(vmul_16x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a1_3 = vadd_16x4(a1_3, vload_16x4(res, r0 + 1 * ldr + 48))
             if act == 1:
                 a1_3 = vmax_16x4(zero, a1_3)
@@ -479,56 +409,32 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_16x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_16x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_16x4(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
             vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_16x4(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_16x4(a2_1, bi1)
-            else:
-                a2_1 = vadd_16x4(vmul_16x4(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
             if act == 1:
                 a2_1 = vmax_16x4(zero, a2_1)
             elif act == 3:
                 a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
             vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_2 = vmul_16x4(a2_2, sc2)
-                if flags & HAS_BIAS:
-                    a2_2 = vadd_16x4(a2_2, bi2)
-            else:
-                a2_2 = vadd_16x4(vmul_16x4(a2_2, sv), bv)
-            if flags & HAS_RES:
+            a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
             if act == 1:
                 a2_2 = vmax_16x4(zero, a2_2)
             elif act == 3:
                 a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
             vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_3 = vmul_16x4(a2_3, sc3)
-                if flags & HAS_BIAS:
-                    a2_3 = vadd_16x4(a2_3, bi3)
-            else:
-                a2_3 = vadd_16x4(vmul_16x4(a2_3, sv), bv)
-            if flags & HAS_RES:
+            a2_3 = vadd_16x4(vmul_16x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a2_3 = vadd_16x4(a2_3, vload_16x4(res, r0 + 2 * ldr + 48))
             if act == 1:
                 a2_3 = vmax_16x4(zero, a2_3)
@@ -540,56 +446,32 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_16x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_16x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_16x4(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
             vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_16x4(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_16x4(a3_1, bi1)
-            else:
-                a3_1 = vadd_16x4(vmul_16x4(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
             if act == 1:
                 a3_1 = vmax_16x4(zero, a3_1)
             elif act == 3:
                 a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
             vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_2 = vmul_16x4(a3_2, sc2)
-                if flags & HAS_BIAS:
-                    a3_2 = vadd_16x4(a3_2, bi2)
-            else:
-                a3_2 = vadd_16x4(vmul_16x4(a3_2, sv), bv)
-            if flags & HAS_RES:
+            a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
             if act == 1:
                 a3_2 = vmax_16x4(zero, a3_2)
             elif act == 3:
                 a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
             vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_3 = vmul_16x4(a3_3, sc3)
-                if flags & HAS_BIAS:
-                    a3_3 = vadd_16x4(a3_3, bi3)
-            else:
-                a3_3 = vadd_16x4(vmul_16x4(a3_3, sv), bv)
-            if flags & HAS_RES:
+            a3_3 = vadd_16x4(vmul_16x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a3_3 = vadd_16x4(a3_3, vload_16x4(res, r0 + 3 * ldr + 48))
             if act == 1:
                 a3_3 = vmax_16x4(zero, a3_3)
@@ -601,56 +483,32 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_16x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_16x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_16x4(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
             vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_16x4(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_16x4(a4_1, bi1)
-            else:
-                a4_1 = vadd_16x4(vmul_16x4(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
             if act == 1:
                 a4_1 = vmax_16x4(zero, a4_1)
             elif act == 3:
                 a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
             vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_2 = vmul_16x4(a4_2, sc2)
-                if flags & HAS_BIAS:
-                    a4_2 = vadd_16x4(a4_2, bi2)
-            else:
-                a4_2 = vadd_16x4(vmul_16x4(a4_2, sv), bv)
-            if flags & HAS_RES:
+            a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
             if act == 1:
                 a4_2 = vmax_16x4(zero, a4_2)
             elif act == 3:
                 a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
             vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_3 = vmul_16x4(a4_3, sc3)
-                if flags & HAS_BIAS:
-                    a4_3 = vadd_16x4(a4_3, bi3)
-            else:
-                a4_3 = vadd_16x4(vmul_16x4(a4_3, sv), bv)
-            if flags & HAS_RES:
+            a4_3 = vadd_16x4(vmul_16x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a4_3 = vadd_16x4(a4_3, vload_16x4(res, r0 + 4 * ldr + 48))
             if act == 1:
                 a4_3 = vmax_16x4(zero, a4_3)
@@ -662,56 +520,32 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_16x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_16x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_16x4(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
             vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_16x4(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_16x4(a5_1, bi1)
-            else:
-                a5_1 = vadd_16x4(vmul_16x4(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
             if act == 1:
                 a5_1 = vmax_16x4(zero, a5_1)
             elif act == 3:
                 a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
             vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_2 = vmul_16x4(a5_2, sc2)
-                if flags & HAS_BIAS:
-                    a5_2 = vadd_16x4(a5_2, bi2)
-            else:
-                a5_2 = vadd_16x4(vmul_16x4(a5_2, sv), bv)
-            if flags & HAS_RES:
+            a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
             if act == 1:
                 a5_2 = vmax_16x4(zero, a5_2)
             elif act == 3:
                 a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
             vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_3 = vmul_16x4(a5_3, sc3)
-                if flags & HAS_BIAS:
-                    a5_3 = vadd_16x4(a5_3, bi3)
-            else:
-                a5_3 = vadd_16x4(vmul_16x4(a5_3, sv), bv)
-            if flags & HAS_RES:
+            a5_3 = vadd_16x4(vmul_16x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a5_3 = vadd_16x4(a5_3, vload_16x4(res, r0 + 5 * ldr + 48))
             if act == 1:
                 a5_3 = vmax_16x4(zero, a5_3)
@@ -755,128 +589,104 @@ def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, co
         if cols >= 16:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 0 * ldc + 0 + i, vextract_16x4(a0_0, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 0 * ldc + 16 + i, vextract_16x4(a0_1, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 0 * ldc + 32 + i, vextract_16x4(a0_2, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
         if cols >= 64:
             vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
         elif cols > 48:
-            for i in range(cols - 48):
-                sstore_16x4(c, c0 + 0 * ldc + 48 + i, vextract_16x4(a0_3, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 48, a0_3, cols - 48)
     if rows > 1:
         if cols >= 16:
             vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 1 * ldc + 0 + i, vextract_16x4(a1_0, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 1 * ldc + 16 + i, vextract_16x4(a1_1, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 1 * ldc + 32 + i, vextract_16x4(a1_2, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
         if cols >= 64:
             vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
         elif cols > 48:
-            for i in range(cols - 48):
-                sstore_16x4(c, c0 + 1 * ldc + 48 + i, vextract_16x4(a1_3, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 48, a1_3, cols - 48)
     if rows > 2:
         if cols >= 16:
             vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 2 * ldc + 0 + i, vextract_16x4(a2_0, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 2 * ldc + 16 + i, vextract_16x4(a2_1, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 2 * ldc + 32 + i, vextract_16x4(a2_2, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
         if cols >= 64:
             vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
         elif cols > 48:
-            for i in range(cols - 48):
-                sstore_16x4(c, c0 + 2 * ldc + 48 + i, vextract_16x4(a2_3, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 48, a2_3, cols - 48)
     if rows > 3:
         if cols >= 16:
             vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 3 * ldc + 0 + i, vextract_16x4(a3_0, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 3 * ldc + 16 + i, vextract_16x4(a3_1, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 3 * ldc + 32 + i, vextract_16x4(a3_2, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
         if cols >= 64:
             vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
         elif cols > 48:
-            for i in range(cols - 48):
-                sstore_16x4(c, c0 + 3 * ldc + 48 + i, vextract_16x4(a3_3, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 48, a3_3, cols - 48)
     if rows > 4:
         if cols >= 16:
             vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 4 * ldc + 0 + i, vextract_16x4(a4_0, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 4 * ldc + 16 + i, vextract_16x4(a4_1, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 4 * ldc + 32 + i, vextract_16x4(a4_2, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
         if cols >= 64:
             vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
         elif cols > 48:
-            for i in range(cols - 48):
-                sstore_16x4(c, c0 + 4 * ldc + 48 + i, vextract_16x4(a4_3, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 48, a4_3, cols - 48)
     if rows > 5:
         if cols >= 16:
             vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 5 * ldc + 0 + i, vextract_16x4(a5_0, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 5 * ldc + 16 + i, vextract_16x4(a5_1, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 5 * ldc + 32 + i, vextract_16x4(a5_2, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
         if cols >= 64:
             vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
         elif cols > 48:
-            for i in range(cols - 48):
-                sstore_16x4(c, c0 + 5 * ldc + 48 + i, vextract_16x4(a5_3, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 48, a5_3, cols - 48)
 
 
 @njit(cache=True)
@@ -913,37 +723,31 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
         a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
         a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 16:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_16x4(a0_0, i, sload_16x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_16x4(a1_0, i, sload_16x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_16x4(a2_0, i, sload_16x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_16x4(a3_0, i, sload_16x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_16x4(a4_0, i, sload_16x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_16x4(a5_0, i, sload_16x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -962,26 +766,22 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a5_0 = vfma_16x4(wv, xv0, a5_0)
     if cols == 16 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_16x4()
         lo = vsplat_16x4(a)
         hi = vsplat_16x4(b)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_16x4(one)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_16x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_16x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_16x4(zero, a0_0)
@@ -993,14 +793,8 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_16x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_16x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_16x4(zero, a1_0)
@@ -1012,14 +806,8 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_16x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_16x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_16x4(zero, a2_0)
@@ -1031,14 +819,8 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_16x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_16x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_16x4(zero, a3_0)
@@ -1050,14 +832,8 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_16x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_16x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_16x4(zero, a4_0)
@@ -1069,14 +845,8 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_16x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_16x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_16x4(zero, a5_0)
@@ -1102,38 +872,32 @@ def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         if cols >= 16:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 0 * ldc + 0 + i, vextract_16x4(a0_0, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
     if rows > 1:
         if cols >= 16:
             vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 1 * ldc + 0 + i, vextract_16x4(a1_0, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
     if rows > 2:
         if cols >= 16:
             vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 2 * ldc + 0 + i, vextract_16x4(a2_0, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
     if rows > 3:
         if cols >= 16:
             vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 3 * ldc + 0 + i, vextract_16x4(a3_0, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
     if rows > 4:
         if cols >= 16:
             vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 4 * ldc + 0 + i, vextract_16x4(a4_0, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
     if rows > 5:
         if cols >= 16:
             vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 5 * ldc + 0 + i, vextract_16x4(a5_0, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -1182,67 +946,55 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
         a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
         a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 16:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_16x4(a0_0, i, sload_16x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 32:
             a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a0_1 = vinsert_16x4(a0_1, i, sload_16x4(c, c0 + q0 * ldc + 16 + i))
+            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
         if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_16x4(a1_0, i, sload_16x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 32:
             a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a1_1 = vinsert_16x4(a1_1, i, sload_16x4(c, c0 + q1 * ldc + 16 + i))
+            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
         if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_16x4(a2_0, i, sload_16x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 32:
             a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a2_1 = vinsert_16x4(a2_1, i, sload_16x4(c, c0 + q2 * ldc + 16 + i))
+            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
         if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_16x4(a3_0, i, sload_16x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 32:
             a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a3_1 = vinsert_16x4(a3_1, i, sload_16x4(c, c0 + q3 * ldc + 16 + i))
+            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
         if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_16x4(a4_0, i, sload_16x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 32:
             a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a4_1 = vinsert_16x4(a4_1, i, sload_16x4(c, c0 + q4 * ldc + 16 + i))
+            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
         if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_16x4(a5_0, i, sload_16x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 32:
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a5_1 = vinsert_16x4(a5_1, i, sload_16x4(c, c0 + q5 * ldc + 16 + i))
+            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -1268,42 +1020,32 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a5_1 = vfma_16x4(wv, xv1, a5_1)
     if cols == 32 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_16x4()
         lo = vsplat_16x4(a)
         hi = vsplat_16x4(b)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_16x4(one)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_16x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_16x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_16x4(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_16x4(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_16x4(a0_1, bi1)
-            else:
-                a0_1 = vadd_16x4(vmul_16x4(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
             if act == 1:
                 a0_1 = vmax_16x4(zero, a0_1)
@@ -1315,28 +1057,16 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_16x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_16x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_16x4(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
             vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_16x4(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_16x4(a1_1, bi1)
-            else:
-                a1_1 = vadd_16x4(vmul_16x4(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
             if act == 1:
                 a1_1 = vmax_16x4(zero, a1_1)
@@ -1348,28 +1078,16 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_16x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_16x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_16x4(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
             vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_16x4(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_16x4(a2_1, bi1)
-            else:
-                a2_1 = vadd_16x4(vmul_16x4(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
             if act == 1:
                 a2_1 = vmax_16x4(zero, a2_1)
@@ -1381,28 +1099,16 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_16x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_16x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_16x4(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
             vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_16x4(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_16x4(a3_1, bi1)
-            else:
-                a3_1 = vadd_16x4(vmul_16x4(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
             if act == 1:
                 a3_1 = vmax_16x4(zero, a3_1)
@@ -1414,28 +1120,16 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_16x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_16x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_16x4(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
             vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_16x4(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_16x4(a4_1, bi1)
-            else:
-                a4_1 = vadd_16x4(vmul_16x4(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
             if act == 1:
                 a4_1 = vmax_16x4(zero, a4_1)
@@ -1447,28 +1141,16 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_16x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_16x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_16x4(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
             vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_16x4(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_16x4(a5_1, bi1)
-            else:
-                a5_1 = vadd_16x4(vmul_16x4(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
             if act == 1:
                 a5_1 = vmax_16x4(zero, a5_1)
@@ -1500,68 +1182,56 @@ def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         if cols >= 16:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 0 * ldc + 0 + i, vextract_16x4(a0_0, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 0 * ldc + 16 + i, vextract_16x4(a0_1, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
     if rows > 1:
         if cols >= 16:
             vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 1 * ldc + 0 + i, vextract_16x4(a1_0, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 1 * ldc + 16 + i, vextract_16x4(a1_1, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
     if rows > 2:
         if cols >= 16:
             vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 2 * ldc + 0 + i, vextract_16x4(a2_0, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 2 * ldc + 16 + i, vextract_16x4(a2_1, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
     if rows > 3:
         if cols >= 16:
             vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 3 * ldc + 0 + i, vextract_16x4(a3_0, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 3 * ldc + 16 + i, vextract_16x4(a3_1, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
     if rows > 4:
         if cols >= 16:
             vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 4 * ldc + 0 + i, vextract_16x4(a4_0, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 4 * ldc + 16 + i, vextract_16x4(a4_1, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
     if rows > 5:
         if cols >= 16:
             vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 5 * ldc + 0 + i, vextract_16x4(a5_0, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 5 * ldc + 16 + i, vextract_16x4(a5_1, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
 
 
 @njit(cache=True)
@@ -1622,97 +1292,79 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
         a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
         a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 16:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_16x4(a0_0, i, sload_16x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 32:
             a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a0_1 = vinsert_16x4(a0_1, i, sload_16x4(c, c0 + q0 * ldc + 16 + i))
+            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
         if cols >= 48:
             a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a0_2 = vinsert_16x4(a0_2, i, sload_16x4(c, c0 + q0 * ldc + 32 + i))
+            a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
         if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_16x4(a1_0, i, sload_16x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 32:
             a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a1_1 = vinsert_16x4(a1_1, i, sload_16x4(c, c0 + q1 * ldc + 16 + i))
+            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
         if cols >= 48:
             a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a1_2 = vinsert_16x4(a1_2, i, sload_16x4(c, c0 + q1 * ldc + 32 + i))
+            a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
         if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_16x4(a2_0, i, sload_16x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 32:
             a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a2_1 = vinsert_16x4(a2_1, i, sload_16x4(c, c0 + q2 * ldc + 16 + i))
+            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
         if cols >= 48:
             a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a2_2 = vinsert_16x4(a2_2, i, sload_16x4(c, c0 + q2 * ldc + 32 + i))
+            a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
         if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_16x4(a3_0, i, sload_16x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 32:
             a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a3_1 = vinsert_16x4(a3_1, i, sload_16x4(c, c0 + q3 * ldc + 16 + i))
+            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
         if cols >= 48:
             a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a3_2 = vinsert_16x4(a3_2, i, sload_16x4(c, c0 + q3 * ldc + 32 + i))
+            a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
         if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_16x4(a4_0, i, sload_16x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 32:
             a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a4_1 = vinsert_16x4(a4_1, i, sload_16x4(c, c0 + q4 * ldc + 16 + i))
+            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
         if cols >= 48:
             a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a4_2 = vinsert_16x4(a4_2, i, sload_16x4(c, c0 + q4 * ldc + 32 + i))
+            a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
         if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_16x4(a5_0, i, sload_16x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 32:
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
         elif cols > 16:
-            for i in range(cols - 16):
-                a5_1 = vinsert_16x4(a5_1, i, sload_16x4(c, c0 + q5 * ldc + 16 + i))
+            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
         if cols >= 48:
             a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
         elif cols > 32:
-            for i in range(cols - 32):
-                a5_2 = vinsert_16x4(a5_2, i, sload_16x4(c, c0 + q5 * ldc + 32 + i))
+            a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -1745,58 +1397,42 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         a5_2 = vfma_16x4(wv, xv2, a5_2)
     if cols == 48 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_16x4()
         lo = vsplat_16x4(a)
         hi = vsplat_16x4(b)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_16x4(one)
+        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else zero
+        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
         bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_16x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_16x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_16x4(vmul_16x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_16x4(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_16x4(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_16x4(a0_1, bi1)
-            else:
-                a0_1 = vadd_16x4(vmul_16x4(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
             if act == 1:
                 a0_1 = vmax_16x4(zero, a0_1)
             elif act == 3:
                 a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
             vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_2 = vmul_16x4(a0_2, sc2)
-                if flags & HAS_BIAS:
-                    a0_2 = vadd_16x4(a0_2, bi2)
-            else:
-                a0_2 = vadd_16x4(vmul_16x4(a0_2, sv), bv)
-            if flags & HAS_RES:
+            a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
             if act == 1:
                 a0_2 = vmax_16x4(zero, a0_2)
@@ -1808,42 +1444,24 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_16x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_16x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_16x4(vmul_16x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_16x4(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
             vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_16x4(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_16x4(a1_1, bi1)
-            else:
-                a1_1 = vadd_16x4(vmul_16x4(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
             if act == 1:
                 a1_1 = vmax_16x4(zero, a1_1)
             elif act == 3:
                 a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
             vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_2 = vmul_16x4(a1_2, sc2)
-                if flags & HAS_BIAS:
-                    a1_2 = vadd_16x4(a1_2, bi2)
-            else:
-                a1_2 = vadd_16x4(vmul_16x4(a1_2, sv), bv)
-            if flags & HAS_RES:
+            a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
             if act == 1:
                 a1_2 = vmax_16x4(zero, a1_2)
@@ -1855,42 +1473,24 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_16x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_16x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_16x4(vmul_16x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_16x4(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
             vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_16x4(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_16x4(a2_1, bi1)
-            else:
-                a2_1 = vadd_16x4(vmul_16x4(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
             if act == 1:
                 a2_1 = vmax_16x4(zero, a2_1)
             elif act == 3:
                 a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
             vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_2 = vmul_16x4(a2_2, sc2)
-                if flags & HAS_BIAS:
-                    a2_2 = vadd_16x4(a2_2, bi2)
-            else:
-                a2_2 = vadd_16x4(vmul_16x4(a2_2, sv), bv)
-            if flags & HAS_RES:
+            a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
             if act == 1:
                 a2_2 = vmax_16x4(zero, a2_2)
@@ -1902,42 +1502,24 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_16x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_16x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_16x4(vmul_16x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_16x4(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
             vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_16x4(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_16x4(a3_1, bi1)
-            else:
-                a3_1 = vadd_16x4(vmul_16x4(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
             if act == 1:
                 a3_1 = vmax_16x4(zero, a3_1)
             elif act == 3:
                 a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
             vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_2 = vmul_16x4(a3_2, sc2)
-                if flags & HAS_BIAS:
-                    a3_2 = vadd_16x4(a3_2, bi2)
-            else:
-                a3_2 = vadd_16x4(vmul_16x4(a3_2, sv), bv)
-            if flags & HAS_RES:
+            a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
             if act == 1:
                 a3_2 = vmax_16x4(zero, a3_2)
@@ -1949,42 +1531,24 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_16x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_16x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_16x4(vmul_16x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_16x4(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
             vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_16x4(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_16x4(a4_1, bi1)
-            else:
-                a4_1 = vadd_16x4(vmul_16x4(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
             if act == 1:
                 a4_1 = vmax_16x4(zero, a4_1)
             elif act == 3:
                 a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
             vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_2 = vmul_16x4(a4_2, sc2)
-                if flags & HAS_BIAS:
-                    a4_2 = vadd_16x4(a4_2, bi2)
-            else:
-                a4_2 = vadd_16x4(vmul_16x4(a4_2, sv), bv)
-            if flags & HAS_RES:
+            a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
             if act == 1:
                 a4_2 = vmax_16x4(zero, a4_2)
@@ -1996,42 +1560,24 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_16x4(s1)
             bv = vsplat_16x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_16x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_16x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_16x4(vmul_16x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_16x4(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
             vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_16x4(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_16x4(a5_1, bi1)
-            else:
-                a5_1 = vadd_16x4(vmul_16x4(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
             if act == 1:
                 a5_1 = vmax_16x4(zero, a5_1)
             elif act == 3:
                 a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
             vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_2 = vmul_16x4(a5_2, sc2)
-                if flags & HAS_BIAS:
-                    a5_2 = vadd_16x4(a5_2, bi2)
-            else:
-                a5_2 = vadd_16x4(vmul_16x4(a5_2, sv), bv)
-            if flags & HAS_RES:
+            a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
             if act == 1:
                 a5_2 = vmax_16x4(zero, a5_2)
@@ -2069,98 +1615,80 @@ def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, 
         if cols >= 16:
             vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 0 * ldc + 0 + i, vextract_16x4(a0_0, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 0 * ldc + 16 + i, vextract_16x4(a0_1, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 0 * ldc + 32 + i, vextract_16x4(a0_2, i))
+            vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
     if rows > 1:
         if cols >= 16:
             vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 1 * ldc + 0 + i, vextract_16x4(a1_0, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 1 * ldc + 16 + i, vextract_16x4(a1_1, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 1 * ldc + 32 + i, vextract_16x4(a1_2, i))
+            vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
     if rows > 2:
         if cols >= 16:
             vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 2 * ldc + 0 + i, vextract_16x4(a2_0, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 2 * ldc + 16 + i, vextract_16x4(a2_1, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 2 * ldc + 32 + i, vextract_16x4(a2_2, i))
+            vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
     if rows > 3:
         if cols >= 16:
             vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 3 * ldc + 0 + i, vextract_16x4(a3_0, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 3 * ldc + 16 + i, vextract_16x4(a3_1, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 3 * ldc + 32 + i, vextract_16x4(a3_2, i))
+            vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
     if rows > 4:
         if cols >= 16:
             vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 4 * ldc + 0 + i, vextract_16x4(a4_0, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 4 * ldc + 16 + i, vextract_16x4(a4_1, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 4 * ldc + 32 + i, vextract_16x4(a4_2, i))
+            vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
     if rows > 5:
         if cols >= 16:
             vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_16x4(c, c0 + 5 * ldc + 0 + i, vextract_16x4(a5_0, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 32:
             vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
         elif cols > 16:
-            for i in range(cols - 16):
-                sstore_16x4(c, c0 + 5 * ldc + 16 + i, vextract_16x4(a5_1, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
         if cols >= 48:
             vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
         elif cols > 32:
-            for i in range(cols - 32):
-                sstore_16x4(c, c0 + 5 * ldc + 32 + i, vextract_16x4(a5_2, i))
+            vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
 
 
 @njit(cache=True)
@@ -2577,67 +2105,55 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         a4_1 = vload_8x2(c, c0 + q4 * ldc + 8)
         a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
         a5_1 = vload_8x2(c, c0 + q5 * ldc + 8)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 8:
             a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_8x2(a0_0, i, sload_8x2(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 16:
             a0_1 = vload_8x2(c, c0 + q0 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a0_1 = vinsert_8x2(a0_1, i, sload_8x2(c, c0 + q0 * ldc + 8 + i))
+            a0_1 = vload_n_8x2(c, c0 + q0 * ldc + 8, cols - 8)
         if cols >= 8:
             a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_8x2(a1_0, i, sload_8x2(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 16:
             a1_1 = vload_8x2(c, c0 + q1 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a1_1 = vinsert_8x2(a1_1, i, sload_8x2(c, c0 + q1 * ldc + 8 + i))
+            a1_1 = vload_n_8x2(c, c0 + q1 * ldc + 8, cols - 8)
         if cols >= 8:
             a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_8x2(a2_0, i, sload_8x2(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 16:
             a2_1 = vload_8x2(c, c0 + q2 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a2_1 = vinsert_8x2(a2_1, i, sload_8x2(c, c0 + q2 * ldc + 8 + i))
+            a2_1 = vload_n_8x2(c, c0 + q2 * ldc + 8, cols - 8)
         if cols >= 8:
             a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_8x2(a3_0, i, sload_8x2(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 16:
             a3_1 = vload_8x2(c, c0 + q3 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a3_1 = vinsert_8x2(a3_1, i, sload_8x2(c, c0 + q3 * ldc + 8 + i))
+            a3_1 = vload_n_8x2(c, c0 + q3 * ldc + 8, cols - 8)
         if cols >= 8:
             a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_8x2(a4_0, i, sload_8x2(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 16:
             a4_1 = vload_8x2(c, c0 + q4 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a4_1 = vinsert_8x2(a4_1, i, sload_8x2(c, c0 + q4 * ldc + 8 + i))
+            a4_1 = vload_n_8x2(c, c0 + q4 * ldc + 8, cols - 8)
         if cols >= 8:
             a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_8x2(a5_0, i, sload_8x2(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 16:
             a5_1 = vload_8x2(c, c0 + q5 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a5_1 = vinsert_8x2(a5_1, i, sload_8x2(c, c0 + q5 * ldc + 8 + i))
+            a5_1 = vload_n_8x2(c, c0 + q5 * ldc + 8, cols - 8)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -2663,42 +2179,32 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         a5_1 = vfma_8x2(wv, xv1, a5_1)
     if cols == 16 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_8x2()
         lo = vsplat_8x2(a)
         hi = vsplat_8x2(b)
-        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_8x2(one)
+        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_8x2(scale, n0 + 8) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_8x2(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_8x2(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_8x2(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_8x2(a0_0, bi0)
-            else:
-                a0_0 = vadd_8x2(vmul_8x2(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_8x2(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
             vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_8x2(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_8x2(a0_1, bi1)
-            else:
-                a0_1 = vadd_8x2(vmul_8x2(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_8x2(vmul_8x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_8x2(a0_1, vload_8x2(res, r0 + 0 * ldr + 8))
             if act == 1:
                 a0_1 = vmax_8x2(zero, a0_1)
@@ -2710,28 +2216,16 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_8x2(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_8x2(a1_0, bi0)
-            else:
-                a1_0 = vadd_8x2(vmul_8x2(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_8x2(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
             vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_8x2(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_8x2(a1_1, bi1)
-            else:
-                a1_1 = vadd_8x2(vmul_8x2(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_8x2(vmul_8x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_8x2(a1_1, vload_8x2(res, r0 + 1 * ldr + 8))
             if act == 1:
                 a1_1 = vmax_8x2(zero, a1_1)
@@ -2743,28 +2237,16 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_8x2(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_8x2(a2_0, bi0)
-            else:
-                a2_0 = vadd_8x2(vmul_8x2(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_8x2(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
             vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_8x2(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_8x2(a2_1, bi1)
-            else:
-                a2_1 = vadd_8x2(vmul_8x2(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_8x2(vmul_8x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_8x2(a2_1, vload_8x2(res, r0 + 2 * ldr + 8))
             if act == 1:
                 a2_1 = vmax_8x2(zero, a2_1)
@@ -2776,28 +2258,16 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_8x2(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_8x2(a3_0, bi0)
-            else:
-                a3_0 = vadd_8x2(vmul_8x2(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_8x2(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
             vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_8x2(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_8x2(a3_1, bi1)
-            else:
-                a3_1 = vadd_8x2(vmul_8x2(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_8x2(vmul_8x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_8x2(a3_1, vload_8x2(res, r0 + 3 * ldr + 8))
             if act == 1:
                 a3_1 = vmax_8x2(zero, a3_1)
@@ -2809,28 +2279,16 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_8x2(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_8x2(a4_0, bi0)
-            else:
-                a4_0 = vadd_8x2(vmul_8x2(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_8x2(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
             vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_8x2(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_8x2(a4_1, bi1)
-            else:
-                a4_1 = vadd_8x2(vmul_8x2(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_8x2(vmul_8x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_8x2(a4_1, vload_8x2(res, r0 + 4 * ldr + 8))
             if act == 1:
                 a4_1 = vmax_8x2(zero, a4_1)
@@ -2842,28 +2300,16 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_8x2(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_8x2(a5_0, bi0)
-            else:
-                a5_0 = vadd_8x2(vmul_8x2(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_8x2(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
             vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_8x2(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_8x2(a5_1, bi1)
-            else:
-                a5_1 = vadd_8x2(vmul_8x2(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_8x2(vmul_8x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_8x2(a5_1, vload_8x2(res, r0 + 5 * ldr + 8))
             if act == 1:
                 a5_1 = vmax_8x2(zero, a5_1)
@@ -2895,68 +2341,56 @@ def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         if cols >= 8:
             vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 0 * ldc + 0 + i, vextract_8x2(a0_0, i))
+            vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 16:
             vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_8x2(c, c0 + 0 * ldc + 8 + i, vextract_8x2(a0_1, i))
+            vstore_n_8x2(c, c0 + 0 * ldc + 8, a0_1, cols - 8)
     if rows > 1:
         if cols >= 8:
             vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 1 * ldc + 0 + i, vextract_8x2(a1_0, i))
+            vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 16:
             vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_8x2(c, c0 + 1 * ldc + 8 + i, vextract_8x2(a1_1, i))
+            vstore_n_8x2(c, c0 + 1 * ldc + 8, a1_1, cols - 8)
     if rows > 2:
         if cols >= 8:
             vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 2 * ldc + 0 + i, vextract_8x2(a2_0, i))
+            vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 16:
             vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_8x2(c, c0 + 2 * ldc + 8 + i, vextract_8x2(a2_1, i))
+            vstore_n_8x2(c, c0 + 2 * ldc + 8, a2_1, cols - 8)
     if rows > 3:
         if cols >= 8:
             vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 3 * ldc + 0 + i, vextract_8x2(a3_0, i))
+            vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 16:
             vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_8x2(c, c0 + 3 * ldc + 8 + i, vextract_8x2(a3_1, i))
+            vstore_n_8x2(c, c0 + 3 * ldc + 8, a3_1, cols - 8)
     if rows > 4:
         if cols >= 8:
             vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 4 * ldc + 0 + i, vextract_8x2(a4_0, i))
+            vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 16:
             vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_8x2(c, c0 + 4 * ldc + 8 + i, vextract_8x2(a4_1, i))
+            vstore_n_8x2(c, c0 + 4 * ldc + 8, a4_1, cols - 8)
     if rows > 5:
         if cols >= 8:
             vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 5 * ldc + 0 + i, vextract_8x2(a5_0, i))
+            vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 16:
             vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_8x2(c, c0 + 5 * ldc + 8 + i, vextract_8x2(a5_1, i))
+            vstore_n_8x2(c, c0 + 5 * ldc + 8, a5_1, cols - 8)
 
 
 @njit(cache=True)
@@ -2993,37 +2427,31 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
         a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
         a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 8:
             a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_8x2(a0_0, i, sload_8x2(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 8:
             a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_8x2(a1_0, i, sload_8x2(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 8:
             a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_8x2(a2_0, i, sload_8x2(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 8:
             a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_8x2(a3_0, i, sload_8x2(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 8:
             a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_8x2(a4_0, i, sload_8x2(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 8:
             a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_8x2(a5_0, i, sload_8x2(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -3042,26 +2470,22 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a5_0 = vfma_8x2(wv, xv0, a5_0)
     if cols == 8 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_8x2()
         lo = vsplat_8x2(a)
         hi = vsplat_8x2(b)
-        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_8x2(one)
+        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_8x2(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_8x2(a0_0, bi0)
-            else:
-                a0_0 = vadd_8x2(vmul_8x2(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_8x2(zero, a0_0)
@@ -3073,14 +2497,8 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_8x2(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_8x2(a1_0, bi0)
-            else:
-                a1_0 = vadd_8x2(vmul_8x2(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_8x2(zero, a1_0)
@@ -3092,14 +2510,8 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_8x2(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_8x2(a2_0, bi0)
-            else:
-                a2_0 = vadd_8x2(vmul_8x2(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_8x2(zero, a2_0)
@@ -3111,14 +2523,8 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_8x2(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_8x2(a3_0, bi0)
-            else:
-                a3_0 = vadd_8x2(vmul_8x2(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_8x2(zero, a3_0)
@@ -3130,14 +2536,8 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_8x2(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_8x2(a4_0, bi0)
-            else:
-                a4_0 = vadd_8x2(vmul_8x2(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_8x2(zero, a4_0)
@@ -3149,14 +2549,8 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_8x2(s1)
             bv = vsplat_8x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_8x2(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_8x2(a5_0, bi0)
-            else:
-                a5_0 = vadd_8x2(vmul_8x2(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_8x2(zero, a5_0)
@@ -3182,38 +2576,32 @@ def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         if cols >= 8:
             vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 0 * ldc + 0 + i, vextract_8x2(a0_0, i))
+            vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
     if rows > 1:
         if cols >= 8:
             vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 1 * ldc + 0 + i, vextract_8x2(a1_0, i))
+            vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
     if rows > 2:
         if cols >= 8:
             vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 2 * ldc + 0 + i, vextract_8x2(a2_0, i))
+            vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
     if rows > 3:
         if cols >= 8:
             vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 3 * ldc + 0 + i, vextract_8x2(a3_0, i))
+            vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
     if rows > 4:
         if cols >= 8:
             vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 4 * ldc + 0 + i, vextract_8x2(a4_0, i))
+            vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
     if rows > 5:
         if cols >= 8:
             vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_8x2(c, c0 + 5 * ldc + 0 + i, vextract_8x2(a5_0, i))
+            vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -3620,67 +3008,55 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         a4_1 = vload_4x2(c, c0 + q4 * ldc + 4)
         a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
         a5_1 = vload_4x2(c, c0 + q5 * ldc + 4)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 4:
             a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_4x2(a0_0, i, sload_4x2(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 8:
             a0_1 = vload_4x2(c, c0 + q0 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a0_1 = vinsert_4x2(a0_1, i, sload_4x2(c, c0 + q0 * ldc + 4 + i))
+            a0_1 = vload_n_4x2(c, c0 + q0 * ldc + 4, cols - 4)
         if cols >= 4:
             a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_4x2(a1_0, i, sload_4x2(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 8:
             a1_1 = vload_4x2(c, c0 + q1 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a1_1 = vinsert_4x2(a1_1, i, sload_4x2(c, c0 + q1 * ldc + 4 + i))
+            a1_1 = vload_n_4x2(c, c0 + q1 * ldc + 4, cols - 4)
         if cols >= 4:
             a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_4x2(a2_0, i, sload_4x2(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 8:
             a2_1 = vload_4x2(c, c0 + q2 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a2_1 = vinsert_4x2(a2_1, i, sload_4x2(c, c0 + q2 * ldc + 4 + i))
+            a2_1 = vload_n_4x2(c, c0 + q2 * ldc + 4, cols - 4)
         if cols >= 4:
             a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_4x2(a3_0, i, sload_4x2(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 8:
             a3_1 = vload_4x2(c, c0 + q3 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a3_1 = vinsert_4x2(a3_1, i, sload_4x2(c, c0 + q3 * ldc + 4 + i))
+            a3_1 = vload_n_4x2(c, c0 + q3 * ldc + 4, cols - 4)
         if cols >= 4:
             a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_4x2(a4_0, i, sload_4x2(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 8:
             a4_1 = vload_4x2(c, c0 + q4 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a4_1 = vinsert_4x2(a4_1, i, sload_4x2(c, c0 + q4 * ldc + 4 + i))
+            a4_1 = vload_n_4x2(c, c0 + q4 * ldc + 4, cols - 4)
         if cols >= 4:
             a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_4x2(a5_0, i, sload_4x2(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 8:
             a5_1 = vload_4x2(c, c0 + q5 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a5_1 = vinsert_4x2(a5_1, i, sload_4x2(c, c0 + q5 * ldc + 4 + i))
+            a5_1 = vload_n_4x2(c, c0 + q5 * ldc + 4, cols - 4)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -3706,42 +3082,32 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         a5_1 = vfma_4x2(wv, xv1, a5_1)
     if cols == 8 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_4x2()
         lo = vsplat_4x2(a)
         hi = vsplat_4x2(b)
-        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_4x2(one)
+        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x2(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_4x2(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_4x2(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_4x2(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_4x2(a0_0, bi0)
-            else:
-                a0_0 = vadd_4x2(vmul_4x2(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_4x2(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
             vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_4x2(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_4x2(a0_1, bi1)
-            else:
-                a0_1 = vadd_4x2(vmul_4x2(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_4x2(vmul_4x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_4x2(a0_1, vload_4x2(res, r0 + 0 * ldr + 4))
             if act == 1:
                 a0_1 = vmax_4x2(zero, a0_1)
@@ -3753,28 +3119,16 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_4x2(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_4x2(a1_0, bi0)
-            else:
-                a1_0 = vadd_4x2(vmul_4x2(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_4x2(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
             vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_4x2(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_4x2(a1_1, bi1)
-            else:
-                a1_1 = vadd_4x2(vmul_4x2(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_4x2(vmul_4x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_4x2(a1_1, vload_4x2(res, r0 + 1 * ldr + 4))
             if act == 1:
                 a1_1 = vmax_4x2(zero, a1_1)
@@ -3786,28 +3140,16 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_4x2(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_4x2(a2_0, bi0)
-            else:
-                a2_0 = vadd_4x2(vmul_4x2(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_4x2(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
             vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_4x2(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_4x2(a2_1, bi1)
-            else:
-                a2_1 = vadd_4x2(vmul_4x2(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_4x2(vmul_4x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_4x2(a2_1, vload_4x2(res, r0 + 2 * ldr + 4))
             if act == 1:
                 a2_1 = vmax_4x2(zero, a2_1)
@@ -3819,28 +3161,16 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_4x2(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_4x2(a3_0, bi0)
-            else:
-                a3_0 = vadd_4x2(vmul_4x2(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_4x2(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
             vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_4x2(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_4x2(a3_1, bi1)
-            else:
-                a3_1 = vadd_4x2(vmul_4x2(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_4x2(vmul_4x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_4x2(a3_1, vload_4x2(res, r0 + 3 * ldr + 4))
             if act == 1:
                 a3_1 = vmax_4x2(zero, a3_1)
@@ -3852,28 +3182,16 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_4x2(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_4x2(a4_0, bi0)
-            else:
-                a4_0 = vadd_4x2(vmul_4x2(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_4x2(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
             vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_4x2(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_4x2(a4_1, bi1)
-            else:
-                a4_1 = vadd_4x2(vmul_4x2(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_4x2(vmul_4x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_4x2(a4_1, vload_4x2(res, r0 + 4 * ldr + 4))
             if act == 1:
                 a4_1 = vmax_4x2(zero, a4_1)
@@ -3885,28 +3203,16 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_4x2(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_4x2(a5_0, bi0)
-            else:
-                a5_0 = vadd_4x2(vmul_4x2(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_4x2(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
             vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_4x2(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_4x2(a5_1, bi1)
-            else:
-                a5_1 = vadd_4x2(vmul_4x2(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_4x2(vmul_4x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_4x2(a5_1, vload_4x2(res, r0 + 5 * ldr + 4))
             if act == 1:
                 a5_1 = vmax_4x2(zero, a5_1)
@@ -3938,68 +3244,56 @@ def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         if cols >= 4:
             vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 0 * ldc + 0 + i, vextract_4x2(a0_0, i))
+            vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 8:
             vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x2(c, c0 + 0 * ldc + 4 + i, vextract_4x2(a0_1, i))
+            vstore_n_4x2(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
     if rows > 1:
         if cols >= 4:
             vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 1 * ldc + 0 + i, vextract_4x2(a1_0, i))
+            vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 8:
             vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x2(c, c0 + 1 * ldc + 4 + i, vextract_4x2(a1_1, i))
+            vstore_n_4x2(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
     if rows > 2:
         if cols >= 4:
             vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 2 * ldc + 0 + i, vextract_4x2(a2_0, i))
+            vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 8:
             vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x2(c, c0 + 2 * ldc + 4 + i, vextract_4x2(a2_1, i))
+            vstore_n_4x2(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
     if rows > 3:
         if cols >= 4:
             vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 3 * ldc + 0 + i, vextract_4x2(a3_0, i))
+            vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 8:
             vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x2(c, c0 + 3 * ldc + 4 + i, vextract_4x2(a3_1, i))
+            vstore_n_4x2(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
     if rows > 4:
         if cols >= 4:
             vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 4 * ldc + 0 + i, vextract_4x2(a4_0, i))
+            vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 8:
             vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x2(c, c0 + 4 * ldc + 4 + i, vextract_4x2(a4_1, i))
+            vstore_n_4x2(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
     if rows > 5:
         if cols >= 4:
             vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 5 * ldc + 0 + i, vextract_4x2(a5_0, i))
+            vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 8:
             vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x2(c, c0 + 5 * ldc + 4 + i, vextract_4x2(a5_1, i))
+            vstore_n_4x2(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
 
 
 @njit(cache=True)
@@ -4036,37 +3330,31 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
         a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
         a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 4:
             a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_4x2(a0_0, i, sload_4x2(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 4:
             a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_4x2(a1_0, i, sload_4x2(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 4:
             a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_4x2(a2_0, i, sload_4x2(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 4:
             a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_4x2(a3_0, i, sload_4x2(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 4:
             a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_4x2(a4_0, i, sload_4x2(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 4:
             a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_4x2(a5_0, i, sload_4x2(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -4085,26 +3373,22 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a5_0 = vfma_4x2(wv, xv0, a5_0)
     if cols == 4 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_4x2()
         lo = vsplat_4x2(a)
         hi = vsplat_4x2(b)
-        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_4x2(one)
+        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_4x2(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_4x2(a0_0, bi0)
-            else:
-                a0_0 = vadd_4x2(vmul_4x2(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_4x2(zero, a0_0)
@@ -4116,14 +3400,8 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_4x2(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_4x2(a1_0, bi0)
-            else:
-                a1_0 = vadd_4x2(vmul_4x2(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_4x2(zero, a1_0)
@@ -4135,14 +3413,8 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_4x2(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_4x2(a2_0, bi0)
-            else:
-                a2_0 = vadd_4x2(vmul_4x2(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_4x2(zero, a2_0)
@@ -4154,14 +3426,8 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_4x2(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_4x2(a3_0, bi0)
-            else:
-                a3_0 = vadd_4x2(vmul_4x2(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_4x2(zero, a3_0)
@@ -4173,14 +3439,8 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_4x2(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_4x2(a4_0, bi0)
-            else:
-                a4_0 = vadd_4x2(vmul_4x2(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_4x2(zero, a4_0)
@@ -4192,14 +3452,8 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x2(s1)
             bv = vsplat_4x2(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_4x2(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_4x2(a5_0, bi0)
-            else:
-                a5_0 = vadd_4x2(vmul_4x2(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_4x2(zero, a5_0)
@@ -4225,38 +3479,32 @@ def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         if cols >= 4:
             vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 0 * ldc + 0 + i, vextract_4x2(a0_0, i))
+            vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
     if rows > 1:
         if cols >= 4:
             vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 1 * ldc + 0 + i, vextract_4x2(a1_0, i))
+            vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
     if rows > 2:
         if cols >= 4:
             vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 2 * ldc + 0 + i, vextract_4x2(a2_0, i))
+            vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
     if rows > 3:
         if cols >= 4:
             vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 3 * ldc + 0 + i, vextract_4x2(a3_0, i))
+            vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
     if rows > 4:
         if cols >= 4:
             vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 4 * ldc + 0 + i, vextract_4x2(a4_0, i))
+            vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
     if rows > 5:
         if cols >= 4:
             vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x2(c, c0 + 5 * ldc + 0 + i, vextract_4x2(a5_0, i))
+            vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -4687,127 +3935,103 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
         a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
         a5_3 = vload_4x4(c, c0 + q5 * ldc + 12)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 4:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_4x4(a0_0, i, sload_4x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 8:
             a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a0_1 = vinsert_4x4(a0_1, i, sload_4x4(c, c0 + q0 * ldc + 4 + i))
+            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
         if cols >= 12:
             a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a0_2 = vinsert_4x4(a0_2, i, sload_4x4(c, c0 + q0 * ldc + 8 + i))
+            a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
         if cols >= 16:
             a0_3 = vload_4x4(c, c0 + q0 * ldc + 12)
         elif cols > 12:
-            for i in range(cols - 12):
-                a0_3 = vinsert_4x4(a0_3, i, sload_4x4(c, c0 + q0 * ldc + 12 + i))
+            a0_3 = vload_n_4x4(c, c0 + q0 * ldc + 12, cols - 12)
         if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_4x4(a1_0, i, sload_4x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 8:
             a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a1_1 = vinsert_4x4(a1_1, i, sload_4x4(c, c0 + q1 * ldc + 4 + i))
+            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
         if cols >= 12:
             a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a1_2 = vinsert_4x4(a1_2, i, sload_4x4(c, c0 + q1 * ldc + 8 + i))
+            a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
         if cols >= 16:
             a1_3 = vload_4x4(c, c0 + q1 * ldc + 12)
         elif cols > 12:
-            for i in range(cols - 12):
-                a1_3 = vinsert_4x4(a1_3, i, sload_4x4(c, c0 + q1 * ldc + 12 + i))
+            a1_3 = vload_n_4x4(c, c0 + q1 * ldc + 12, cols - 12)
         if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_4x4(a2_0, i, sload_4x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 8:
             a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a2_1 = vinsert_4x4(a2_1, i, sload_4x4(c, c0 + q2 * ldc + 4 + i))
+            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
         if cols >= 12:
             a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a2_2 = vinsert_4x4(a2_2, i, sload_4x4(c, c0 + q2 * ldc + 8 + i))
+            a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
         if cols >= 16:
             a2_3 = vload_4x4(c, c0 + q2 * ldc + 12)
         elif cols > 12:
-            for i in range(cols - 12):
-                a2_3 = vinsert_4x4(a2_3, i, sload_4x4(c, c0 + q2 * ldc + 12 + i))
+            a2_3 = vload_n_4x4(c, c0 + q2 * ldc + 12, cols - 12)
         if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_4x4(a3_0, i, sload_4x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 8:
             a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a3_1 = vinsert_4x4(a3_1, i, sload_4x4(c, c0 + q3 * ldc + 4 + i))
+            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
         if cols >= 12:
             a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a3_2 = vinsert_4x4(a3_2, i, sload_4x4(c, c0 + q3 * ldc + 8 + i))
+            a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
         if cols >= 16:
             a3_3 = vload_4x4(c, c0 + q3 * ldc + 12)
         elif cols > 12:
-            for i in range(cols - 12):
-                a3_3 = vinsert_4x4(a3_3, i, sload_4x4(c, c0 + q3 * ldc + 12 + i))
+            a3_3 = vload_n_4x4(c, c0 + q3 * ldc + 12, cols - 12)
         if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_4x4(a4_0, i, sload_4x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 8:
             a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a4_1 = vinsert_4x4(a4_1, i, sload_4x4(c, c0 + q4 * ldc + 4 + i))
+            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
         if cols >= 12:
             a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a4_2 = vinsert_4x4(a4_2, i, sload_4x4(c, c0 + q4 * ldc + 8 + i))
+            a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
         if cols >= 16:
             a4_3 = vload_4x4(c, c0 + q4 * ldc + 12)
         elif cols > 12:
-            for i in range(cols - 12):
-                a4_3 = vinsert_4x4(a4_3, i, sload_4x4(c, c0 + q4 * ldc + 12 + i))
+            a4_3 = vload_n_4x4(c, c0 + q4 * ldc + 12, cols - 12)
         if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_4x4(a5_0, i, sload_4x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 8:
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a5_1 = vinsert_4x4(a5_1, i, sload_4x4(c, c0 + q5 * ldc + 4 + i))
+            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
         if cols >= 12:
             a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a5_2 = vinsert_4x4(a5_2, i, sload_4x4(c, c0 + q5 * ldc + 8 + i))
+            a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
         if cols >= 16:
             a5_3 = vload_4x4(c, c0 + q5 * ldc + 12)
         elif cols > 12:
-            for i in range(cols - 12):
-                a5_3 = vinsert_4x4(a5_3, i, sload_4x4(c, c0 + q5 * ldc + 12 + i))
+            a5_3 = vload_n_4x4(c, c0 + q5 * ldc + 12, cols - 12)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -4847,74 +4071,52 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         a5_3 = vfma_4x4(wv, xv3, a5_3)
     if cols == 16 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_4x4()
         lo = vsplat_4x4(a)
         hi = vsplat_4x4(b)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_4x4(one)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else zero
+        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
         bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
-        sc3 = vload_4x4(scale, n0 + 12) if by_col and flags & HAS_SCALE else zero
+        sc3 = vload_4x4(scale, n0 + 12) if by_col and flags & HAS_SCALE else ones
         bi3 = vload_4x4(bias, n0 + 12) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_4x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_4x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_4x4(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_4x4(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_4x4(a0_1, bi1)
-            else:
-                a0_1 = vadd_4x4(vmul_4x4(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
             if act == 1:
                 a0_1 = vmax_4x4(zero, a0_1)
             elif act == 3:
                 a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
             vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_2 = vmul_4x4(a0_2, sc2)
-                if flags & HAS_BIAS:
-                    a0_2 = vadd_4x4(a0_2, bi2)
-            else:
-                a0_2 = vadd_4x4(vmul_4x4(a0_2, sv), bv)
-            if flags & HAS_RES:
+            a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
             if act == 1:
                 a0_2 = vmax_4x4(zero, a0_2)
             elif act == 3:
                 a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
             vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_3 = vmul_4x4(a0_3, sc3)
-                if flags & HAS_BIAS:
-                    a0_3 = vadd_4x4(a0_3, bi3)
-            else:
-                a0_3 = vadd_4x4(vmul_4x4(a0_3, sv), bv)
-            if flags & HAS_RES:
+            a0_3 = vadd_4x4(vmul_4x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a0_3 = vadd_4x4(a0_3, vload_4x4(res, r0 + 0 * ldr + 12))
             if act == 1:
                 a0_3 = vmax_4x4(zero, a0_3)
@@ -4926,56 +4128,32 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_4x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_4x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_4x4(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
             vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_4x4(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_4x4(a1_1, bi1)
-            else:
-                a1_1 = vadd_4x4(vmul_4x4(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
             if act == 1:
                 a1_1 = vmax_4x4(zero, a1_1)
             elif act == 3:
                 a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
             vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_2 = vmul_4x4(a1_2, sc2)
-                if flags & HAS_BIAS:
-                    a1_2 = vadd_4x4(a1_2, bi2)
-            else:
-                a1_2 = vadd_4x4(vmul_4x4(a1_2, sv), bv)
-            if flags & HAS_RES:
+            a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
             if act == 1:
                 a1_2 = vmax_4x4(zero, a1_2)
             elif act == 3:
                 a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
             vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_3 = vmul_4x4(a1_3, sc3)
-                if flags & HAS_BIAS:
-                    a1_3 = vadd_4x4(a1_3, bi3)
-            else:
-                a1_3 = vadd_4x4(vmul_4x4(a1_3, sv), bv)
-            if flags & HAS_RES:
+            a1_3 = vadd_4x4(vmul_4x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a1_3 = vadd_4x4(a1_3, vload_4x4(res, r0 + 1 * ldr + 12))
             if act == 1:
                 a1_3 = vmax_4x4(zero, a1_3)
@@ -4987,56 +4165,32 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_4x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_4x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_4x4(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
             vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_4x4(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_4x4(a2_1, bi1)
-            else:
-                a2_1 = vadd_4x4(vmul_4x4(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
             if act == 1:
                 a2_1 = vmax_4x4(zero, a2_1)
             elif act == 3:
                 a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
             vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_2 = vmul_4x4(a2_2, sc2)
-                if flags & HAS_BIAS:
-                    a2_2 = vadd_4x4(a2_2, bi2)
-            else:
-                a2_2 = vadd_4x4(vmul_4x4(a2_2, sv), bv)
-            if flags & HAS_RES:
+            a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
             if act == 1:
                 a2_2 = vmax_4x4(zero, a2_2)
             elif act == 3:
                 a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
             vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_3 = vmul_4x4(a2_3, sc3)
-                if flags & HAS_BIAS:
-                    a2_3 = vadd_4x4(a2_3, bi3)
-            else:
-                a2_3 = vadd_4x4(vmul_4x4(a2_3, sv), bv)
-            if flags & HAS_RES:
+            a2_3 = vadd_4x4(vmul_4x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a2_3 = vadd_4x4(a2_3, vload_4x4(res, r0 + 2 * ldr + 12))
             if act == 1:
                 a2_3 = vmax_4x4(zero, a2_3)
@@ -5048,56 +4202,32 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_4x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_4x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_4x4(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
             vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_4x4(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_4x4(a3_1, bi1)
-            else:
-                a3_1 = vadd_4x4(vmul_4x4(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
             if act == 1:
                 a3_1 = vmax_4x4(zero, a3_1)
             elif act == 3:
                 a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
             vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_2 = vmul_4x4(a3_2, sc2)
-                if flags & HAS_BIAS:
-                    a3_2 = vadd_4x4(a3_2, bi2)
-            else:
-                a3_2 = vadd_4x4(vmul_4x4(a3_2, sv), bv)
-            if flags & HAS_RES:
+            a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
             if act == 1:
                 a3_2 = vmax_4x4(zero, a3_2)
             elif act == 3:
                 a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
             vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_3 = vmul_4x4(a3_3, sc3)
-                if flags & HAS_BIAS:
-                    a3_3 = vadd_4x4(a3_3, bi3)
-            else:
-                a3_3 = vadd_4x4(vmul_4x4(a3_3, sv), bv)
-            if flags & HAS_RES:
+            a3_3 = vadd_4x4(vmul_4x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a3_3 = vadd_4x4(a3_3, vload_4x4(res, r0 + 3 * ldr + 12))
             if act == 1:
                 a3_3 = vmax_4x4(zero, a3_3)
@@ -5109,56 +4239,32 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_4x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_4x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_4x4(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
             vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_4x4(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_4x4(a4_1, bi1)
-            else:
-                a4_1 = vadd_4x4(vmul_4x4(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
             if act == 1:
                 a4_1 = vmax_4x4(zero, a4_1)
             elif act == 3:
                 a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
             vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_2 = vmul_4x4(a4_2, sc2)
-                if flags & HAS_BIAS:
-                    a4_2 = vadd_4x4(a4_2, bi2)
-            else:
-                a4_2 = vadd_4x4(vmul_4x4(a4_2, sv), bv)
-            if flags & HAS_RES:
+            a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
             if act == 1:
                 a4_2 = vmax_4x4(zero, a4_2)
             elif act == 3:
                 a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
             vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_3 = vmul_4x4(a4_3, sc3)
-                if flags & HAS_BIAS:
-                    a4_3 = vadd_4x4(a4_3, bi3)
-            else:
-                a4_3 = vadd_4x4(vmul_4x4(a4_3, sv), bv)
-            if flags & HAS_RES:
+            a4_3 = vadd_4x4(vmul_4x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a4_3 = vadd_4x4(a4_3, vload_4x4(res, r0 + 4 * ldr + 12))
             if act == 1:
                 a4_3 = vmax_4x4(zero, a4_3)
@@ -5170,56 +4276,32 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_4x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_4x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_4x4(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
             vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_4x4(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_4x4(a5_1, bi1)
-            else:
-                a5_1 = vadd_4x4(vmul_4x4(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
             if act == 1:
                 a5_1 = vmax_4x4(zero, a5_1)
             elif act == 3:
                 a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
             vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_2 = vmul_4x4(a5_2, sc2)
-                if flags & HAS_BIAS:
-                    a5_2 = vadd_4x4(a5_2, bi2)
-            else:
-                a5_2 = vadd_4x4(vmul_4x4(a5_2, sv), bv)
-            if flags & HAS_RES:
+            a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
             if act == 1:
                 a5_2 = vmax_4x4(zero, a5_2)
             elif act == 3:
                 a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
             vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_3 = vmul_4x4(a5_3, sc3)
-                if flags & HAS_BIAS:
-                    a5_3 = vadd_4x4(a5_3, bi3)
-            else:
-                a5_3 = vadd_4x4(vmul_4x4(a5_3, sv), bv)
-            if flags & HAS_RES:
+            a5_3 = vadd_4x4(vmul_4x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
+            if has_res:
                 a5_3 = vadd_4x4(a5_3, vload_4x4(res, r0 + 5 * ldr + 12))
             if act == 1:
                 a5_3 = vmax_4x4(zero, a5_3)
@@ -5263,128 +4345,104 @@ def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, col
         if cols >= 4:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 0 * ldc + 0 + i, vextract_4x4(a0_0, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 0 * ldc + 4 + i, vextract_4x4(a0_1, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 0 * ldc + 8 + i, vextract_4x4(a0_2, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
         if cols >= 16:
             vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
         elif cols > 12:
-            for i in range(cols - 12):
-                sstore_4x4(c, c0 + 0 * ldc + 12 + i, vextract_4x4(a0_3, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 12, a0_3, cols - 12)
     if rows > 1:
         if cols >= 4:
             vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 1 * ldc + 0 + i, vextract_4x4(a1_0, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 1 * ldc + 4 + i, vextract_4x4(a1_1, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 1 * ldc + 8 + i, vextract_4x4(a1_2, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
         if cols >= 16:
             vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
         elif cols > 12:
-            for i in range(cols - 12):
-                sstore_4x4(c, c0 + 1 * ldc + 12 + i, vextract_4x4(a1_3, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 12, a1_3, cols - 12)
     if rows > 2:
         if cols >= 4:
             vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 2 * ldc + 0 + i, vextract_4x4(a2_0, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 2 * ldc + 4 + i, vextract_4x4(a2_1, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 2 * ldc + 8 + i, vextract_4x4(a2_2, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
         if cols >= 16:
             vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
         elif cols > 12:
-            for i in range(cols - 12):
-                sstore_4x4(c, c0 + 2 * ldc + 12 + i, vextract_4x4(a2_3, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 12, a2_3, cols - 12)
     if rows > 3:
         if cols >= 4:
             vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 3 * ldc + 0 + i, vextract_4x4(a3_0, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 3 * ldc + 4 + i, vextract_4x4(a3_1, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 3 * ldc + 8 + i, vextract_4x4(a3_2, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
         if cols >= 16:
             vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
         elif cols > 12:
-            for i in range(cols - 12):
-                sstore_4x4(c, c0 + 3 * ldc + 12 + i, vextract_4x4(a3_3, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 12, a3_3, cols - 12)
     if rows > 4:
         if cols >= 4:
             vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 4 * ldc + 0 + i, vextract_4x4(a4_0, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 4 * ldc + 4 + i, vextract_4x4(a4_1, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 4 * ldc + 8 + i, vextract_4x4(a4_2, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
         if cols >= 16:
             vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
         elif cols > 12:
-            for i in range(cols - 12):
-                sstore_4x4(c, c0 + 4 * ldc + 12 + i, vextract_4x4(a4_3, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 12, a4_3, cols - 12)
     if rows > 5:
         if cols >= 4:
             vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 5 * ldc + 0 + i, vextract_4x4(a5_0, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 5 * ldc + 4 + i, vextract_4x4(a5_1, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 5 * ldc + 8 + i, vextract_4x4(a5_2, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
         if cols >= 16:
             vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
         elif cols > 12:
-            for i in range(cols - 12):
-                sstore_4x4(c, c0 + 5 * ldc + 12 + i, vextract_4x4(a5_3, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 12, a5_3, cols - 12)
 
 
 @njit(cache=True)
@@ -5421,37 +4479,31 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
         a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
         a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 4:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_4x4(a0_0, i, sload_4x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_4x4(a1_0, i, sload_4x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_4x4(a2_0, i, sload_4x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_4x4(a3_0, i, sload_4x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_4x4(a4_0, i, sload_4x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_4x4(a5_0, i, sload_4x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -5470,26 +4522,22 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a5_0 = vfma_4x4(wv, xv0, a5_0)
     if cols == 4 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_4x4()
         lo = vsplat_4x4(a)
         hi = vsplat_4x4(b)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_4x4(one)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_4x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_4x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_4x4(zero, a0_0)
@@ -5501,14 +4549,8 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_4x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_4x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_4x4(zero, a1_0)
@@ -5520,14 +4562,8 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_4x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_4x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_4x4(zero, a2_0)
@@ -5539,14 +4575,8 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_4x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_4x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_4x4(zero, a3_0)
@@ -5558,14 +4588,8 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_4x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_4x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_4x4(zero, a4_0)
@@ -5577,14 +4601,8 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_4x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_4x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_4x4(zero, a5_0)
@@ -5610,38 +4628,32 @@ def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         if cols >= 4:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 0 * ldc + 0 + i, vextract_4x4(a0_0, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
     if rows > 1:
         if cols >= 4:
             vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 1 * ldc + 0 + i, vextract_4x4(a1_0, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
     if rows > 2:
         if cols >= 4:
             vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 2 * ldc + 0 + i, vextract_4x4(a2_0, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
     if rows > 3:
         if cols >= 4:
             vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 3 * ldc + 0 + i, vextract_4x4(a3_0, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
     if rows > 4:
         if cols >= 4:
             vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 4 * ldc + 0 + i, vextract_4x4(a4_0, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
     if rows > 5:
         if cols >= 4:
             vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 5 * ldc + 0 + i, vextract_4x4(a5_0, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -5690,67 +4702,55 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
         a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
         a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 4:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_4x4(a0_0, i, sload_4x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 8:
             a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a0_1 = vinsert_4x4(a0_1, i, sload_4x4(c, c0 + q0 * ldc + 4 + i))
+            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
         if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_4x4(a1_0, i, sload_4x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 8:
             a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a1_1 = vinsert_4x4(a1_1, i, sload_4x4(c, c0 + q1 * ldc + 4 + i))
+            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
         if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_4x4(a2_0, i, sload_4x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 8:
             a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a2_1 = vinsert_4x4(a2_1, i, sload_4x4(c, c0 + q2 * ldc + 4 + i))
+            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
         if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_4x4(a3_0, i, sload_4x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 8:
             a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a3_1 = vinsert_4x4(a3_1, i, sload_4x4(c, c0 + q3 * ldc + 4 + i))
+            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
         if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_4x4(a4_0, i, sload_4x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 8:
             a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a4_1 = vinsert_4x4(a4_1, i, sload_4x4(c, c0 + q4 * ldc + 4 + i))
+            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
         if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_4x4(a5_0, i, sload_4x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 8:
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a5_1 = vinsert_4x4(a5_1, i, sload_4x4(c, c0 + q5 * ldc + 4 + i))
+            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -5776,42 +4776,32 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a5_1 = vfma_4x4(wv, xv1, a5_1)
     if cols == 8 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_4x4()
         lo = vsplat_4x4(a)
         hi = vsplat_4x4(b)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_4x4(one)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_4x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_4x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_4x4(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_4x4(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_4x4(a0_1, bi1)
-            else:
-                a0_1 = vadd_4x4(vmul_4x4(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
             if act == 1:
                 a0_1 = vmax_4x4(zero, a0_1)
@@ -5823,28 +4813,16 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_4x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_4x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_4x4(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
             vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_4x4(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_4x4(a1_1, bi1)
-            else:
-                a1_1 = vadd_4x4(vmul_4x4(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
             if act == 1:
                 a1_1 = vmax_4x4(zero, a1_1)
@@ -5856,28 +4834,16 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_4x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_4x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_4x4(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
             vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_4x4(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_4x4(a2_1, bi1)
-            else:
-                a2_1 = vadd_4x4(vmul_4x4(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
             if act == 1:
                 a2_1 = vmax_4x4(zero, a2_1)
@@ -5889,28 +4855,16 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_4x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_4x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_4x4(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
             vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_4x4(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_4x4(a3_1, bi1)
-            else:
-                a3_1 = vadd_4x4(vmul_4x4(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
             if act == 1:
                 a3_1 = vmax_4x4(zero, a3_1)
@@ -5922,28 +4876,16 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_4x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_4x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_4x4(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
             vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_4x4(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_4x4(a4_1, bi1)
-            else:
-                a4_1 = vadd_4x4(vmul_4x4(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
             if act == 1:
                 a4_1 = vmax_4x4(zero, a4_1)
@@ -5955,28 +4897,16 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_4x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_4x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_4x4(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
             vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_4x4(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_4x4(a5_1, bi1)
-            else:
-                a5_1 = vadd_4x4(vmul_4x4(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
             if act == 1:
                 a5_1 = vmax_4x4(zero, a5_1)
@@ -6008,68 +4938,56 @@ def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         if cols >= 4:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 0 * ldc + 0 + i, vextract_4x4(a0_0, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 0 * ldc + 4 + i, vextract_4x4(a0_1, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
     if rows > 1:
         if cols >= 4:
             vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 1 * ldc + 0 + i, vextract_4x4(a1_0, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 1 * ldc + 4 + i, vextract_4x4(a1_1, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
     if rows > 2:
         if cols >= 4:
             vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 2 * ldc + 0 + i, vextract_4x4(a2_0, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 2 * ldc + 4 + i, vextract_4x4(a2_1, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
     if rows > 3:
         if cols >= 4:
             vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 3 * ldc + 0 + i, vextract_4x4(a3_0, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 3 * ldc + 4 + i, vextract_4x4(a3_1, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
     if rows > 4:
         if cols >= 4:
             vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 4 * ldc + 0 + i, vextract_4x4(a4_0, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 4 * ldc + 4 + i, vextract_4x4(a4_1, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
     if rows > 5:
         if cols >= 4:
             vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 5 * ldc + 0 + i, vextract_4x4(a5_0, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 5 * ldc + 4 + i, vextract_4x4(a5_1, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
 
 
 @njit(cache=True)
@@ -6130,97 +5048,79 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
         a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
         a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-    elif accumulate:  # a partial tile: whole vectors, then lane by lane
+    elif accumulate:  # a partial tile: whole vectors, then one masked load
         if cols >= 4:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a0_0 = vinsert_4x4(a0_0, i, sload_4x4(c, c0 + q0 * ldc + 0 + i))
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
         if cols >= 8:
             a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a0_1 = vinsert_4x4(a0_1, i, sload_4x4(c, c0 + q0 * ldc + 4 + i))
+            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
         if cols >= 12:
             a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a0_2 = vinsert_4x4(a0_2, i, sload_4x4(c, c0 + q0 * ldc + 8 + i))
+            a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
         if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a1_0 = vinsert_4x4(a1_0, i, sload_4x4(c, c0 + q1 * ldc + 0 + i))
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
         if cols >= 8:
             a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a1_1 = vinsert_4x4(a1_1, i, sload_4x4(c, c0 + q1 * ldc + 4 + i))
+            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
         if cols >= 12:
             a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a1_2 = vinsert_4x4(a1_2, i, sload_4x4(c, c0 + q1 * ldc + 8 + i))
+            a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
         if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a2_0 = vinsert_4x4(a2_0, i, sload_4x4(c, c0 + q2 * ldc + 0 + i))
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
         if cols >= 8:
             a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a2_1 = vinsert_4x4(a2_1, i, sload_4x4(c, c0 + q2 * ldc + 4 + i))
+            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
         if cols >= 12:
             a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a2_2 = vinsert_4x4(a2_2, i, sload_4x4(c, c0 + q2 * ldc + 8 + i))
+            a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
         if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a3_0 = vinsert_4x4(a3_0, i, sload_4x4(c, c0 + q3 * ldc + 0 + i))
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
         if cols >= 8:
             a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a3_1 = vinsert_4x4(a3_1, i, sload_4x4(c, c0 + q3 * ldc + 4 + i))
+            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
         if cols >= 12:
             a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a3_2 = vinsert_4x4(a3_2, i, sload_4x4(c, c0 + q3 * ldc + 8 + i))
+            a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
         if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a4_0 = vinsert_4x4(a4_0, i, sload_4x4(c, c0 + q4 * ldc + 0 + i))
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
         if cols >= 8:
             a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a4_1 = vinsert_4x4(a4_1, i, sload_4x4(c, c0 + q4 * ldc + 4 + i))
+            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
         if cols >= 12:
             a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a4_2 = vinsert_4x4(a4_2, i, sload_4x4(c, c0 + q4 * ldc + 8 + i))
+            a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
         if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
         elif cols > 0:
-            for i in range(cols - 0):
-                a5_0 = vinsert_4x4(a5_0, i, sload_4x4(c, c0 + q5 * ldc + 0 + i))
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
         if cols >= 8:
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
         elif cols > 4:
-            for i in range(cols - 4):
-                a5_1 = vinsert_4x4(a5_1, i, sload_4x4(c, c0 + q5 * ldc + 4 + i))
+            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
         if cols >= 12:
             a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
         elif cols > 8:
-            for i in range(cols - 8):
-                a5_2 = vinsert_4x4(a5_2, i, sload_4x4(c, c0 + q5 * ldc + 8 + i))
+            a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
     for k in range(kc):
         xo = x0 + k * ldx
         ko = k * wsk
@@ -6253,58 +5153,42 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         a5_2 = vfma_4x4(wv, xv2, a5_2)
     if cols == 12 and epi:
         by_col = (flags & PER_COL) != 0
+        has_res = (flags & HAS_RES) != 0
         one = np.float32(1)
         zero1 = np.float32(0)
         zero = vzero_4x4()
         lo = vsplat_4x4(a)
         hi = vsplat_4x4(b)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else zero
+        ones = vsplat_4x4(one)
+        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
         bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else zero
+        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
         bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else zero
+        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
         bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
         if rows > 0:
             s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
             b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_0 = vmul_4x4(a0_0, sc0)
-                if flags & HAS_BIAS:
-                    a0_0 = vadd_4x4(a0_0, bi0)
-            else:
-                a0_0 = vadd_4x4(vmul_4x4(a0_0, sv), bv)
-            if flags & HAS_RES:
+            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
             if act == 1:
                 a0_0 = vmax_4x4(zero, a0_0)
             elif act == 3:
                 a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_1 = vmul_4x4(a0_1, sc1)
-                if flags & HAS_BIAS:
-                    a0_1 = vadd_4x4(a0_1, bi1)
-            else:
-                a0_1 = vadd_4x4(vmul_4x4(a0_1, sv), bv)
-            if flags & HAS_RES:
+            a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
             if act == 1:
                 a0_1 = vmax_4x4(zero, a0_1)
             elif act == 3:
                 a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
             vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a0_2 = vmul_4x4(a0_2, sc2)
-                if flags & HAS_BIAS:
-                    a0_2 = vadd_4x4(a0_2, bi2)
-            else:
-                a0_2 = vadd_4x4(vmul_4x4(a0_2, sv), bv)
-            if flags & HAS_RES:
+            a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
             if act == 1:
                 a0_2 = vmax_4x4(zero, a0_2)
@@ -6316,42 +5200,24 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_0 = vmul_4x4(a1_0, sc0)
-                if flags & HAS_BIAS:
-                    a1_0 = vadd_4x4(a1_0, bi0)
-            else:
-                a1_0 = vadd_4x4(vmul_4x4(a1_0, sv), bv)
-            if flags & HAS_RES:
+            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
             if act == 1:
                 a1_0 = vmax_4x4(zero, a1_0)
             elif act == 3:
                 a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
             vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_1 = vmul_4x4(a1_1, sc1)
-                if flags & HAS_BIAS:
-                    a1_1 = vadd_4x4(a1_1, bi1)
-            else:
-                a1_1 = vadd_4x4(vmul_4x4(a1_1, sv), bv)
-            if flags & HAS_RES:
+            a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
             if act == 1:
                 a1_1 = vmax_4x4(zero, a1_1)
             elif act == 3:
                 a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
             vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a1_2 = vmul_4x4(a1_2, sc2)
-                if flags & HAS_BIAS:
-                    a1_2 = vadd_4x4(a1_2, bi2)
-            else:
-                a1_2 = vadd_4x4(vmul_4x4(a1_2, sv), bv)
-            if flags & HAS_RES:
+            a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
             if act == 1:
                 a1_2 = vmax_4x4(zero, a1_2)
@@ -6363,42 +5229,24 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_0 = vmul_4x4(a2_0, sc0)
-                if flags & HAS_BIAS:
-                    a2_0 = vadd_4x4(a2_0, bi0)
-            else:
-                a2_0 = vadd_4x4(vmul_4x4(a2_0, sv), bv)
-            if flags & HAS_RES:
+            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
             if act == 1:
                 a2_0 = vmax_4x4(zero, a2_0)
             elif act == 3:
                 a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
             vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_1 = vmul_4x4(a2_1, sc1)
-                if flags & HAS_BIAS:
-                    a2_1 = vadd_4x4(a2_1, bi1)
-            else:
-                a2_1 = vadd_4x4(vmul_4x4(a2_1, sv), bv)
-            if flags & HAS_RES:
+            a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
             if act == 1:
                 a2_1 = vmax_4x4(zero, a2_1)
             elif act == 3:
                 a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
             vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a2_2 = vmul_4x4(a2_2, sc2)
-                if flags & HAS_BIAS:
-                    a2_2 = vadd_4x4(a2_2, bi2)
-            else:
-                a2_2 = vadd_4x4(vmul_4x4(a2_2, sv), bv)
-            if flags & HAS_RES:
+            a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
             if act == 1:
                 a2_2 = vmax_4x4(zero, a2_2)
@@ -6410,42 +5258,24 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_0 = vmul_4x4(a3_0, sc0)
-                if flags & HAS_BIAS:
-                    a3_0 = vadd_4x4(a3_0, bi0)
-            else:
-                a3_0 = vadd_4x4(vmul_4x4(a3_0, sv), bv)
-            if flags & HAS_RES:
+            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
             if act == 1:
                 a3_0 = vmax_4x4(zero, a3_0)
             elif act == 3:
                 a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
             vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_1 = vmul_4x4(a3_1, sc1)
-                if flags & HAS_BIAS:
-                    a3_1 = vadd_4x4(a3_1, bi1)
-            else:
-                a3_1 = vadd_4x4(vmul_4x4(a3_1, sv), bv)
-            if flags & HAS_RES:
+            a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
             if act == 1:
                 a3_1 = vmax_4x4(zero, a3_1)
             elif act == 3:
                 a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
             vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a3_2 = vmul_4x4(a3_2, sc2)
-                if flags & HAS_BIAS:
-                    a3_2 = vadd_4x4(a3_2, bi2)
-            else:
-                a3_2 = vadd_4x4(vmul_4x4(a3_2, sv), bv)
-            if flags & HAS_RES:
+            a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
             if act == 1:
                 a3_2 = vmax_4x4(zero, a3_2)
@@ -6457,42 +5287,24 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_0 = vmul_4x4(a4_0, sc0)
-                if flags & HAS_BIAS:
-                    a4_0 = vadd_4x4(a4_0, bi0)
-            else:
-                a4_0 = vadd_4x4(vmul_4x4(a4_0, sv), bv)
-            if flags & HAS_RES:
+            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
             if act == 1:
                 a4_0 = vmax_4x4(zero, a4_0)
             elif act == 3:
                 a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
             vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_1 = vmul_4x4(a4_1, sc1)
-                if flags & HAS_BIAS:
-                    a4_1 = vadd_4x4(a4_1, bi1)
-            else:
-                a4_1 = vadd_4x4(vmul_4x4(a4_1, sv), bv)
-            if flags & HAS_RES:
+            a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
             if act == 1:
                 a4_1 = vmax_4x4(zero, a4_1)
             elif act == 3:
                 a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
             vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a4_2 = vmul_4x4(a4_2, sc2)
-                if flags & HAS_BIAS:
-                    a4_2 = vadd_4x4(a4_2, bi2)
-            else:
-                a4_2 = vadd_4x4(vmul_4x4(a4_2, sv), bv)
-            if flags & HAS_RES:
+            a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
             if act == 1:
                 a4_2 = vmax_4x4(zero, a4_2)
@@ -6504,42 +5316,24 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
             b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
             sv = vsplat_4x4(s1)
             bv = vsplat_4x4(b1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_0 = vmul_4x4(a5_0, sc0)
-                if flags & HAS_BIAS:
-                    a5_0 = vadd_4x4(a5_0, bi0)
-            else:
-                a5_0 = vadd_4x4(vmul_4x4(a5_0, sv), bv)
-            if flags & HAS_RES:
+            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+            if has_res:
                 a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
             if act == 1:
                 a5_0 = vmax_4x4(zero, a5_0)
             elif act == 3:
                 a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
             vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_1 = vmul_4x4(a5_1, sc1)
-                if flags & HAS_BIAS:
-                    a5_1 = vadd_4x4(a5_1, bi1)
-            else:
-                a5_1 = vadd_4x4(vmul_4x4(a5_1, sv), bv)
-            if flags & HAS_RES:
+            a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+            if has_res:
                 a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
             if act == 1:
                 a5_1 = vmax_4x4(zero, a5_1)
             elif act == 3:
                 a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
             vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            if by_col:
-                if flags & HAS_SCALE:
-                    a5_2 = vmul_4x4(a5_2, sc2)
-                if flags & HAS_BIAS:
-                    a5_2 = vadd_4x4(a5_2, bi2)
-            else:
-                a5_2 = vadd_4x4(vmul_4x4(a5_2, sv), bv)
-            if flags & HAS_RES:
+            a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+            if has_res:
                 a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
             if act == 1:
                 a5_2 = vmax_4x4(zero, a5_2)
@@ -6577,98 +5371,80 @@ def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, c
         if cols >= 4:
             vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 0 * ldc + 0 + i, vextract_4x4(a0_0, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 0 * ldc + 4 + i, vextract_4x4(a0_1, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 0 * ldc + 8 + i, vextract_4x4(a0_2, i))
+            vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
     if rows > 1:
         if cols >= 4:
             vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 1 * ldc + 0 + i, vextract_4x4(a1_0, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 1 * ldc + 4 + i, vextract_4x4(a1_1, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 1 * ldc + 8 + i, vextract_4x4(a1_2, i))
+            vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
     if rows > 2:
         if cols >= 4:
             vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 2 * ldc + 0 + i, vextract_4x4(a2_0, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 2 * ldc + 4 + i, vextract_4x4(a2_1, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 2 * ldc + 8 + i, vextract_4x4(a2_2, i))
+            vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
     if rows > 3:
         if cols >= 4:
             vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 3 * ldc + 0 + i, vextract_4x4(a3_0, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 3 * ldc + 4 + i, vextract_4x4(a3_1, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 3 * ldc + 8 + i, vextract_4x4(a3_2, i))
+            vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
     if rows > 4:
         if cols >= 4:
             vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 4 * ldc + 0 + i, vextract_4x4(a4_0, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 4 * ldc + 4 + i, vextract_4x4(a4_1, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 4 * ldc + 8 + i, vextract_4x4(a4_2, i))
+            vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
     if rows > 5:
         if cols >= 4:
             vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
         elif cols > 0:
-            for i in range(cols - 0):
-                sstore_4x4(c, c0 + 5 * ldc + 0 + i, vextract_4x4(a5_0, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
         if cols >= 8:
             vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
         elif cols > 4:
-            for i in range(cols - 4):
-                sstore_4x4(c, c0 + 5 * ldc + 4 + i, vextract_4x4(a5_1, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
         if cols >= 12:
             vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
         elif cols > 8:
-            for i in range(cols - 8):
-                sstore_4x4(c, c0 + 5 * ldc + 8 + i, vextract_4x4(a5_2, i))
+            vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
 
 
 @njit(cache=True)

@@ -87,6 +87,53 @@ class Ops:
 
             return types.void(arr, idx, v), codegen
 
+        ids = ir.Constant(ir.VectorType(I32, lanes), list(range(lanes)))
+
+        def first_n(context, builder, n, nty):
+            """<lanes x i1>: lane < n."""
+            n32 = builder.trunc(context.cast(builder, n, nty, types.intp), I32)
+            vi = ir.VectorType(I32, lanes)
+            v = builder.insert_element(ir.Constant(vi, ir.Undefined), n32, ir.Constant(I32, 0))
+            splat = builder.shuffle_vector(
+                v, ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * lanes)
+            )
+            return builder.icmp_signed("<", ids, splat)
+
+        # A partial vector (a tile's last columns) as one masked load or store
+        # (vmaskmovps on AVX2, a mask register on AVX-512): lane-by-lane loops there
+        # doubled the tiles' compile time, which every cold numba cache pays.
+        @intrinsic
+        def vload_n(typingctx, arr, idx, n):
+            """arr's elements idx .. idx+n-1 in the first n lanes, zeros after (0 < n <
+            lanes); nothing past them is read."""
+
+            def codegen(context, builder, sig, args):
+                p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                m = first_n(context, builder, args[2], sig.args[2])
+                fnty = ir.FunctionType(lvt, [p.type, I32, m.type, lvt])
+                name = f"llvm.masked.load.v{lanes}f32.p0"
+                fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+                zeros = ir.Constant(lvt, [0.0] * lanes)
+                return builder.call(fn, [p, ir.Constant(I32, 4), m, zeros])
+
+            return vt(arr, idx, n), codegen
+
+        @intrinsic
+        def vstore_n(typingctx, arr, idx, v, n):
+            """The first n lanes of v into arr[idx .. idx+n-1]; nothing past them is
+            written."""
+
+            def codegen(context, builder, sig, args):
+                p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                m = first_n(context, builder, args[3], sig.args[3])
+                fnty = ir.FunctionType(ir.VoidType(), [lvt, p.type, I32, m.type])
+                name = f"llvm.masked.store.v{lanes}f32.p0"
+                fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+                builder.call(fn, [args[2], p, ir.Constant(I32, 4), m])
+                return context.get_dummy_value()
+
+            return types.void(arr, idx, v, n), codegen
+
         @intrinsic
         def vbload(typingctx, arr, idx):
             """arr[idx] widened to float32 (float or int8 weights) in every lane."""
@@ -175,6 +222,7 @@ class Ops:
         self.sload, self.sstore = sload, sstore
         self.vload, self.vstore, self.vbload, self.vsplat = vload, vstore, vbload, vsplat
         self.vinsert, self.vextract = vinsert, vextract
+        self.vload_n, self.vstore_n = vload_n, vstore_n
         self.vzero, self.vfma = vzero, vfma
         self.vadd = _binary(lambda bl, a, b: bl.fadd(a, b))
         self.vsub = _binary(lambda bl, a, b: bl.fsub(a, b))

@@ -44,8 +44,8 @@ one cache set: conv planes have strides near multiples of 4 KB); each micro-kern
 call multiplies MR={MR} weight rows (broadcast straight from w, no packing: within 5% of
 packed weights, and the bundle stays in its plain layout) with one packed tile into
 MR x NV vector accumulators, then applies the epilogue in registers and stores once.
-Partial tiles (N not a multiple of NR) load and store their last vectors lane by
-lane. Each output element is one
+Partial tiles (N not a multiple of NR) load and store their last vector with a mask
+(simd's vload_n/vstore_n). Each output element is one
 fma chain over k in order, so every tile shape gives bit-identical results.
 
 Scratch: ``xp`` (workers, cpu_abi.GEMM_XP_FLOATS) float32: one slot per parallel
@@ -101,17 +101,14 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
     for r in range(MR):
         for v in range(nv):
             L.append(f"        {acc[r][v]} = vload{s}(c, c0 + q{r} * ldc + {v * lanes})")
-    L.append("    elif accumulate:  # a partial tile: whole vectors, then lane by lane")
+    L.append("    elif accumulate:  # a partial tile: whole vectors, then one masked load")
     for r in range(MR):
         for v in range(nv):
             o = f"c0 + q{r} * ldc + {v * lanes}"
             L.append(f"        if cols >= {(v + 1) * lanes}:")
             L.append(f"            {acc[r][v]} = vload{s}(c, {o})")
             L.append(f"        elif cols > {v * lanes}:")
-            L.append(f"            for i in range(cols - {v * lanes}):")
-            L.append(
-                f"                {acc[r][v]} = vinsert{s}({acc[r][v]}, i, sload{s}(c, {o} + i))"
-            )
+            L.append(f"            {acc[r][v]} = vload_n{s}(c, {o}, cols - {v * lanes})")
     L.append("    for k in range(kc):")
     L.append("        xo = x0 + k * ldx")
     L.append("        ko = k * wsk")
@@ -123,18 +120,25 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
             L.append(f"        {acc[r][v]} = vfma{s}(wv, xv{v}, {acc[r][v]})")
     L.append(f"    if cols == {nr} and epi:")
     # the same operations in the same order as _epilogue, so fused and separate give
-    # the same bits
+    # the same bits (absent scale/bias multiply by 1 and add 0, as _epilogue's per-row
+    # path does); selects rather than branches per accumulator: the tile's code size
+    # sets numba's compile time, which CI pays on every cold cache
     L.append("        by_col = (flags & PER_COL) != 0")
+    L.append("        has_res = (flags & HAS_RES) != 0")
     L.append("        one = np.float32(1)")
     L.append("        zero1 = np.float32(0)")
     L.append(f"        zero = vzero{s}()")
     L.append(f"        lo = vsplat{s}(a)")
     L.append(f"        hi = vsplat{s}(b)")
+    L.append(f"        ones = vsplat{s}(one)")
     for v in range(nv):
-        for vec, arr, bit in (("sc", "scale", "HAS_SCALE"), ("bi", "bias", "HAS_BIAS")):
+        for vec, arr, bit, dflt in (
+            ("sc", "scale", "HAS_SCALE", "ones"),
+            ("bi", "bias", "HAS_BIAS", "zero"),
+        ):
             L.append(
                 f"        {vec}{v} = vload{s}({arr}, n0 + {v * lanes}) if by_col and flags & {bit}"
-                " else zero"
+                f" else {dflt}"
             )
     for r in range(MR):
         L.append(f"        if rows > {r}:")
@@ -144,14 +148,9 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
         L.append(f"            bv = vsplat{s}(b1)")
         for v in range(nv):
             y = acc[r][v]
-            L.append("            if by_col:")
-            L.append("                if flags & HAS_SCALE:")
-            L.append(f"                    {y} = vmul{s}({y}, sc{v})")
-            L.append("                if flags & HAS_BIAS:")
-            L.append(f"                    {y} = vadd{s}({y}, bi{v})")
-            L.append("            else:")
-            L.append(f"                {y} = vadd{s}(vmul{s}({y}, sv), bv)")
-            L.append("            if flags & HAS_RES:")
+            mul, add = f"sc{v} if by_col else sv", f"bi{v} if by_col else bv"
+            L.append(f"            {y} = vadd{s}(vmul{s}({y}, {mul}), {add})")
+            L.append("            if has_res:")
             o = f"r0 + {r} * ldr + {v * lanes}"
             L.append(f"                {y} = vadd{s}({y}, vload{s}(res, {o}))")
             L.append("            if act == 1:")
@@ -173,8 +172,7 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
             L.append(f"        if cols >= {(v + 1) * lanes}:")
             L.append(f"            vstore{s}(c, {o}, {acc[r][v]})")
             L.append(f"        elif cols > {v * lanes}:")
-            L.append(f"            for i in range(cols - {v * lanes}):")
-            L.append(f"                sstore{s}(c, {o} + i, vextract{s}({acc[r][v]}, i))")
+            L.append(f"            vstore_n{s}(c, {o}, {acc[r][v]}, cols - {v * lanes})")
     return "\n".join(L)
 
 
@@ -573,8 +571,8 @@ def source() -> str:
             "vmul",
             "vmax",
             "vmin",
-            "vinsert",
-            "vextract",
+            "vload_n",
+            "vstore_n",
             "sload",
             "sstore",
         ):

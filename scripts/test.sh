@@ -4,6 +4,11 @@
 #     bash scripts/test.sh              # default run (excludes -m slow)
 #     bash scripts/test.sh -m slow      # only the slow tests
 #     bash scripts/test.sh -q -k bundle
+#
+# Tests run in one worker per core (pytest-xdist; EDGEPACK_TEST_WORKERS=0 runs them in
+# this process): most of a cold run is numba compiling kernels, one function at a time,
+# and the workers compile different ones. Tests that share a session fixture too costly
+# to build twice (the frozen stub) carry one xdist_group and run in the same worker.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,4 +20,4 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 # opencv and the rest, which the tests do not need.
 "$PY" -m pip install --no-deps rapidocr-onnxruntime
 
-exec "$PY" -m pytest "$@"
+exec "$PY" -m pytest -n "${EDGEPACK_TEST_WORKERS:-auto}" --dist loadgroup "$@"

@@ -261,8 +261,10 @@ class StatusWatcher:
             self._cv.notify_all()
 
     def wait(
-        self, device: str, state: str, timeout: float = 60.0, agent: Agent | None = None
+        self, device: str, state: str, timeout: float = 240.0, agent: Agent | None = None
     ) -> dict:
+        # generous: a fresh agent compiles its kernels first, and on a cold numba cache
+        # with the other test workers compiling too that took over 60 s
         end = time.monotonic() + timeout
         with self._cv:
             while self.status.get(device, {}).get("state") != state:

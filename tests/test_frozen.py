@@ -21,6 +21,7 @@ from edgepack.packager.stub import _deterministic_targz, _launcher, host_arch
 
 pytestmark = [
     pytest.mark.frozen,
+    pytest.mark.xdist_group("frozen"),  # one worker builds the stub once (scripts/test.sh)
     pytest.mark.skipif(host_arch() != "x86_64", reason="the test target is linux-x86_64"),
 ]
 TARGET = "linux-x86_64"
