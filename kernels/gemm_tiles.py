@@ -110,1585 +110,1617 @@ sstore_4x4 = _ops_4x4.sstore
 
 
 @njit(cache=True)
-def tile_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 64 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_16x4()
-    a0_1 = vzero_16x4()
-    a0_2 = vzero_16x4()
-    a0_3 = vzero_16x4()
-    a1_0 = vzero_16x4()
-    a1_1 = vzero_16x4()
-    a1_2 = vzero_16x4()
-    a1_3 = vzero_16x4()
-    a2_0 = vzero_16x4()
-    a2_1 = vzero_16x4()
-    a2_2 = vzero_16x4()
-    a2_3 = vzero_16x4()
-    a3_0 = vzero_16x4()
-    a3_1 = vzero_16x4()
-    a3_2 = vzero_16x4()
-    a3_3 = vzero_16x4()
-    a4_0 = vzero_16x4()
-    a4_1 = vzero_16x4()
-    a4_2 = vzero_16x4()
-    a4_3 = vzero_16x4()
-    a5_0 = vzero_16x4()
-    a5_1 = vzero_16x4()
-    a5_2 = vzero_16x4()
-    a5_3 = vzero_16x4()
-    if accumulate and cols == 64:
-        a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-        a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
-        a0_3 = vload_16x4(c, c0 + q0 * ldc + 48)
-        a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-        a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
-        a1_3 = vload_16x4(c, c0 + q1 * ldc + 48)
-        a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-        a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
-        a2_3 = vload_16x4(c, c0 + q2 * ldc + 48)
-        a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-        a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
-        a3_3 = vload_16x4(c, c0 + q3 * ldc + 48)
-        a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-        a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
-        a4_3 = vload_16x4(c, c0 + q4 * ldc + 48)
-        a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-        a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-        a5_3 = vload_16x4(c, c0 + q5 * ldc + 48)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 16:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_16x4()
+        a0_1 = vzero_16x4()
+        a0_2 = vzero_16x4()
+        a0_3 = vzero_16x4()
+        a1_0 = vzero_16x4()
+        a1_1 = vzero_16x4()
+        a1_2 = vzero_16x4()
+        a1_3 = vzero_16x4()
+        a2_0 = vzero_16x4()
+        a2_1 = vzero_16x4()
+        a2_2 = vzero_16x4()
+        a2_3 = vzero_16x4()
+        a3_0 = vzero_16x4()
+        a3_1 = vzero_16x4()
+        a3_2 = vzero_16x4()
+        a3_3 = vzero_16x4()
+        a4_0 = vzero_16x4()
+        a4_1 = vzero_16x4()
+        a4_2 = vzero_16x4()
+        a4_3 = vzero_16x4()
+        a5_0 = vzero_16x4()
+        a5_1 = vzero_16x4()
+        a5_2 = vzero_16x4()
+        a5_3 = vzero_16x4()
+        if accumulate and cols == 64:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 32:
             a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-        elif cols > 16:
-            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
-        if cols >= 48:
             a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
-        elif cols > 32:
-            a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
-        if cols >= 64:
             a0_3 = vload_16x4(c, c0 + q0 * ldc + 48)
-        elif cols > 48:
-            a0_3 = vload_n_16x4(c, c0 + q0 * ldc + 48, cols - 48)
-        if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 32:
             a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-        elif cols > 16:
-            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
-        if cols >= 48:
             a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
-        elif cols > 32:
-            a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
-        if cols >= 64:
             a1_3 = vload_16x4(c, c0 + q1 * ldc + 48)
-        elif cols > 48:
-            a1_3 = vload_n_16x4(c, c0 + q1 * ldc + 48, cols - 48)
-        if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 32:
             a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-        elif cols > 16:
-            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
-        if cols >= 48:
             a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
-        elif cols > 32:
-            a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
-        if cols >= 64:
             a2_3 = vload_16x4(c, c0 + q2 * ldc + 48)
-        elif cols > 48:
-            a2_3 = vload_n_16x4(c, c0 + q2 * ldc + 48, cols - 48)
-        if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 32:
             a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-        elif cols > 16:
-            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
-        if cols >= 48:
             a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
-        elif cols > 32:
-            a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
-        if cols >= 64:
             a3_3 = vload_16x4(c, c0 + q3 * ldc + 48)
-        elif cols > 48:
-            a3_3 = vload_n_16x4(c, c0 + q3 * ldc + 48, cols - 48)
-        if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 32:
             a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-        elif cols > 16:
-            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
-        if cols >= 48:
             a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
-        elif cols > 32:
-            a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
-        if cols >= 64:
             a4_3 = vload_16x4(c, c0 + q4 * ldc + 48)
-        elif cols > 48:
-            a4_3 = vload_n_16x4(c, c0 + q4 * ldc + 48, cols - 48)
-        if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 32:
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-        elif cols > 16:
-            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
-        if cols >= 48:
             a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-        elif cols > 32:
-            a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
-        if cols >= 64:
             a5_3 = vload_16x4(c, c0 + q5 * ldc + 48)
-        elif cols > 48:
-            a5_3 = vload_n_16x4(c, c0 + q5 * ldc + 48, cols - 48)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_16x4(xq, xo + 0)
-        xv1 = vload_16x4(xq, xo + 16)
-        xv2 = vload_16x4(xq, xo + 32)
-        xv3 = vload_16x4(xq, xo + 48)
-        wv = vbload_16x4(w, wo0 + ko)
-        a0_0 = vfma_16x4(wv, xv0, a0_0)
-        a0_1 = vfma_16x4(wv, xv1, a0_1)
-        a0_2 = vfma_16x4(wv, xv2, a0_2)
-        a0_3 = vfma_16x4(wv, xv3, a0_3)
-        wv = vbload_16x4(w, wo1 + ko)
-        a1_0 = vfma_16x4(wv, xv0, a1_0)
-        a1_1 = vfma_16x4(wv, xv1, a1_1)
-        a1_2 = vfma_16x4(wv, xv2, a1_2)
-        a1_3 = vfma_16x4(wv, xv3, a1_3)
-        wv = vbload_16x4(w, wo2 + ko)
-        a2_0 = vfma_16x4(wv, xv0, a2_0)
-        a2_1 = vfma_16x4(wv, xv1, a2_1)
-        a2_2 = vfma_16x4(wv, xv2, a2_2)
-        a2_3 = vfma_16x4(wv, xv3, a2_3)
-        wv = vbload_16x4(w, wo3 + ko)
-        a3_0 = vfma_16x4(wv, xv0, a3_0)
-        a3_1 = vfma_16x4(wv, xv1, a3_1)
-        a3_2 = vfma_16x4(wv, xv2, a3_2)
-        a3_3 = vfma_16x4(wv, xv3, a3_3)
-        wv = vbload_16x4(w, wo4 + ko)
-        a4_0 = vfma_16x4(wv, xv0, a4_0)
-        a4_1 = vfma_16x4(wv, xv1, a4_1)
-        a4_2 = vfma_16x4(wv, xv2, a4_2)
-        a4_3 = vfma_16x4(wv, xv3, a4_3)
-        wv = vbload_16x4(w, wo5 + ko)
-        a5_0 = vfma_16x4(wv, xv0, a5_0)
-        a5_1 = vfma_16x4(wv, xv1, a5_1)
-        a5_2 = vfma_16x4(wv, xv2, a5_2)
-        a5_3 = vfma_16x4(wv, xv3, a5_3)
-    if cols == 64 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_16x4()
-        lo = vsplat_16x4(a)
-        hi = vsplat_16x4(b)
-        ones = vsplat_16x4(one)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
-        bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
-        sc3 = vload_16x4(scale, n0 + 48) if by_col and flags & HAS_SCALE else ones
-        bi3 = vload_16x4(bias, n0 + 48) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 16:
+                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
+            elif cols > 16:
+                a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
+            elif cols > 32:
+                a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
+            if cols >= 64:
+                a0_3 = vload_16x4(c, c0 + q0 * ldc + 48)
+            elif cols > 48:
+                a0_3 = vload_n_16x4(c, c0 + q0 * ldc + 48, cols - 48)
+            if cols >= 16:
+                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
+            elif cols > 16:
+                a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
+            elif cols > 32:
+                a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
+            if cols >= 64:
+                a1_3 = vload_16x4(c, c0 + q1 * ldc + 48)
+            elif cols > 48:
+                a1_3 = vload_n_16x4(c, c0 + q1 * ldc + 48, cols - 48)
+            if cols >= 16:
+                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
+            elif cols > 16:
+                a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
+            elif cols > 32:
+                a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
+            if cols >= 64:
+                a2_3 = vload_16x4(c, c0 + q2 * ldc + 48)
+            elif cols > 48:
+                a2_3 = vload_n_16x4(c, c0 + q2 * ldc + 48, cols - 48)
+            if cols >= 16:
+                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
+            elif cols > 16:
+                a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
+            elif cols > 32:
+                a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
+            if cols >= 64:
+                a3_3 = vload_16x4(c, c0 + q3 * ldc + 48)
+            elif cols > 48:
+                a3_3 = vload_n_16x4(c, c0 + q3 * ldc + 48, cols - 48)
+            if cols >= 16:
+                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
+            elif cols > 16:
+                a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
+            elif cols > 32:
+                a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
+            if cols >= 64:
+                a4_3 = vload_16x4(c, c0 + q4 * ldc + 48)
+            elif cols > 48:
+                a4_3 = vload_n_16x4(c, c0 + q4 * ldc + 48, cols - 48)
+            if cols >= 16:
+                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
+            elif cols > 16:
+                a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
+            elif cols > 32:
+                a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
+            if cols >= 64:
+                a5_3 = vload_16x4(c, c0 + q5 * ldc + 48)
+            elif cols > 48:
+                a5_3 = vload_n_16x4(c, c0 + q5 * ldc + 48, cols - 48)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_16x4(xq, xo + 0)
+            xv1 = vload_16x4(xq, xo + 16)
+            xv2 = vload_16x4(xq, xo + 32)
+            xv3 = vload_16x4(xq, xo + 48)
+            wv = vbload_16x4(w, wo0 + ko)
+            a0_0 = vfma_16x4(wv, xv0, a0_0)
+            a0_1 = vfma_16x4(wv, xv1, a0_1)
+            a0_2 = vfma_16x4(wv, xv2, a0_2)
+            a0_3 = vfma_16x4(wv, xv3, a0_3)
+            wv = vbload_16x4(w, wo1 + ko)
+            a1_0 = vfma_16x4(wv, xv0, a1_0)
+            a1_1 = vfma_16x4(wv, xv1, a1_1)
+            a1_2 = vfma_16x4(wv, xv2, a1_2)
+            a1_3 = vfma_16x4(wv, xv3, a1_3)
+            wv = vbload_16x4(w, wo2 + ko)
+            a2_0 = vfma_16x4(wv, xv0, a2_0)
+            a2_1 = vfma_16x4(wv, xv1, a2_1)
+            a2_2 = vfma_16x4(wv, xv2, a2_2)
+            a2_3 = vfma_16x4(wv, xv3, a2_3)
+            wv = vbload_16x4(w, wo3 + ko)
+            a3_0 = vfma_16x4(wv, xv0, a3_0)
+            a3_1 = vfma_16x4(wv, xv1, a3_1)
+            a3_2 = vfma_16x4(wv, xv2, a3_2)
+            a3_3 = vfma_16x4(wv, xv3, a3_3)
+            wv = vbload_16x4(w, wo4 + ko)
+            a4_0 = vfma_16x4(wv, xv0, a4_0)
+            a4_1 = vfma_16x4(wv, xv1, a4_1)
+            a4_2 = vfma_16x4(wv, xv2, a4_2)
+            a4_3 = vfma_16x4(wv, xv3, a4_3)
+            wv = vbload_16x4(w, wo5 + ko)
+            a5_0 = vfma_16x4(wv, xv0, a5_0)
+            a5_1 = vfma_16x4(wv, xv1, a5_1)
+            a5_2 = vfma_16x4(wv, xv2, a5_2)
+            a5_3 = vfma_16x4(wv, xv3, a5_3)
+        if cols == 64 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_16x4()
+            lo = vsplat_16x4(a)
+            hi = vsplat_16x4(b)
+            ones = vsplat_16x4(one)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
+            sc3 = vload_16x4(scale, n0 + 48) if by_col and flags & HAS_SCALE else ones
+            bi3 = vload_16x4(bias, n0 + 48) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+                if act == 1:
+                    a0_1 = vmax_16x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+                a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
+                if act == 1:
+                    a0_2 = vmax_16x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+                a0_3 = vadd_16x4(vmul_16x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a0_3 = vadd_16x4(a0_3, vload_16x4(res, r0 + 0 * ldr + 48))
+                if act == 1:
+                    a0_3 = vmax_16x4(zero, a0_3)
+                elif act == 3:
+                    a0_3 = vmin_16x4(vmax_16x4(a0_3, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+                if act == 1:
+                    a1_1 = vmax_16x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+                a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
+                if act == 1:
+                    a1_2 = vmax_16x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+                a1_3 = vadd_16x4(vmul_16x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a1_3 = vadd_16x4(a1_3, vload_16x4(res, r0 + 1 * ldr + 48))
+                if act == 1:
+                    a1_3 = vmax_16x4(zero, a1_3)
+                elif act == 3:
+                    a1_3 = vmin_16x4(vmax_16x4(a1_3, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+                if act == 1:
+                    a2_1 = vmax_16x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+                a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
+                if act == 1:
+                    a2_2 = vmax_16x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+                a2_3 = vadd_16x4(vmul_16x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a2_3 = vadd_16x4(a2_3, vload_16x4(res, r0 + 2 * ldr + 48))
+                if act == 1:
+                    a2_3 = vmax_16x4(zero, a2_3)
+                elif act == 3:
+                    a2_3 = vmin_16x4(vmax_16x4(a2_3, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+                if act == 1:
+                    a3_1 = vmax_16x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+                a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
+                if act == 1:
+                    a3_2 = vmax_16x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+                a3_3 = vadd_16x4(vmul_16x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a3_3 = vadd_16x4(a3_3, vload_16x4(res, r0 + 3 * ldr + 48))
+                if act == 1:
+                    a3_3 = vmax_16x4(zero, a3_3)
+                elif act == 3:
+                    a3_3 = vmin_16x4(vmax_16x4(a3_3, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+                if act == 1:
+                    a4_1 = vmax_16x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+                a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
+                if act == 1:
+                    a4_2 = vmax_16x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+                a4_3 = vadd_16x4(vmul_16x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a4_3 = vadd_16x4(a4_3, vload_16x4(res, r0 + 4 * ldr + 48))
+                if act == 1:
+                    a4_3 = vmax_16x4(zero, a4_3)
+                elif act == 3:
+                    a4_3 = vmin_16x4(vmax_16x4(a4_3, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+                if act == 1:
+                    a5_1 = vmax_16x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+                a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
+                if act == 1:
+                    a5_2 = vmax_16x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+                a5_3 = vadd_16x4(vmul_16x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a5_3 = vadd_16x4(a5_3, vload_16x4(res, r0 + 5 * ldr + 48))
+                if act == 1:
+                    a5_3 = vmax_16x4(zero, a5_3)
+                elif act == 3:
+                    a5_3 = vmin_16x4(vmax_16x4(a5_3, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
+            continue
+        if cols == 64:
+            if rows > 0:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+                vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
+            if rows > 1:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+                vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
+            if rows > 2:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+                vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
+            if rows > 3:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+                vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
+            if rows > 4:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+                vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
+            if rows > 5:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+                vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_16x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
-            if act == 1:
-                a0_1 = vmax_16x4(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
-            if act == 1:
-                a0_2 = vmax_16x4(zero, a0_2)
-            elif act == 3:
-                a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-            a0_3 = vadd_16x4(vmul_16x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a0_3 = vadd_16x4(a0_3, vload_16x4(res, r0 + 0 * ldr + 48))
-            if act == 1:
-                a0_3 = vmax_16x4(zero, a0_3)
-            elif act == 3:
-                a0_3 = vmin_16x4(vmax_16x4(a0_3, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
+            if cols >= 64:
+                vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
+            elif cols > 48:
+                vstore_n_16x4(c, c0 + 0 * ldc + 48, a0_3, cols - 48)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_16x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
-            if act == 1:
-                a1_1 = vmax_16x4(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
-            if act == 1:
-                a1_2 = vmax_16x4(zero, a1_2)
-            elif act == 3:
-                a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-            a1_3 = vadd_16x4(vmul_16x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a1_3 = vadd_16x4(a1_3, vload_16x4(res, r0 + 1 * ldr + 48))
-            if act == 1:
-                a1_3 = vmax_16x4(zero, a1_3)
-            elif act == 3:
-                a1_3 = vmin_16x4(vmax_16x4(a1_3, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
+            if cols >= 64:
+                vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
+            elif cols > 48:
+                vstore_n_16x4(c, c0 + 1 * ldc + 48, a1_3, cols - 48)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_16x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
-            if act == 1:
-                a2_1 = vmax_16x4(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
-            if act == 1:
-                a2_2 = vmax_16x4(zero, a2_2)
-            elif act == 3:
-                a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-            a2_3 = vadd_16x4(vmul_16x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a2_3 = vadd_16x4(a2_3, vload_16x4(res, r0 + 2 * ldr + 48))
-            if act == 1:
-                a2_3 = vmax_16x4(zero, a2_3)
-            elif act == 3:
-                a2_3 = vmin_16x4(vmax_16x4(a2_3, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
+            if cols >= 64:
+                vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
+            elif cols > 48:
+                vstore_n_16x4(c, c0 + 2 * ldc + 48, a2_3, cols - 48)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_16x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
-            if act == 1:
-                a3_1 = vmax_16x4(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
-            if act == 1:
-                a3_2 = vmax_16x4(zero, a3_2)
-            elif act == 3:
-                a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-            a3_3 = vadd_16x4(vmul_16x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a3_3 = vadd_16x4(a3_3, vload_16x4(res, r0 + 3 * ldr + 48))
-            if act == 1:
-                a3_3 = vmax_16x4(zero, a3_3)
-            elif act == 3:
-                a3_3 = vmin_16x4(vmax_16x4(a3_3, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
+            if cols >= 64:
+                vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
+            elif cols > 48:
+                vstore_n_16x4(c, c0 + 3 * ldc + 48, a3_3, cols - 48)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_16x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
-            if act == 1:
-                a4_1 = vmax_16x4(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
-            if act == 1:
-                a4_2 = vmax_16x4(zero, a4_2)
-            elif act == 3:
-                a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-            a4_3 = vadd_16x4(vmul_16x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a4_3 = vadd_16x4(a4_3, vload_16x4(res, r0 + 4 * ldr + 48))
-            if act == 1:
-                a4_3 = vmax_16x4(zero, a4_3)
-            elif act == 3:
-                a4_3 = vmin_16x4(vmax_16x4(a4_3, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
+            if cols >= 64:
+                vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
+            elif cols > 48:
+                vstore_n_16x4(c, c0 + 4 * ldc + 48, a4_3, cols - 48)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_16x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
-            if act == 1:
-                a5_1 = vmax_16x4(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
-            if act == 1:
-                a5_2 = vmax_16x4(zero, a5_2)
-            elif act == 3:
-                a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-            a5_3 = vadd_16x4(vmul_16x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a5_3 = vadd_16x4(a5_3, vload_16x4(res, r0 + 5 * ldr + 48))
-            if act == 1:
-                a5_3 = vmax_16x4(zero, a5_3)
-            elif act == 3:
-                a5_3 = vmin_16x4(vmax_16x4(a5_3, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
-        return
-    if cols == 64:
-        if rows > 0:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-            vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
-        if rows > 1:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-            vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
-        if rows > 2:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-            vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
-        if rows > 3:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-            vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
-        if rows > 4:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-            vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
-        if rows > 5:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-            vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
-        return
-    if rows > 0:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
-        if cols >= 64:
-            vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
-        elif cols > 48:
-            vstore_n_16x4(c, c0 + 0 * ldc + 48, a0_3, cols - 48)
-    if rows > 1:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
-        if cols >= 64:
-            vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
-        elif cols > 48:
-            vstore_n_16x4(c, c0 + 1 * ldc + 48, a1_3, cols - 48)
-    if rows > 2:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
-        if cols >= 64:
-            vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
-        elif cols > 48:
-            vstore_n_16x4(c, c0 + 2 * ldc + 48, a2_3, cols - 48)
-    if rows > 3:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
-        if cols >= 64:
-            vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
-        elif cols > 48:
-            vstore_n_16x4(c, c0 + 3 * ldc + 48, a3_3, cols - 48)
-    if rows > 4:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
-        if cols >= 64:
-            vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
-        elif cols > 48:
-            vstore_n_16x4(c, c0 + 4 * ldc + 48, a4_3, cols - 48)
-    if rows > 5:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
-        if cols >= 64:
-            vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
-        elif cols > 48:
-            vstore_n_16x4(c, c0 + 5 * ldc + 48, a5_3, cols - 48)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
+            if cols >= 64:
+                vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
+            elif cols > 48:
+                vstore_n_16x4(c, c0 + 5 * ldc + 48, a5_3, cols - 48)
 
 
 @njit(cache=True)
-def tile1v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_16x4()
-    a1_0 = vzero_16x4()
-    a2_0 = vzero_16x4()
-    a3_0 = vzero_16x4()
-    a4_0 = vzero_16x4()
-    a5_0 = vzero_16x4()
-    if accumulate and cols == 16:
-        a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 16:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_16x4()
+        a1_0 = vzero_16x4()
+        a2_0 = vzero_16x4()
+        a3_0 = vzero_16x4()
+        a4_0 = vzero_16x4()
+        a5_0 = vzero_16x4()
+        if accumulate and cols == 16:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_16x4(xq, xo + 0)
-        wv = vbload_16x4(w, wo0 + ko)
-        a0_0 = vfma_16x4(wv, xv0, a0_0)
-        wv = vbload_16x4(w, wo1 + ko)
-        a1_0 = vfma_16x4(wv, xv0, a1_0)
-        wv = vbload_16x4(w, wo2 + ko)
-        a2_0 = vfma_16x4(wv, xv0, a2_0)
-        wv = vbload_16x4(w, wo3 + ko)
-        a3_0 = vfma_16x4(wv, xv0, a3_0)
-        wv = vbload_16x4(w, wo4 + ko)
-        a4_0 = vfma_16x4(wv, xv0, a4_0)
-        wv = vbload_16x4(w, wo5 + ko)
-        a5_0 = vfma_16x4(wv, xv0, a5_0)
-    if cols == 16 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_16x4()
-        lo = vsplat_16x4(a)
-        hi = vsplat_16x4(b)
-        ones = vsplat_16x4(one)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 16:
+                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_16x4(xq, xo + 0)
+            wv = vbload_16x4(w, wo0 + ko)
+            a0_0 = vfma_16x4(wv, xv0, a0_0)
+            wv = vbload_16x4(w, wo1 + ko)
+            a1_0 = vfma_16x4(wv, xv0, a1_0)
+            wv = vbload_16x4(w, wo2 + ko)
+            a2_0 = vfma_16x4(wv, xv0, a2_0)
+            wv = vbload_16x4(w, wo3 + ko)
+            a3_0 = vfma_16x4(wv, xv0, a3_0)
+            wv = vbload_16x4(w, wo4 + ko)
+            a4_0 = vfma_16x4(wv, xv0, a4_0)
+            wv = vbload_16x4(w, wo5 + ko)
+            a5_0 = vfma_16x4(wv, xv0, a5_0)
+        if cols == 16 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_16x4()
+            lo = vsplat_16x4(a)
+            hi = vsplat_16x4(b)
+            ones = vsplat_16x4(one)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            continue
+        if cols == 16:
+            if rows > 0:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_16x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_16x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_16x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_16x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_16x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_16x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if cols == 16:
-        if rows > 0:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-        if rows > 1:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-        if rows > 2:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-        if rows > 3:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-        if rows > 4:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-        if rows > 5:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if rows > 0:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-    if rows > 1:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-    if rows > 2:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-    if rows > 3:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-    if rows > 4:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-    if rows > 5:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
-def tile2v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 32 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_16x4()
-    a0_1 = vzero_16x4()
-    a1_0 = vzero_16x4()
-    a1_1 = vzero_16x4()
-    a2_0 = vzero_16x4()
-    a2_1 = vzero_16x4()
-    a3_0 = vzero_16x4()
-    a3_1 = vzero_16x4()
-    a4_0 = vzero_16x4()
-    a4_1 = vzero_16x4()
-    a5_0 = vzero_16x4()
-    a5_1 = vzero_16x4()
-    if accumulate and cols == 32:
-        a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-        a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-        a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-        a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-        a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-        a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 16:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_16x4()
+        a0_1 = vzero_16x4()
+        a1_0 = vzero_16x4()
+        a1_1 = vzero_16x4()
+        a2_0 = vzero_16x4()
+        a2_1 = vzero_16x4()
+        a3_0 = vzero_16x4()
+        a3_1 = vzero_16x4()
+        a4_0 = vzero_16x4()
+        a4_1 = vzero_16x4()
+        a5_0 = vzero_16x4()
+        a5_1 = vzero_16x4()
+        if accumulate and cols == 32:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 32:
             a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-        elif cols > 16:
-            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
-        if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 32:
             a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-        elif cols > 16:
-            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
-        if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 32:
             a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-        elif cols > 16:
-            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
-        if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 32:
             a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-        elif cols > 16:
-            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
-        if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 32:
             a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-        elif cols > 16:
-            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
-        if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 32:
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-        elif cols > 16:
-            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_16x4(xq, xo + 0)
-        xv1 = vload_16x4(xq, xo + 16)
-        wv = vbload_16x4(w, wo0 + ko)
-        a0_0 = vfma_16x4(wv, xv0, a0_0)
-        a0_1 = vfma_16x4(wv, xv1, a0_1)
-        wv = vbload_16x4(w, wo1 + ko)
-        a1_0 = vfma_16x4(wv, xv0, a1_0)
-        a1_1 = vfma_16x4(wv, xv1, a1_1)
-        wv = vbload_16x4(w, wo2 + ko)
-        a2_0 = vfma_16x4(wv, xv0, a2_0)
-        a2_1 = vfma_16x4(wv, xv1, a2_1)
-        wv = vbload_16x4(w, wo3 + ko)
-        a3_0 = vfma_16x4(wv, xv0, a3_0)
-        a3_1 = vfma_16x4(wv, xv1, a3_1)
-        wv = vbload_16x4(w, wo4 + ko)
-        a4_0 = vfma_16x4(wv, xv0, a4_0)
-        a4_1 = vfma_16x4(wv, xv1, a4_1)
-        wv = vbload_16x4(w, wo5 + ko)
-        a5_0 = vfma_16x4(wv, xv0, a5_0)
-        a5_1 = vfma_16x4(wv, xv1, a5_1)
-    if cols == 32 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_16x4()
-        lo = vsplat_16x4(a)
-        hi = vsplat_16x4(b)
-        ones = vsplat_16x4(one)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 16:
+                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
+            elif cols > 16:
+                a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
+            if cols >= 16:
+                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
+            elif cols > 16:
+                a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
+            if cols >= 16:
+                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
+            elif cols > 16:
+                a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
+            if cols >= 16:
+                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
+            elif cols > 16:
+                a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
+            if cols >= 16:
+                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
+            elif cols > 16:
+                a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
+            if cols >= 16:
+                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
+            elif cols > 16:
+                a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_16x4(xq, xo + 0)
+            xv1 = vload_16x4(xq, xo + 16)
+            wv = vbload_16x4(w, wo0 + ko)
+            a0_0 = vfma_16x4(wv, xv0, a0_0)
+            a0_1 = vfma_16x4(wv, xv1, a0_1)
+            wv = vbload_16x4(w, wo1 + ko)
+            a1_0 = vfma_16x4(wv, xv0, a1_0)
+            a1_1 = vfma_16x4(wv, xv1, a1_1)
+            wv = vbload_16x4(w, wo2 + ko)
+            a2_0 = vfma_16x4(wv, xv0, a2_0)
+            a2_1 = vfma_16x4(wv, xv1, a2_1)
+            wv = vbload_16x4(w, wo3 + ko)
+            a3_0 = vfma_16x4(wv, xv0, a3_0)
+            a3_1 = vfma_16x4(wv, xv1, a3_1)
+            wv = vbload_16x4(w, wo4 + ko)
+            a4_0 = vfma_16x4(wv, xv0, a4_0)
+            a4_1 = vfma_16x4(wv, xv1, a4_1)
+            wv = vbload_16x4(w, wo5 + ko)
+            a5_0 = vfma_16x4(wv, xv0, a5_0)
+            a5_1 = vfma_16x4(wv, xv1, a5_1)
+        if cols == 32 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_16x4()
+            lo = vsplat_16x4(a)
+            hi = vsplat_16x4(b)
+            ones = vsplat_16x4(one)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+                if act == 1:
+                    a0_1 = vmax_16x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+                if act == 1:
+                    a1_1 = vmax_16x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+                if act == 1:
+                    a2_1 = vmax_16x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+                if act == 1:
+                    a3_1 = vmax_16x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+                if act == 1:
+                    a4_1 = vmax_16x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+                if act == 1:
+                    a5_1 = vmax_16x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            continue
+        if cols == 32:
+            if rows > 0:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            if rows > 1:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            if rows > 2:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            if rows > 3:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            if rows > 4:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            if rows > 5:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_16x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
-            if act == 1:
-                a0_1 = vmax_16x4(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_16x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
-            if act == 1:
-                a1_1 = vmax_16x4(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_16x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
-            if act == 1:
-                a2_1 = vmax_16x4(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_16x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
-            if act == 1:
-                a3_1 = vmax_16x4(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_16x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
-            if act == 1:
-                a4_1 = vmax_16x4(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_16x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
-            if act == 1:
-                a5_1 = vmax_16x4(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-        return
-    if cols == 32:
-        if rows > 0:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-        if rows > 1:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-        if rows > 2:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-        if rows > 3:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-        if rows > 4:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-        if rows > 5:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-        return
-    if rows > 0:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-    if rows > 1:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-    if rows > 2:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-    if rows > 3:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-    if rows > 4:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-    if rows > 5:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
 
 
 @njit(cache=True)
-def tile3v_16x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 48 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_16x4()
-    a0_1 = vzero_16x4()
-    a0_2 = vzero_16x4()
-    a1_0 = vzero_16x4()
-    a1_1 = vzero_16x4()
-    a1_2 = vzero_16x4()
-    a2_0 = vzero_16x4()
-    a2_1 = vzero_16x4()
-    a2_2 = vzero_16x4()
-    a3_0 = vzero_16x4()
-    a3_1 = vzero_16x4()
-    a3_2 = vzero_16x4()
-    a4_0 = vzero_16x4()
-    a4_1 = vzero_16x4()
-    a4_2 = vzero_16x4()
-    a5_0 = vzero_16x4()
-    a5_1 = vzero_16x4()
-    a5_2 = vzero_16x4()
-    if accumulate and cols == 48:
-        a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-        a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
-        a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-        a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
-        a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-        a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
-        a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-        a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
-        a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-        a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
-        a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-        a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 16:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_16x4()
+        a0_1 = vzero_16x4()
+        a0_2 = vzero_16x4()
+        a1_0 = vzero_16x4()
+        a1_1 = vzero_16x4()
+        a1_2 = vzero_16x4()
+        a2_0 = vzero_16x4()
+        a2_1 = vzero_16x4()
+        a2_2 = vzero_16x4()
+        a3_0 = vzero_16x4()
+        a3_1 = vzero_16x4()
+        a3_2 = vzero_16x4()
+        a4_0 = vzero_16x4()
+        a4_1 = vzero_16x4()
+        a4_2 = vzero_16x4()
+        a5_0 = vzero_16x4()
+        a5_1 = vzero_16x4()
+        a5_2 = vzero_16x4()
+        if accumulate and cols == 48:
             a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 32:
             a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-        elif cols > 16:
-            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
-        if cols >= 48:
             a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
-        elif cols > 32:
-            a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
-        if cols >= 16:
             a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 32:
             a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-        elif cols > 16:
-            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
-        if cols >= 48:
             a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
-        elif cols > 32:
-            a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
-        if cols >= 16:
             a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 32:
             a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-        elif cols > 16:
-            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
-        if cols >= 48:
             a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
-        elif cols > 32:
-            a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
-        if cols >= 16:
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 32:
             a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-        elif cols > 16:
-            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
-        if cols >= 48:
             a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
-        elif cols > 32:
-            a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
-        if cols >= 16:
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 32:
             a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-        elif cols > 16:
-            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
-        if cols >= 48:
             a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
-        elif cols > 32:
-            a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
-        if cols >= 16:
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 32:
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-        elif cols > 16:
-            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
-        if cols >= 48:
             a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-        elif cols > 32:
-            a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_16x4(xq, xo + 0)
-        xv1 = vload_16x4(xq, xo + 16)
-        xv2 = vload_16x4(xq, xo + 32)
-        wv = vbload_16x4(w, wo0 + ko)
-        a0_0 = vfma_16x4(wv, xv0, a0_0)
-        a0_1 = vfma_16x4(wv, xv1, a0_1)
-        a0_2 = vfma_16x4(wv, xv2, a0_2)
-        wv = vbload_16x4(w, wo1 + ko)
-        a1_0 = vfma_16x4(wv, xv0, a1_0)
-        a1_1 = vfma_16x4(wv, xv1, a1_1)
-        a1_2 = vfma_16x4(wv, xv2, a1_2)
-        wv = vbload_16x4(w, wo2 + ko)
-        a2_0 = vfma_16x4(wv, xv0, a2_0)
-        a2_1 = vfma_16x4(wv, xv1, a2_1)
-        a2_2 = vfma_16x4(wv, xv2, a2_2)
-        wv = vbload_16x4(w, wo3 + ko)
-        a3_0 = vfma_16x4(wv, xv0, a3_0)
-        a3_1 = vfma_16x4(wv, xv1, a3_1)
-        a3_2 = vfma_16x4(wv, xv2, a3_2)
-        wv = vbload_16x4(w, wo4 + ko)
-        a4_0 = vfma_16x4(wv, xv0, a4_0)
-        a4_1 = vfma_16x4(wv, xv1, a4_1)
-        a4_2 = vfma_16x4(wv, xv2, a4_2)
-        wv = vbload_16x4(w, wo5 + ko)
-        a5_0 = vfma_16x4(wv, xv0, a5_0)
-        a5_1 = vfma_16x4(wv, xv1, a5_1)
-        a5_2 = vfma_16x4(wv, xv2, a5_2)
-    if cols == 48 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_16x4()
-        lo = vsplat_16x4(a)
-        hi = vsplat_16x4(b)
-        ones = vsplat_16x4(one)
-        sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
-        bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 16:
+                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
+            elif cols > 16:
+                a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
+            elif cols > 32:
+                a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
+            if cols >= 16:
+                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
+            elif cols > 16:
+                a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
+            elif cols > 32:
+                a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
+            if cols >= 16:
+                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
+            elif cols > 16:
+                a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
+            elif cols > 32:
+                a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
+            if cols >= 16:
+                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
+            elif cols > 16:
+                a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
+            elif cols > 32:
+                a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
+            if cols >= 16:
+                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
+            elif cols > 16:
+                a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
+            elif cols > 32:
+                a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
+            if cols >= 16:
+                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 32:
+                a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
+            elif cols > 16:
+                a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
+            if cols >= 48:
+                a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
+            elif cols > 32:
+                a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_16x4(xq, xo + 0)
+            xv1 = vload_16x4(xq, xo + 16)
+            xv2 = vload_16x4(xq, xo + 32)
+            wv = vbload_16x4(w, wo0 + ko)
+            a0_0 = vfma_16x4(wv, xv0, a0_0)
+            a0_1 = vfma_16x4(wv, xv1, a0_1)
+            a0_2 = vfma_16x4(wv, xv2, a0_2)
+            wv = vbload_16x4(w, wo1 + ko)
+            a1_0 = vfma_16x4(wv, xv0, a1_0)
+            a1_1 = vfma_16x4(wv, xv1, a1_1)
+            a1_2 = vfma_16x4(wv, xv2, a1_2)
+            wv = vbload_16x4(w, wo2 + ko)
+            a2_0 = vfma_16x4(wv, xv0, a2_0)
+            a2_1 = vfma_16x4(wv, xv1, a2_1)
+            a2_2 = vfma_16x4(wv, xv2, a2_2)
+            wv = vbload_16x4(w, wo3 + ko)
+            a3_0 = vfma_16x4(wv, xv0, a3_0)
+            a3_1 = vfma_16x4(wv, xv1, a3_1)
+            a3_2 = vfma_16x4(wv, xv2, a3_2)
+            wv = vbload_16x4(w, wo4 + ko)
+            a4_0 = vfma_16x4(wv, xv0, a4_0)
+            a4_1 = vfma_16x4(wv, xv1, a4_1)
+            a4_2 = vfma_16x4(wv, xv2, a4_2)
+            wv = vbload_16x4(w, wo5 + ko)
+            a5_0 = vfma_16x4(wv, xv0, a5_0)
+            a5_1 = vfma_16x4(wv, xv1, a5_1)
+            a5_2 = vfma_16x4(wv, xv2, a5_2)
+        if cols == 48 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_16x4()
+            lo = vsplat_16x4(a)
+            hi = vsplat_16x4(b)
+            ones = vsplat_16x4(one)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+                if act == 1:
+                    a0_1 = vmax_16x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+                a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
+                if act == 1:
+                    a0_2 = vmax_16x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+                if act == 1:
+                    a1_1 = vmax_16x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+                a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
+                if act == 1:
+                    a1_2 = vmax_16x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+                if act == 1:
+                    a2_1 = vmax_16x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+                a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
+                if act == 1:
+                    a2_2 = vmax_16x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+                if act == 1:
+                    a3_1 = vmax_16x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+                a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
+                if act == 1:
+                    a3_2 = vmax_16x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+                if act == 1:
+                    a4_1 = vmax_16x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+                a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
+                if act == 1:
+                    a4_2 = vmax_16x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+                if act == 1:
+                    a5_1 = vmax_16x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+                a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
+                if act == 1:
+                    a5_2 = vmax_16x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+            continue
+        if cols == 48:
+            if rows > 0:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+            if rows > 1:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+            if rows > 2:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+            if rows > 3:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+            if rows > 4:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+            if rows > 5:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_16x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
-            if act == 1:
-                a0_1 = vmax_16x4(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
-            if act == 1:
-                a0_2 = vmax_16x4(zero, a0_2)
-            elif act == 3:
-                a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
-            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_16x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
-            if act == 1:
-                a1_1 = vmax_16x4(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
-            if act == 1:
-                a1_2 = vmax_16x4(zero, a1_2)
-            elif act == 3:
-                a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
-            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_16x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
-            if act == 1:
-                a2_1 = vmax_16x4(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
-            if act == 1:
-                a2_2 = vmax_16x4(zero, a2_2)
-            elif act == 3:
-                a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
-            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_16x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
-            if act == 1:
-                a3_1 = vmax_16x4(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
-            if act == 1:
-                a3_2 = vmax_16x4(zero, a3_2)
-            elif act == 3:
-                a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
-            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_16x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
-            if act == 1:
-                a4_1 = vmax_16x4(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
-            if act == 1:
-                a4_2 = vmax_16x4(zero, a4_2)
-            elif act == 3:
-                a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
-            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_16x4(s1)
-            bv = vsplat_16x4(b1)
-            a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_16x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
-            if act == 1:
-                a5_1 = vmax_16x4(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
-            if act == 1:
-                a5_2 = vmax_16x4(zero, a5_2)
-            elif act == 3:
-                a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
-            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-        return
-    if cols == 48:
-        if rows > 0:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-        if rows > 1:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-        if rows > 2:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-        if rows > 3:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-        if rows > 4:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-        if rows > 5:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-        return
-    if rows > 0:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
-    if rows > 1:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
-    if rows > 2:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
-    if rows > 3:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
-    if rows > 4:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
-    if rows > 5:
-        if cols >= 16:
-            vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 32:
-            vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-        elif cols > 16:
-            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
-        if cols >= 48:
-            vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-        elif cols > 32:
-            vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
+            if cols >= 16:
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 32:
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+            elif cols > 16:
+                vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
+            if cols >= 48:
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+            elif cols > 32:
+                vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
 
 
 @njit(cache=True)
@@ -1789,34 +1821,34 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
                 # needs: a 16-channel output would leave most of a 64-wide tile idle.
                 nvv = (cols + 15) // 16
                 fused = fuse and cols == nvv * 16  # whole vectors: in registers
-                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
-                    rows = min(MR, m_hi - m0)
-                    if nvv == 1:
-                        tile1v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                m0 = pm  # the block's MB row tiles in one call
+                rows = min(MB * MR, m_hi - m0)
+                if nvv == 1:
+                    tile1v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    elif nvv == 2:
-                        tile2v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                elif nvv == 2:
+                    tile2v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    elif nvv == 3:
-                        tile3v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                elif nvv == 3:
+                    tile3v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    else:
-                        tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                else:
+                    tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    if final and epilogue and not fused:
-                        _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                if final and epilogue and not fused:
+                    _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
+                    if not vec_act:
+                        for r in range(rows):
+                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -2035,16 +2067,14 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                         cols = min(64, co - j0)
                         if not direct:
                             _pack_16x4(u, co, e * ci + kb, kc, j0, cols, xq)
-                        for m0 in range(0, nt, MR):
-                            rows = min(MR, nt - m0)
-                            if direct:
-                                tile_16x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
-                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
-                            else:
-                                tile_16x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
-                                        64, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols, *no_epi)
+                        if direct:  # all nt tile rows in one call
+                            tile_16x4(vb, e * tb * cip + kb, cip, 1, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                        else:
+                            tile_16x4(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
+                                    64, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                                    cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -2060,548 +2090,564 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
 
 
 @njit(cache=True)
-def tile_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_8x2()
-    a0_1 = vzero_8x2()
-    a1_0 = vzero_8x2()
-    a1_1 = vzero_8x2()
-    a2_0 = vzero_8x2()
-    a2_1 = vzero_8x2()
-    a3_0 = vzero_8x2()
-    a3_1 = vzero_8x2()
-    a4_0 = vzero_8x2()
-    a4_1 = vzero_8x2()
-    a5_0 = vzero_8x2()
-    a5_1 = vzero_8x2()
-    if accumulate and cols == 16:
-        a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_8x2(c, c0 + q0 * ldc + 8)
-        a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_8x2(c, c0 + q1 * ldc + 8)
-        a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_8x2(c, c0 + q2 * ldc + 8)
-        a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_8x2(c, c0 + q3 * ldc + 8)
-        a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_8x2(c, c0 + q4 * ldc + 8)
-        a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_8x2(c, c0 + q5 * ldc + 8)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 8:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_8x2()
+        a0_1 = vzero_8x2()
+        a1_0 = vzero_8x2()
+        a1_1 = vzero_8x2()
+        a2_0 = vzero_8x2()
+        a2_1 = vzero_8x2()
+        a3_0 = vzero_8x2()
+        a3_1 = vzero_8x2()
+        a4_0 = vzero_8x2()
+        a4_1 = vzero_8x2()
+        a5_0 = vzero_8x2()
+        a5_1 = vzero_8x2()
+        if accumulate and cols == 16:
             a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 16:
             a0_1 = vload_8x2(c, c0 + q0 * ldc + 8)
-        elif cols > 8:
-            a0_1 = vload_n_8x2(c, c0 + q0 * ldc + 8, cols - 8)
-        if cols >= 8:
             a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 16:
             a1_1 = vload_8x2(c, c0 + q1 * ldc + 8)
-        elif cols > 8:
-            a1_1 = vload_n_8x2(c, c0 + q1 * ldc + 8, cols - 8)
-        if cols >= 8:
             a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 16:
             a2_1 = vload_8x2(c, c0 + q2 * ldc + 8)
-        elif cols > 8:
-            a2_1 = vload_n_8x2(c, c0 + q2 * ldc + 8, cols - 8)
-        if cols >= 8:
             a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 16:
             a3_1 = vload_8x2(c, c0 + q3 * ldc + 8)
-        elif cols > 8:
-            a3_1 = vload_n_8x2(c, c0 + q3 * ldc + 8, cols - 8)
-        if cols >= 8:
             a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 16:
             a4_1 = vload_8x2(c, c0 + q4 * ldc + 8)
-        elif cols > 8:
-            a4_1 = vload_n_8x2(c, c0 + q4 * ldc + 8, cols - 8)
-        if cols >= 8:
             a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 16:
             a5_1 = vload_8x2(c, c0 + q5 * ldc + 8)
-        elif cols > 8:
-            a5_1 = vload_n_8x2(c, c0 + q5 * ldc + 8, cols - 8)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_8x2(xq, xo + 0)
-        xv1 = vload_8x2(xq, xo + 8)
-        wv = vbload_8x2(w, wo0 + ko)
-        a0_0 = vfma_8x2(wv, xv0, a0_0)
-        a0_1 = vfma_8x2(wv, xv1, a0_1)
-        wv = vbload_8x2(w, wo1 + ko)
-        a1_0 = vfma_8x2(wv, xv0, a1_0)
-        a1_1 = vfma_8x2(wv, xv1, a1_1)
-        wv = vbload_8x2(w, wo2 + ko)
-        a2_0 = vfma_8x2(wv, xv0, a2_0)
-        a2_1 = vfma_8x2(wv, xv1, a2_1)
-        wv = vbload_8x2(w, wo3 + ko)
-        a3_0 = vfma_8x2(wv, xv0, a3_0)
-        a3_1 = vfma_8x2(wv, xv1, a3_1)
-        wv = vbload_8x2(w, wo4 + ko)
-        a4_0 = vfma_8x2(wv, xv0, a4_0)
-        a4_1 = vfma_8x2(wv, xv1, a4_1)
-        wv = vbload_8x2(w, wo5 + ko)
-        a5_0 = vfma_8x2(wv, xv0, a5_0)
-        a5_1 = vfma_8x2(wv, xv1, a5_1)
-    if cols == 16 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_8x2()
-        lo = vsplat_8x2(a)
-        hi = vsplat_8x2(b)
-        ones = vsplat_8x2(one)
-        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_8x2(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_8x2(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 8:
+                a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a0_1 = vload_8x2(c, c0 + q0 * ldc + 8)
+            elif cols > 8:
+                a0_1 = vload_n_8x2(c, c0 + q0 * ldc + 8, cols - 8)
+            if cols >= 8:
+                a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a1_1 = vload_8x2(c, c0 + q1 * ldc + 8)
+            elif cols > 8:
+                a1_1 = vload_n_8x2(c, c0 + q1 * ldc + 8, cols - 8)
+            if cols >= 8:
+                a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a2_1 = vload_8x2(c, c0 + q2 * ldc + 8)
+            elif cols > 8:
+                a2_1 = vload_n_8x2(c, c0 + q2 * ldc + 8, cols - 8)
+            if cols >= 8:
+                a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a3_1 = vload_8x2(c, c0 + q3 * ldc + 8)
+            elif cols > 8:
+                a3_1 = vload_n_8x2(c, c0 + q3 * ldc + 8, cols - 8)
+            if cols >= 8:
+                a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a4_1 = vload_8x2(c, c0 + q4 * ldc + 8)
+            elif cols > 8:
+                a4_1 = vload_n_8x2(c, c0 + q4 * ldc + 8, cols - 8)
+            if cols >= 8:
+                a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 16:
+                a5_1 = vload_8x2(c, c0 + q5 * ldc + 8)
+            elif cols > 8:
+                a5_1 = vload_n_8x2(c, c0 + q5 * ldc + 8, cols - 8)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_8x2(xq, xo + 0)
+            xv1 = vload_8x2(xq, xo + 8)
+            wv = vbload_8x2(w, wo0 + ko)
+            a0_0 = vfma_8x2(wv, xv0, a0_0)
+            a0_1 = vfma_8x2(wv, xv1, a0_1)
+            wv = vbload_8x2(w, wo1 + ko)
+            a1_0 = vfma_8x2(wv, xv0, a1_0)
+            a1_1 = vfma_8x2(wv, xv1, a1_1)
+            wv = vbload_8x2(w, wo2 + ko)
+            a2_0 = vfma_8x2(wv, xv0, a2_0)
+            a2_1 = vfma_8x2(wv, xv1, a2_1)
+            wv = vbload_8x2(w, wo3 + ko)
+            a3_0 = vfma_8x2(wv, xv0, a3_0)
+            a3_1 = vfma_8x2(wv, xv1, a3_1)
+            wv = vbload_8x2(w, wo4 + ko)
+            a4_0 = vfma_8x2(wv, xv0, a4_0)
+            a4_1 = vfma_8x2(wv, xv1, a4_1)
+            wv = vbload_8x2(w, wo5 + ko)
+            a5_0 = vfma_8x2(wv, xv0, a5_0)
+            a5_1 = vfma_8x2(wv, xv1, a5_1)
+        if cols == 16 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_8x2()
+            lo = vsplat_8x2(a)
+            hi = vsplat_8x2(b)
+            ones = vsplat_8x2(one)
+            sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_8x2(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_8x2(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_8x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_8x2(vmul_8x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_8x2(a0_1, vload_8x2(res, r0 + 0 * ldr + 8))
+                if act == 1:
+                    a0_1 = vmax_8x2(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_8x2(vmax_8x2(a0_1, lo), hi)
+                vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_8x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_8x2(vmul_8x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_8x2(a1_1, vload_8x2(res, r0 + 1 * ldr + 8))
+                if act == 1:
+                    a1_1 = vmax_8x2(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_8x2(vmax_8x2(a1_1, lo), hi)
+                vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_8x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_8x2(vmul_8x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_8x2(a2_1, vload_8x2(res, r0 + 2 * ldr + 8))
+                if act == 1:
+                    a2_1 = vmax_8x2(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_8x2(vmax_8x2(a2_1, lo), hi)
+                vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_8x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_8x2(vmul_8x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_8x2(a3_1, vload_8x2(res, r0 + 3 * ldr + 8))
+                if act == 1:
+                    a3_1 = vmax_8x2(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_8x2(vmax_8x2(a3_1, lo), hi)
+                vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_8x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_8x2(vmul_8x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_8x2(a4_1, vload_8x2(res, r0 + 4 * ldr + 8))
+                if act == 1:
+                    a4_1 = vmax_8x2(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_8x2(vmax_8x2(a4_1, lo), hi)
+                vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_8x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_8x2(vmul_8x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_8x2(a5_1, vload_8x2(res, r0 + 5 * ldr + 8))
+                if act == 1:
+                    a5_1 = vmax_8x2(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_8x2(vmax_8x2(a5_1, lo), hi)
+                vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
+            continue
+        if cols == 16:
+            if rows > 0:
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
+            if rows > 1:
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
+            if rows > 2:
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
+            if rows > 3:
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
+            if rows > 4:
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
+            if rows > 5:
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_8x2(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
-            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_8x2(vmul_8x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_8x2(a0_1, vload_8x2(res, r0 + 0 * ldr + 8))
-            if act == 1:
-                a0_1 = vmax_8x2(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_8x2(vmax_8x2(a0_1, lo), hi)
-            vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 16:
+                vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
+            elif cols > 8:
+                vstore_n_8x2(c, c0 + 0 * ldc + 8, a0_1, cols - 8)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_8x2(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
-            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_8x2(vmul_8x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_8x2(a1_1, vload_8x2(res, r0 + 1 * ldr + 8))
-            if act == 1:
-                a1_1 = vmax_8x2(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_8x2(vmax_8x2(a1_1, lo), hi)
-            vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 16:
+                vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
+            elif cols > 8:
+                vstore_n_8x2(c, c0 + 1 * ldc + 8, a1_1, cols - 8)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_8x2(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
-            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_8x2(vmul_8x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_8x2(a2_1, vload_8x2(res, r0 + 2 * ldr + 8))
-            if act == 1:
-                a2_1 = vmax_8x2(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_8x2(vmax_8x2(a2_1, lo), hi)
-            vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 16:
+                vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
+            elif cols > 8:
+                vstore_n_8x2(c, c0 + 2 * ldc + 8, a2_1, cols - 8)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_8x2(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
-            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_8x2(vmul_8x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_8x2(a3_1, vload_8x2(res, r0 + 3 * ldr + 8))
-            if act == 1:
-                a3_1 = vmax_8x2(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_8x2(vmax_8x2(a3_1, lo), hi)
-            vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 16:
+                vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
+            elif cols > 8:
+                vstore_n_8x2(c, c0 + 3 * ldc + 8, a3_1, cols - 8)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_8x2(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
-            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_8x2(vmul_8x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_8x2(a4_1, vload_8x2(res, r0 + 4 * ldr + 8))
-            if act == 1:
-                a4_1 = vmax_8x2(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_8x2(vmax_8x2(a4_1, lo), hi)
-            vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 16:
+                vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
+            elif cols > 8:
+                vstore_n_8x2(c, c0 + 4 * ldc + 8, a4_1, cols - 8)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_8x2(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
-            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_8x2(vmul_8x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_8x2(a5_1, vload_8x2(res, r0 + 5 * ldr + 8))
-            if act == 1:
-                a5_1 = vmax_8x2(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_8x2(vmax_8x2(a5_1, lo), hi)
-            vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
-        return
-    if cols == 16:
-        if rows > 0:
-            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
-        if rows > 1:
-            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
-        if rows > 2:
-            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
-        if rows > 3:
-            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
-        if rows > 4:
-            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
-        if rows > 5:
-            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
-        return
-    if rows > 0:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 16:
-            vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
-        elif cols > 8:
-            vstore_n_8x2(c, c0 + 0 * ldc + 8, a0_1, cols - 8)
-    if rows > 1:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 16:
-            vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
-        elif cols > 8:
-            vstore_n_8x2(c, c0 + 1 * ldc + 8, a1_1, cols - 8)
-    if rows > 2:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 16:
-            vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
-        elif cols > 8:
-            vstore_n_8x2(c, c0 + 2 * ldc + 8, a2_1, cols - 8)
-    if rows > 3:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 16:
-            vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
-        elif cols > 8:
-            vstore_n_8x2(c, c0 + 3 * ldc + 8, a3_1, cols - 8)
-    if rows > 4:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 16:
-            vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
-        elif cols > 8:
-            vstore_n_8x2(c, c0 + 4 * ldc + 8, a4_1, cols - 8)
-    if rows > 5:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 16:
-            vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
-        elif cols > 8:
-            vstore_n_8x2(c, c0 + 5 * ldc + 8, a5_1, cols - 8)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 16:
+                vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
+            elif cols > 8:
+                vstore_n_8x2(c, c0 + 5 * ldc + 8, a5_1, cols - 8)
 
 
 @njit(cache=True)
-def tile1v_8x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_8x2()
-    a1_0 = vzero_8x2()
-    a2_0 = vzero_8x2()
-    a3_0 = vzero_8x2()
-    a4_0 = vzero_8x2()
-    a5_0 = vzero_8x2()
-    if accumulate and cols == 8:
-        a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
-        a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
-        a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
-        a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
-        a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
-        a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 8:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_8x2()
+        a1_0 = vzero_8x2()
+        a2_0 = vzero_8x2()
+        a3_0 = vzero_8x2()
+        a4_0 = vzero_8x2()
+        a5_0 = vzero_8x2()
+        if accumulate and cols == 8:
             a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 8:
             a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 8:
             a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 8:
             a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 8:
             a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 8:
             a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_8x2(xq, xo + 0)
-        wv = vbload_8x2(w, wo0 + ko)
-        a0_0 = vfma_8x2(wv, xv0, a0_0)
-        wv = vbload_8x2(w, wo1 + ko)
-        a1_0 = vfma_8x2(wv, xv0, a1_0)
-        wv = vbload_8x2(w, wo2 + ko)
-        a2_0 = vfma_8x2(wv, xv0, a2_0)
-        wv = vbload_8x2(w, wo3 + ko)
-        a3_0 = vfma_8x2(wv, xv0, a3_0)
-        wv = vbload_8x2(w, wo4 + ko)
-        a4_0 = vfma_8x2(wv, xv0, a4_0)
-        wv = vbload_8x2(w, wo5 + ko)
-        a5_0 = vfma_8x2(wv, xv0, a5_0)
-    if cols == 8 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_8x2()
-        lo = vsplat_8x2(a)
-        hi = vsplat_8x2(b)
-        ones = vsplat_8x2(one)
-        sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 8:
+                a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_8x2(xq, xo + 0)
+            wv = vbload_8x2(w, wo0 + ko)
+            a0_0 = vfma_8x2(wv, xv0, a0_0)
+            wv = vbload_8x2(w, wo1 + ko)
+            a1_0 = vfma_8x2(wv, xv0, a1_0)
+            wv = vbload_8x2(w, wo2 + ko)
+            a2_0 = vfma_8x2(wv, xv0, a2_0)
+            wv = vbload_8x2(w, wo3 + ko)
+            a3_0 = vfma_8x2(wv, xv0, a3_0)
+            wv = vbload_8x2(w, wo4 + ko)
+            a4_0 = vfma_8x2(wv, xv0, a4_0)
+            wv = vbload_8x2(w, wo5 + ko)
+            a5_0 = vfma_8x2(wv, xv0, a5_0)
+        if cols == 8 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_8x2()
+            lo = vsplat_8x2(a)
+            hi = vsplat_8x2(b)
+            ones = vsplat_8x2(one)
+            sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_8x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_8x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_8x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_8x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_8x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_8x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+            continue
+        if cols == 8:
+            if rows > 0:
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_8x2(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
-            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_8x2(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
-            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_8x2(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
-            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_8x2(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
-            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_8x2(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
-            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_8x2(s1)
-            bv = vsplat_8x2(b1)
-            a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_8x2(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
-            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if cols == 8:
-        if rows > 0:
-            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-        if rows > 1:
-            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-        if rows > 2:
-            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-        if rows > 3:
-            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-        if rows > 4:
-            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-        if rows > 5:
-            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if rows > 0:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-    if rows > 1:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-    if rows > 2:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-    if rows > 3:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-    if rows > 4:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-    if rows > 5:
-        if cols >= 8:
-            vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 8:
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -2702,24 +2748,24 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # needs: a 16-channel output would leave most of a 16-wide tile idle.
                 nvv = (cols + 7) // 8
                 fused = fuse and cols == nvv * 8  # whole vectors: in registers
-                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
-                    rows = min(MR, m_hi - m0)
-                    if nvv == 1:
-                        tile1v_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                m0 = pm  # the block's MB row tiles in one call
+                rows = min(MB * MR, m_hi - m0)
+                if nvv == 1:
+                    tile1v_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    else:
-                        tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                else:
+                    tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    if final and epilogue and not fused:
-                        _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                if final and epilogue and not fused:
+                    _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
+                    if not vec_act:
+                        for r in range(rows):
+                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -2938,16 +2984,14 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                         cols = min(16, co - j0)
                         if not direct:
                             _pack_8x2(u, co, e * ci + kb, kc, j0, cols, xq)
-                        for m0 in range(0, nt, MR):
-                            rows = min(MR, nt - m0)
-                            if direct:
-                                tile_8x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
-                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
-                            else:
-                                tile_8x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
-                                        16, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols, *no_epi)
+                        if direct:  # all nt tile rows in one call
+                            tile_8x2(vb, e * tb * cip + kb, cip, 1, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                        else:
+                            tile_8x2(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
+                                    16, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                                    cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -2963,548 +3007,564 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def tile_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_4x2()
-    a0_1 = vzero_4x2()
-    a1_0 = vzero_4x2()
-    a1_1 = vzero_4x2()
-    a2_0 = vzero_4x2()
-    a2_1 = vzero_4x2()
-    a3_0 = vzero_4x2()
-    a3_1 = vzero_4x2()
-    a4_0 = vzero_4x2()
-    a4_1 = vzero_4x2()
-    a5_0 = vzero_4x2()
-    a5_1 = vzero_4x2()
-    if accumulate and cols == 8:
-        a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_4x2(c, c0 + q0 * ldc + 4)
-        a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_4x2(c, c0 + q1 * ldc + 4)
-        a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_4x2(c, c0 + q2 * ldc + 4)
-        a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_4x2(c, c0 + q3 * ldc + 4)
-        a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_4x2(c, c0 + q4 * ldc + 4)
-        a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_4x2(c, c0 + q5 * ldc + 4)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 4:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_4x2()
+        a0_1 = vzero_4x2()
+        a1_0 = vzero_4x2()
+        a1_1 = vzero_4x2()
+        a2_0 = vzero_4x2()
+        a2_1 = vzero_4x2()
+        a3_0 = vzero_4x2()
+        a3_1 = vzero_4x2()
+        a4_0 = vzero_4x2()
+        a4_1 = vzero_4x2()
+        a5_0 = vzero_4x2()
+        a5_1 = vzero_4x2()
+        if accumulate and cols == 8:
             a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 8:
             a0_1 = vload_4x2(c, c0 + q0 * ldc + 4)
-        elif cols > 4:
-            a0_1 = vload_n_4x2(c, c0 + q0 * ldc + 4, cols - 4)
-        if cols >= 4:
             a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 8:
             a1_1 = vload_4x2(c, c0 + q1 * ldc + 4)
-        elif cols > 4:
-            a1_1 = vload_n_4x2(c, c0 + q1 * ldc + 4, cols - 4)
-        if cols >= 4:
             a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 8:
             a2_1 = vload_4x2(c, c0 + q2 * ldc + 4)
-        elif cols > 4:
-            a2_1 = vload_n_4x2(c, c0 + q2 * ldc + 4, cols - 4)
-        if cols >= 4:
             a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 8:
             a3_1 = vload_4x2(c, c0 + q3 * ldc + 4)
-        elif cols > 4:
-            a3_1 = vload_n_4x2(c, c0 + q3 * ldc + 4, cols - 4)
-        if cols >= 4:
             a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 8:
             a4_1 = vload_4x2(c, c0 + q4 * ldc + 4)
-        elif cols > 4:
-            a4_1 = vload_n_4x2(c, c0 + q4 * ldc + 4, cols - 4)
-        if cols >= 4:
             a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 8:
             a5_1 = vload_4x2(c, c0 + q5 * ldc + 4)
-        elif cols > 4:
-            a5_1 = vload_n_4x2(c, c0 + q5 * ldc + 4, cols - 4)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_4x2(xq, xo + 0)
-        xv1 = vload_4x2(xq, xo + 4)
-        wv = vbload_4x2(w, wo0 + ko)
-        a0_0 = vfma_4x2(wv, xv0, a0_0)
-        a0_1 = vfma_4x2(wv, xv1, a0_1)
-        wv = vbload_4x2(w, wo1 + ko)
-        a1_0 = vfma_4x2(wv, xv0, a1_0)
-        a1_1 = vfma_4x2(wv, xv1, a1_1)
-        wv = vbload_4x2(w, wo2 + ko)
-        a2_0 = vfma_4x2(wv, xv0, a2_0)
-        a2_1 = vfma_4x2(wv, xv1, a2_1)
-        wv = vbload_4x2(w, wo3 + ko)
-        a3_0 = vfma_4x2(wv, xv0, a3_0)
-        a3_1 = vfma_4x2(wv, xv1, a3_1)
-        wv = vbload_4x2(w, wo4 + ko)
-        a4_0 = vfma_4x2(wv, xv0, a4_0)
-        a4_1 = vfma_4x2(wv, xv1, a4_1)
-        wv = vbload_4x2(w, wo5 + ko)
-        a5_0 = vfma_4x2(wv, xv0, a5_0)
-        a5_1 = vfma_4x2(wv, xv1, a5_1)
-    if cols == 8 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_4x2()
-        lo = vsplat_4x2(a)
-        hi = vsplat_4x2(b)
-        ones = vsplat_4x2(one)
-        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x2(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_4x2(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 4:
+                a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a0_1 = vload_4x2(c, c0 + q0 * ldc + 4)
+            elif cols > 4:
+                a0_1 = vload_n_4x2(c, c0 + q0 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a1_1 = vload_4x2(c, c0 + q1 * ldc + 4)
+            elif cols > 4:
+                a1_1 = vload_n_4x2(c, c0 + q1 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a2_1 = vload_4x2(c, c0 + q2 * ldc + 4)
+            elif cols > 4:
+                a2_1 = vload_n_4x2(c, c0 + q2 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a3_1 = vload_4x2(c, c0 + q3 * ldc + 4)
+            elif cols > 4:
+                a3_1 = vload_n_4x2(c, c0 + q3 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a4_1 = vload_4x2(c, c0 + q4 * ldc + 4)
+            elif cols > 4:
+                a4_1 = vload_n_4x2(c, c0 + q4 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a5_1 = vload_4x2(c, c0 + q5 * ldc + 4)
+            elif cols > 4:
+                a5_1 = vload_n_4x2(c, c0 + q5 * ldc + 4, cols - 4)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_4x2(xq, xo + 0)
+            xv1 = vload_4x2(xq, xo + 4)
+            wv = vbload_4x2(w, wo0 + ko)
+            a0_0 = vfma_4x2(wv, xv0, a0_0)
+            a0_1 = vfma_4x2(wv, xv1, a0_1)
+            wv = vbload_4x2(w, wo1 + ko)
+            a1_0 = vfma_4x2(wv, xv0, a1_0)
+            a1_1 = vfma_4x2(wv, xv1, a1_1)
+            wv = vbload_4x2(w, wo2 + ko)
+            a2_0 = vfma_4x2(wv, xv0, a2_0)
+            a2_1 = vfma_4x2(wv, xv1, a2_1)
+            wv = vbload_4x2(w, wo3 + ko)
+            a3_0 = vfma_4x2(wv, xv0, a3_0)
+            a3_1 = vfma_4x2(wv, xv1, a3_1)
+            wv = vbload_4x2(w, wo4 + ko)
+            a4_0 = vfma_4x2(wv, xv0, a4_0)
+            a4_1 = vfma_4x2(wv, xv1, a4_1)
+            wv = vbload_4x2(w, wo5 + ko)
+            a5_0 = vfma_4x2(wv, xv0, a5_0)
+            a5_1 = vfma_4x2(wv, xv1, a5_1)
+        if cols == 8 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_4x2()
+            lo = vsplat_4x2(a)
+            hi = vsplat_4x2(b)
+            ones = vsplat_4x2(one)
+            sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x2(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x2(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x2(vmul_4x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x2(a0_1, vload_4x2(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x2(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x2(vmax_4x2(a0_1, lo), hi)
+                vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x2(vmul_4x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x2(a1_1, vload_4x2(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x2(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x2(vmax_4x2(a1_1, lo), hi)
+                vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x2(vmul_4x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x2(a2_1, vload_4x2(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x2(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x2(vmax_4x2(a2_1, lo), hi)
+                vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x2(vmul_4x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x2(a3_1, vload_4x2(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x2(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x2(vmax_4x2(a3_1, lo), hi)
+                vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x2(vmul_4x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x2(a4_1, vload_4x2(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x2(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x2(vmax_4x2(a4_1, lo), hi)
+                vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x2(vmul_4x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x2(a5_1, vload_4x2(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x2(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x2(vmax_4x2(a5_1, lo), hi)
+                vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
+            continue
+        if cols == 8:
+            if rows > 0:
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
+            if rows > 1:
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
+            if rows > 2:
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
+            if rows > 3:
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
+            if rows > 4:
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
+            if rows > 5:
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_4x2(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
-            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_4x2(vmul_4x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_4x2(a0_1, vload_4x2(res, r0 + 0 * ldr + 4))
-            if act == 1:
-                a0_1 = vmax_4x2(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_4x2(vmax_4x2(a0_1, lo), hi)
-            vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 8:
+                vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
+            elif cols > 4:
+                vstore_n_4x2(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_4x2(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
-            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_4x2(vmul_4x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_4x2(a1_1, vload_4x2(res, r0 + 1 * ldr + 4))
-            if act == 1:
-                a1_1 = vmax_4x2(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_4x2(vmax_4x2(a1_1, lo), hi)
-            vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 8:
+                vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
+            elif cols > 4:
+                vstore_n_4x2(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_4x2(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
-            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_4x2(vmul_4x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_4x2(a2_1, vload_4x2(res, r0 + 2 * ldr + 4))
-            if act == 1:
-                a2_1 = vmax_4x2(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_4x2(vmax_4x2(a2_1, lo), hi)
-            vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 8:
+                vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
+            elif cols > 4:
+                vstore_n_4x2(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_4x2(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
-            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_4x2(vmul_4x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_4x2(a3_1, vload_4x2(res, r0 + 3 * ldr + 4))
-            if act == 1:
-                a3_1 = vmax_4x2(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_4x2(vmax_4x2(a3_1, lo), hi)
-            vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 8:
+                vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
+            elif cols > 4:
+                vstore_n_4x2(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_4x2(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
-            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_4x2(vmul_4x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_4x2(a4_1, vload_4x2(res, r0 + 4 * ldr + 4))
-            if act == 1:
-                a4_1 = vmax_4x2(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_4x2(vmax_4x2(a4_1, lo), hi)
-            vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 8:
+                vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
+            elif cols > 4:
+                vstore_n_4x2(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_4x2(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
-            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_4x2(vmul_4x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_4x2(a5_1, vload_4x2(res, r0 + 5 * ldr + 4))
-            if act == 1:
-                a5_1 = vmax_4x2(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_4x2(vmax_4x2(a5_1, lo), hi)
-            vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
-        return
-    if cols == 8:
-        if rows > 0:
-            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
-        if rows > 1:
-            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
-        if rows > 2:
-            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
-        if rows > 3:
-            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
-        if rows > 4:
-            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
-        if rows > 5:
-            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
-        return
-    if rows > 0:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 8:
-            vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
-        elif cols > 4:
-            vstore_n_4x2(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-    if rows > 1:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 8:
-            vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
-        elif cols > 4:
-            vstore_n_4x2(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-    if rows > 2:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 8:
-            vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
-        elif cols > 4:
-            vstore_n_4x2(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-    if rows > 3:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 8:
-            vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
-        elif cols > 4:
-            vstore_n_4x2(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-    if rows > 4:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 8:
-            vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
-        elif cols > 4:
-            vstore_n_4x2(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-    if rows > 5:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 8:
-            vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
-        elif cols > 4:
-            vstore_n_4x2(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 8:
+                vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
+            elif cols > 4:
+                vstore_n_4x2(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
 
 
 @njit(cache=True)
-def tile1v_4x2(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_4x2()
-    a1_0 = vzero_4x2()
-    a2_0 = vzero_4x2()
-    a3_0 = vzero_4x2()
-    a4_0 = vzero_4x2()
-    a5_0 = vzero_4x2()
-    if accumulate and cols == 4:
-        a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
-        a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
-        a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
-        a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
-        a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
-        a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 4:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_4x2()
+        a1_0 = vzero_4x2()
+        a2_0 = vzero_4x2()
+        a3_0 = vzero_4x2()
+        a4_0 = vzero_4x2()
+        a5_0 = vzero_4x2()
+        if accumulate and cols == 4:
             a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 4:
             a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 4:
             a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 4:
             a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 4:
             a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 4:
             a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_4x2(xq, xo + 0)
-        wv = vbload_4x2(w, wo0 + ko)
-        a0_0 = vfma_4x2(wv, xv0, a0_0)
-        wv = vbload_4x2(w, wo1 + ko)
-        a1_0 = vfma_4x2(wv, xv0, a1_0)
-        wv = vbload_4x2(w, wo2 + ko)
-        a2_0 = vfma_4x2(wv, xv0, a2_0)
-        wv = vbload_4x2(w, wo3 + ko)
-        a3_0 = vfma_4x2(wv, xv0, a3_0)
-        wv = vbload_4x2(w, wo4 + ko)
-        a4_0 = vfma_4x2(wv, xv0, a4_0)
-        wv = vbload_4x2(w, wo5 + ko)
-        a5_0 = vfma_4x2(wv, xv0, a5_0)
-    if cols == 4 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_4x2()
-        lo = vsplat_4x2(a)
-        hi = vsplat_4x2(b)
-        ones = vsplat_4x2(one)
-        sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 4:
+                a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_4x2(xq, xo + 0)
+            wv = vbload_4x2(w, wo0 + ko)
+            a0_0 = vfma_4x2(wv, xv0, a0_0)
+            wv = vbload_4x2(w, wo1 + ko)
+            a1_0 = vfma_4x2(wv, xv0, a1_0)
+            wv = vbload_4x2(w, wo2 + ko)
+            a2_0 = vfma_4x2(wv, xv0, a2_0)
+            wv = vbload_4x2(w, wo3 + ko)
+            a3_0 = vfma_4x2(wv, xv0, a3_0)
+            wv = vbload_4x2(w, wo4 + ko)
+            a4_0 = vfma_4x2(wv, xv0, a4_0)
+            wv = vbload_4x2(w, wo5 + ko)
+            a5_0 = vfma_4x2(wv, xv0, a5_0)
+        if cols == 4 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_4x2()
+            lo = vsplat_4x2(a)
+            hi = vsplat_4x2(b)
+            ones = vsplat_4x2(one)
+            sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+            continue
+        if cols == 4:
+            if rows > 0:
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_4x2(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
-            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_4x2(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
-            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_4x2(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
-            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_4x2(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
-            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_4x2(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
-            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x2(s1)
-            bv = vsplat_4x2(b1)
-            a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_4x2(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
-            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if cols == 4:
-        if rows > 0:
-            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-        if rows > 1:
-            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-        if rows > 2:
-            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-        if rows > 3:
-            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-        if rows > 4:
-            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-        if rows > 5:
-            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if rows > 0:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-    if rows > 1:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-    if rows > 2:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-    if rows > 3:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-    if rows > 4:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-    if rows > 5:
-        if cols >= 4:
-            vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 4:
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -3605,24 +3665,24 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # needs: a 16-channel output would leave most of a 8-wide tile idle.
                 nvv = (cols + 3) // 4
                 fused = fuse and cols == nvv * 4  # whole vectors: in registers
-                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
-                    rows = min(MR, m_hi - m0)
-                    if nvv == 1:
-                        tile1v_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                m0 = pm  # the block's MB row tiles in one call
+                rows = min(MB * MR, m_hi - m0)
+                if nvv == 1:
+                    tile1v_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    else:
-                        tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                else:
+                    tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    if final and epilogue and not fused:
-                        _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                if final and epilogue and not fused:
+                    _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
+                    if not vec_act:
+                        for r in range(rows):
+                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -3841,16 +3901,14 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                         cols = min(8, co - j0)
                         if not direct:
                             _pack_4x2(u, co, e * ci + kb, kc, j0, cols, xq)
-                        for m0 in range(0, nt, MR):
-                            rows = min(MR, nt - m0)
-                            if direct:
-                                tile_4x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
-                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
-                            else:
-                                tile_4x2(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
-                                        8, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols, *no_epi)
+                        if direct:  # all nt tile rows in one call
+                            tile_4x2(vb, e * tb * cip + kb, cip, 1, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                        else:
+                            tile_4x2(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
+                                    8, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                                    cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -3866,1585 +3924,1617 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def tile_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_4x4()
-    a0_1 = vzero_4x4()
-    a0_2 = vzero_4x4()
-    a0_3 = vzero_4x4()
-    a1_0 = vzero_4x4()
-    a1_1 = vzero_4x4()
-    a1_2 = vzero_4x4()
-    a1_3 = vzero_4x4()
-    a2_0 = vzero_4x4()
-    a2_1 = vzero_4x4()
-    a2_2 = vzero_4x4()
-    a2_3 = vzero_4x4()
-    a3_0 = vzero_4x4()
-    a3_1 = vzero_4x4()
-    a3_2 = vzero_4x4()
-    a3_3 = vzero_4x4()
-    a4_0 = vzero_4x4()
-    a4_1 = vzero_4x4()
-    a4_2 = vzero_4x4()
-    a4_3 = vzero_4x4()
-    a5_0 = vzero_4x4()
-    a5_1 = vzero_4x4()
-    a5_2 = vzero_4x4()
-    a5_3 = vzero_4x4()
-    if accumulate and cols == 16:
-        a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-        a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
-        a0_3 = vload_4x4(c, c0 + q0 * ldc + 12)
-        a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-        a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
-        a1_3 = vload_4x4(c, c0 + q1 * ldc + 12)
-        a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-        a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
-        a2_3 = vload_4x4(c, c0 + q2 * ldc + 12)
-        a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-        a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
-        a3_3 = vload_4x4(c, c0 + q3 * ldc + 12)
-        a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-        a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
-        a4_3 = vload_4x4(c, c0 + q4 * ldc + 12)
-        a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-        a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-        a5_3 = vload_4x4(c, c0 + q5 * ldc + 12)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 4:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_4x4()
+        a0_1 = vzero_4x4()
+        a0_2 = vzero_4x4()
+        a0_3 = vzero_4x4()
+        a1_0 = vzero_4x4()
+        a1_1 = vzero_4x4()
+        a1_2 = vzero_4x4()
+        a1_3 = vzero_4x4()
+        a2_0 = vzero_4x4()
+        a2_1 = vzero_4x4()
+        a2_2 = vzero_4x4()
+        a2_3 = vzero_4x4()
+        a3_0 = vzero_4x4()
+        a3_1 = vzero_4x4()
+        a3_2 = vzero_4x4()
+        a3_3 = vzero_4x4()
+        a4_0 = vzero_4x4()
+        a4_1 = vzero_4x4()
+        a4_2 = vzero_4x4()
+        a4_3 = vzero_4x4()
+        a5_0 = vzero_4x4()
+        a5_1 = vzero_4x4()
+        a5_2 = vzero_4x4()
+        a5_3 = vzero_4x4()
+        if accumulate and cols == 16:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 8:
             a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-        elif cols > 4:
-            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
-        if cols >= 12:
             a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
-        elif cols > 8:
-            a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
-        if cols >= 16:
             a0_3 = vload_4x4(c, c0 + q0 * ldc + 12)
-        elif cols > 12:
-            a0_3 = vload_n_4x4(c, c0 + q0 * ldc + 12, cols - 12)
-        if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 8:
             a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-        elif cols > 4:
-            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
-        if cols >= 12:
             a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
-        elif cols > 8:
-            a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
-        if cols >= 16:
             a1_3 = vload_4x4(c, c0 + q1 * ldc + 12)
-        elif cols > 12:
-            a1_3 = vload_n_4x4(c, c0 + q1 * ldc + 12, cols - 12)
-        if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 8:
             a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-        elif cols > 4:
-            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
-        if cols >= 12:
             a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
-        elif cols > 8:
-            a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
-        if cols >= 16:
             a2_3 = vload_4x4(c, c0 + q2 * ldc + 12)
-        elif cols > 12:
-            a2_3 = vload_n_4x4(c, c0 + q2 * ldc + 12, cols - 12)
-        if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 8:
             a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-        elif cols > 4:
-            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
-        if cols >= 12:
             a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
-        elif cols > 8:
-            a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
-        if cols >= 16:
             a3_3 = vload_4x4(c, c0 + q3 * ldc + 12)
-        elif cols > 12:
-            a3_3 = vload_n_4x4(c, c0 + q3 * ldc + 12, cols - 12)
-        if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 8:
             a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-        elif cols > 4:
-            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
-        if cols >= 12:
             a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
-        elif cols > 8:
-            a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
-        if cols >= 16:
             a4_3 = vload_4x4(c, c0 + q4 * ldc + 12)
-        elif cols > 12:
-            a4_3 = vload_n_4x4(c, c0 + q4 * ldc + 12, cols - 12)
-        if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 8:
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-        elif cols > 4:
-            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
-        if cols >= 12:
             a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-        elif cols > 8:
-            a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
-        if cols >= 16:
             a5_3 = vload_4x4(c, c0 + q5 * ldc + 12)
-        elif cols > 12:
-            a5_3 = vload_n_4x4(c, c0 + q5 * ldc + 12, cols - 12)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_4x4(xq, xo + 0)
-        xv1 = vload_4x4(xq, xo + 4)
-        xv2 = vload_4x4(xq, xo + 8)
-        xv3 = vload_4x4(xq, xo + 12)
-        wv = vbload_4x4(w, wo0 + ko)
-        a0_0 = vfma_4x4(wv, xv0, a0_0)
-        a0_1 = vfma_4x4(wv, xv1, a0_1)
-        a0_2 = vfma_4x4(wv, xv2, a0_2)
-        a0_3 = vfma_4x4(wv, xv3, a0_3)
-        wv = vbload_4x4(w, wo1 + ko)
-        a1_0 = vfma_4x4(wv, xv0, a1_0)
-        a1_1 = vfma_4x4(wv, xv1, a1_1)
-        a1_2 = vfma_4x4(wv, xv2, a1_2)
-        a1_3 = vfma_4x4(wv, xv3, a1_3)
-        wv = vbload_4x4(w, wo2 + ko)
-        a2_0 = vfma_4x4(wv, xv0, a2_0)
-        a2_1 = vfma_4x4(wv, xv1, a2_1)
-        a2_2 = vfma_4x4(wv, xv2, a2_2)
-        a2_3 = vfma_4x4(wv, xv3, a2_3)
-        wv = vbload_4x4(w, wo3 + ko)
-        a3_0 = vfma_4x4(wv, xv0, a3_0)
-        a3_1 = vfma_4x4(wv, xv1, a3_1)
-        a3_2 = vfma_4x4(wv, xv2, a3_2)
-        a3_3 = vfma_4x4(wv, xv3, a3_3)
-        wv = vbload_4x4(w, wo4 + ko)
-        a4_0 = vfma_4x4(wv, xv0, a4_0)
-        a4_1 = vfma_4x4(wv, xv1, a4_1)
-        a4_2 = vfma_4x4(wv, xv2, a4_2)
-        a4_3 = vfma_4x4(wv, xv3, a4_3)
-        wv = vbload_4x4(w, wo5 + ko)
-        a5_0 = vfma_4x4(wv, xv0, a5_0)
-        a5_1 = vfma_4x4(wv, xv1, a5_1)
-        a5_2 = vfma_4x4(wv, xv2, a5_2)
-        a5_3 = vfma_4x4(wv, xv3, a5_3)
-    if cols == 16 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_4x4()
-        lo = vsplat_4x4(a)
-        hi = vsplat_4x4(b)
-        ones = vsplat_4x4(one)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
-        bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
-        sc3 = vload_4x4(scale, n0 + 12) if by_col and flags & HAS_SCALE else ones
-        bi3 = vload_4x4(bias, n0 + 12) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 4:
+                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
+            elif cols > 4:
+                a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
+            elif cols > 8:
+                a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
+            if cols >= 16:
+                a0_3 = vload_4x4(c, c0 + q0 * ldc + 12)
+            elif cols > 12:
+                a0_3 = vload_n_4x4(c, c0 + q0 * ldc + 12, cols - 12)
+            if cols >= 4:
+                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
+            elif cols > 4:
+                a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
+            elif cols > 8:
+                a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
+            if cols >= 16:
+                a1_3 = vload_4x4(c, c0 + q1 * ldc + 12)
+            elif cols > 12:
+                a1_3 = vload_n_4x4(c, c0 + q1 * ldc + 12, cols - 12)
+            if cols >= 4:
+                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
+            elif cols > 4:
+                a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
+            elif cols > 8:
+                a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
+            if cols >= 16:
+                a2_3 = vload_4x4(c, c0 + q2 * ldc + 12)
+            elif cols > 12:
+                a2_3 = vload_n_4x4(c, c0 + q2 * ldc + 12, cols - 12)
+            if cols >= 4:
+                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
+            elif cols > 4:
+                a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
+            elif cols > 8:
+                a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
+            if cols >= 16:
+                a3_3 = vload_4x4(c, c0 + q3 * ldc + 12)
+            elif cols > 12:
+                a3_3 = vload_n_4x4(c, c0 + q3 * ldc + 12, cols - 12)
+            if cols >= 4:
+                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
+            elif cols > 4:
+                a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
+            elif cols > 8:
+                a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
+            if cols >= 16:
+                a4_3 = vload_4x4(c, c0 + q4 * ldc + 12)
+            elif cols > 12:
+                a4_3 = vload_n_4x4(c, c0 + q4 * ldc + 12, cols - 12)
+            if cols >= 4:
+                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
+            elif cols > 4:
+                a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
+            elif cols > 8:
+                a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
+            if cols >= 16:
+                a5_3 = vload_4x4(c, c0 + q5 * ldc + 12)
+            elif cols > 12:
+                a5_3 = vload_n_4x4(c, c0 + q5 * ldc + 12, cols - 12)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_4x4(xq, xo + 0)
+            xv1 = vload_4x4(xq, xo + 4)
+            xv2 = vload_4x4(xq, xo + 8)
+            xv3 = vload_4x4(xq, xo + 12)
+            wv = vbload_4x4(w, wo0 + ko)
+            a0_0 = vfma_4x4(wv, xv0, a0_0)
+            a0_1 = vfma_4x4(wv, xv1, a0_1)
+            a0_2 = vfma_4x4(wv, xv2, a0_2)
+            a0_3 = vfma_4x4(wv, xv3, a0_3)
+            wv = vbload_4x4(w, wo1 + ko)
+            a1_0 = vfma_4x4(wv, xv0, a1_0)
+            a1_1 = vfma_4x4(wv, xv1, a1_1)
+            a1_2 = vfma_4x4(wv, xv2, a1_2)
+            a1_3 = vfma_4x4(wv, xv3, a1_3)
+            wv = vbload_4x4(w, wo2 + ko)
+            a2_0 = vfma_4x4(wv, xv0, a2_0)
+            a2_1 = vfma_4x4(wv, xv1, a2_1)
+            a2_2 = vfma_4x4(wv, xv2, a2_2)
+            a2_3 = vfma_4x4(wv, xv3, a2_3)
+            wv = vbload_4x4(w, wo3 + ko)
+            a3_0 = vfma_4x4(wv, xv0, a3_0)
+            a3_1 = vfma_4x4(wv, xv1, a3_1)
+            a3_2 = vfma_4x4(wv, xv2, a3_2)
+            a3_3 = vfma_4x4(wv, xv3, a3_3)
+            wv = vbload_4x4(w, wo4 + ko)
+            a4_0 = vfma_4x4(wv, xv0, a4_0)
+            a4_1 = vfma_4x4(wv, xv1, a4_1)
+            a4_2 = vfma_4x4(wv, xv2, a4_2)
+            a4_3 = vfma_4x4(wv, xv3, a4_3)
+            wv = vbload_4x4(w, wo5 + ko)
+            a5_0 = vfma_4x4(wv, xv0, a5_0)
+            a5_1 = vfma_4x4(wv, xv1, a5_1)
+            a5_2 = vfma_4x4(wv, xv2, a5_2)
+            a5_3 = vfma_4x4(wv, xv3, a5_3)
+        if cols == 16 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_4x4()
+            lo = vsplat_4x4(a)
+            hi = vsplat_4x4(b)
+            ones = vsplat_4x4(one)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+            sc3 = vload_4x4(scale, n0 + 12) if by_col and flags & HAS_SCALE else ones
+            bi3 = vload_4x4(bias, n0 + 12) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+                a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
+                if act == 1:
+                    a0_2 = vmax_4x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+                a0_3 = vadd_4x4(vmul_4x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a0_3 = vadd_4x4(a0_3, vload_4x4(res, r0 + 0 * ldr + 12))
+                if act == 1:
+                    a0_3 = vmax_4x4(zero, a0_3)
+                elif act == 3:
+                    a0_3 = vmin_4x4(vmax_4x4(a0_3, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+                a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
+                if act == 1:
+                    a1_2 = vmax_4x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+                a1_3 = vadd_4x4(vmul_4x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a1_3 = vadd_4x4(a1_3, vload_4x4(res, r0 + 1 * ldr + 12))
+                if act == 1:
+                    a1_3 = vmax_4x4(zero, a1_3)
+                elif act == 3:
+                    a1_3 = vmin_4x4(vmax_4x4(a1_3, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+                a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
+                if act == 1:
+                    a2_2 = vmax_4x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+                a2_3 = vadd_4x4(vmul_4x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a2_3 = vadd_4x4(a2_3, vload_4x4(res, r0 + 2 * ldr + 12))
+                if act == 1:
+                    a2_3 = vmax_4x4(zero, a2_3)
+                elif act == 3:
+                    a2_3 = vmin_4x4(vmax_4x4(a2_3, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+                a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
+                if act == 1:
+                    a3_2 = vmax_4x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+                a3_3 = vadd_4x4(vmul_4x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a3_3 = vadd_4x4(a3_3, vload_4x4(res, r0 + 3 * ldr + 12))
+                if act == 1:
+                    a3_3 = vmax_4x4(zero, a3_3)
+                elif act == 3:
+                    a3_3 = vmin_4x4(vmax_4x4(a3_3, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+                a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
+                if act == 1:
+                    a4_2 = vmax_4x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+                a4_3 = vadd_4x4(vmul_4x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a4_3 = vadd_4x4(a4_3, vload_4x4(res, r0 + 4 * ldr + 12))
+                if act == 1:
+                    a4_3 = vmax_4x4(zero, a4_3)
+                elif act == 3:
+                    a4_3 = vmin_4x4(vmax_4x4(a4_3, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+                a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
+                if act == 1:
+                    a5_2 = vmax_4x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+                a5_3 = vadd_4x4(vmul_4x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a5_3 = vadd_4x4(a5_3, vload_4x4(res, r0 + 5 * ldr + 12))
+                if act == 1:
+                    a5_3 = vmax_4x4(zero, a5_3)
+                elif act == 3:
+                    a5_3 = vmin_4x4(vmax_4x4(a5_3, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
+            continue
+        if cols == 16:
+            if rows > 0:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+                vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
+            if rows > 1:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+                vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
+            if rows > 2:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+                vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
+            if rows > 3:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+                vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
+            if rows > 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+                vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
+            if rows > 5:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+                vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_4x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
-            if act == 1:
-                a0_1 = vmax_4x4(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
-            if act == 1:
-                a0_2 = vmax_4x4(zero, a0_2)
-            elif act == 3:
-                a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-            a0_3 = vadd_4x4(vmul_4x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a0_3 = vadd_4x4(a0_3, vload_4x4(res, r0 + 0 * ldr + 12))
-            if act == 1:
-                a0_3 = vmax_4x4(zero, a0_3)
-            elif act == 3:
-                a0_3 = vmin_4x4(vmax_4x4(a0_3, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
+            if cols >= 16:
+                vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
+            elif cols > 12:
+                vstore_n_4x4(c, c0 + 0 * ldc + 12, a0_3, cols - 12)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_4x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
-            if act == 1:
-                a1_1 = vmax_4x4(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
-            if act == 1:
-                a1_2 = vmax_4x4(zero, a1_2)
-            elif act == 3:
-                a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-            a1_3 = vadd_4x4(vmul_4x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a1_3 = vadd_4x4(a1_3, vload_4x4(res, r0 + 1 * ldr + 12))
-            if act == 1:
-                a1_3 = vmax_4x4(zero, a1_3)
-            elif act == 3:
-                a1_3 = vmin_4x4(vmax_4x4(a1_3, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
+            if cols >= 16:
+                vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
+            elif cols > 12:
+                vstore_n_4x4(c, c0 + 1 * ldc + 12, a1_3, cols - 12)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_4x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
-            if act == 1:
-                a2_1 = vmax_4x4(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
-            if act == 1:
-                a2_2 = vmax_4x4(zero, a2_2)
-            elif act == 3:
-                a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-            a2_3 = vadd_4x4(vmul_4x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a2_3 = vadd_4x4(a2_3, vload_4x4(res, r0 + 2 * ldr + 12))
-            if act == 1:
-                a2_3 = vmax_4x4(zero, a2_3)
-            elif act == 3:
-                a2_3 = vmin_4x4(vmax_4x4(a2_3, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
+            if cols >= 16:
+                vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
+            elif cols > 12:
+                vstore_n_4x4(c, c0 + 2 * ldc + 12, a2_3, cols - 12)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_4x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
-            if act == 1:
-                a3_1 = vmax_4x4(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
-            if act == 1:
-                a3_2 = vmax_4x4(zero, a3_2)
-            elif act == 3:
-                a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-            a3_3 = vadd_4x4(vmul_4x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a3_3 = vadd_4x4(a3_3, vload_4x4(res, r0 + 3 * ldr + 12))
-            if act == 1:
-                a3_3 = vmax_4x4(zero, a3_3)
-            elif act == 3:
-                a3_3 = vmin_4x4(vmax_4x4(a3_3, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
+            if cols >= 16:
+                vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
+            elif cols > 12:
+                vstore_n_4x4(c, c0 + 3 * ldc + 12, a3_3, cols - 12)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_4x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
-            if act == 1:
-                a4_1 = vmax_4x4(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
-            if act == 1:
-                a4_2 = vmax_4x4(zero, a4_2)
-            elif act == 3:
-                a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-            a4_3 = vadd_4x4(vmul_4x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a4_3 = vadd_4x4(a4_3, vload_4x4(res, r0 + 4 * ldr + 12))
-            if act == 1:
-                a4_3 = vmax_4x4(zero, a4_3)
-            elif act == 3:
-                a4_3 = vmin_4x4(vmax_4x4(a4_3, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
+            if cols >= 16:
+                vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
+            elif cols > 12:
+                vstore_n_4x4(c, c0 + 4 * ldc + 12, a4_3, cols - 12)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_4x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
-            if act == 1:
-                a5_1 = vmax_4x4(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
-            if act == 1:
-                a5_2 = vmax_4x4(zero, a5_2)
-            elif act == 3:
-                a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-            a5_3 = vadd_4x4(vmul_4x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
-            if has_res:
-                a5_3 = vadd_4x4(a5_3, vload_4x4(res, r0 + 5 * ldr + 12))
-            if act == 1:
-                a5_3 = vmax_4x4(zero, a5_3)
-            elif act == 3:
-                a5_3 = vmin_4x4(vmax_4x4(a5_3, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
-        return
-    if cols == 16:
-        if rows > 0:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-            vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
-        if rows > 1:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-            vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
-        if rows > 2:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-            vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
-        if rows > 3:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-            vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
-        if rows > 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-            vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
-        if rows > 5:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-            vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
-        return
-    if rows > 0:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
-        if cols >= 16:
-            vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
-        elif cols > 12:
-            vstore_n_4x4(c, c0 + 0 * ldc + 12, a0_3, cols - 12)
-    if rows > 1:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
-        if cols >= 16:
-            vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
-        elif cols > 12:
-            vstore_n_4x4(c, c0 + 1 * ldc + 12, a1_3, cols - 12)
-    if rows > 2:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
-        if cols >= 16:
-            vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
-        elif cols > 12:
-            vstore_n_4x4(c, c0 + 2 * ldc + 12, a2_3, cols - 12)
-    if rows > 3:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
-        if cols >= 16:
-            vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
-        elif cols > 12:
-            vstore_n_4x4(c, c0 + 3 * ldc + 12, a3_3, cols - 12)
-    if rows > 4:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
-        if cols >= 16:
-            vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
-        elif cols > 12:
-            vstore_n_4x4(c, c0 + 4 * ldc + 12, a4_3, cols - 12)
-    if rows > 5:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
-        if cols >= 16:
-            vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
-        elif cols > 12:
-            vstore_n_4x4(c, c0 + 5 * ldc + 12, a5_3, cols - 12)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
+            if cols >= 16:
+                vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
+            elif cols > 12:
+                vstore_n_4x4(c, c0 + 5 * ldc + 12, a5_3, cols - 12)
 
 
 @njit(cache=True)
-def tile1v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_4x4()
-    a1_0 = vzero_4x4()
-    a2_0 = vzero_4x4()
-    a3_0 = vzero_4x4()
-    a4_0 = vzero_4x4()
-    a5_0 = vzero_4x4()
-    if accumulate and cols == 4:
-        a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 4:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_4x4()
+        a1_0 = vzero_4x4()
+        a2_0 = vzero_4x4()
+        a3_0 = vzero_4x4()
+        a4_0 = vzero_4x4()
+        a5_0 = vzero_4x4()
+        if accumulate and cols == 4:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_4x4(xq, xo + 0)
-        wv = vbload_4x4(w, wo0 + ko)
-        a0_0 = vfma_4x4(wv, xv0, a0_0)
-        wv = vbload_4x4(w, wo1 + ko)
-        a1_0 = vfma_4x4(wv, xv0, a1_0)
-        wv = vbload_4x4(w, wo2 + ko)
-        a2_0 = vfma_4x4(wv, xv0, a2_0)
-        wv = vbload_4x4(w, wo3 + ko)
-        a3_0 = vfma_4x4(wv, xv0, a3_0)
-        wv = vbload_4x4(w, wo4 + ko)
-        a4_0 = vfma_4x4(wv, xv0, a4_0)
-        wv = vbload_4x4(w, wo5 + ko)
-        a5_0 = vfma_4x4(wv, xv0, a5_0)
-    if cols == 4 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_4x4()
-        lo = vsplat_4x4(a)
-        hi = vsplat_4x4(b)
-        ones = vsplat_4x4(one)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 4:
+                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 4:
+                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_4x4(xq, xo + 0)
+            wv = vbload_4x4(w, wo0 + ko)
+            a0_0 = vfma_4x4(wv, xv0, a0_0)
+            wv = vbload_4x4(w, wo1 + ko)
+            a1_0 = vfma_4x4(wv, xv0, a1_0)
+            wv = vbload_4x4(w, wo2 + ko)
+            a2_0 = vfma_4x4(wv, xv0, a2_0)
+            wv = vbload_4x4(w, wo3 + ko)
+            a3_0 = vfma_4x4(wv, xv0, a3_0)
+            wv = vbload_4x4(w, wo4 + ko)
+            a4_0 = vfma_4x4(wv, xv0, a4_0)
+            wv = vbload_4x4(w, wo5 + ko)
+            a5_0 = vfma_4x4(wv, xv0, a5_0)
+        if cols == 4 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_4x4()
+            lo = vsplat_4x4(a)
+            hi = vsplat_4x4(b)
+            ones = vsplat_4x4(one)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            continue
+        if cols == 4:
+            if rows > 0:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_4x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_4x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_4x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_4x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_4x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_4x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if cols == 4:
-        if rows > 0:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-        if rows > 1:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-        if rows > 2:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-        if rows > 3:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-        if rows > 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-        if rows > 5:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-        return
-    if rows > 0:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-    if rows > 1:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-    if rows > 2:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-    if rows > 3:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-    if rows > 4:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-    if rows > 5:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
-def tile2v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_4x4()
-    a0_1 = vzero_4x4()
-    a1_0 = vzero_4x4()
-    a1_1 = vzero_4x4()
-    a2_0 = vzero_4x4()
-    a2_1 = vzero_4x4()
-    a3_0 = vzero_4x4()
-    a3_1 = vzero_4x4()
-    a4_0 = vzero_4x4()
-    a4_1 = vzero_4x4()
-    a5_0 = vzero_4x4()
-    a5_1 = vzero_4x4()
-    if accumulate and cols == 8:
-        a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-        a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-        a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-        a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-        a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-        a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 4:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_4x4()
+        a0_1 = vzero_4x4()
+        a1_0 = vzero_4x4()
+        a1_1 = vzero_4x4()
+        a2_0 = vzero_4x4()
+        a2_1 = vzero_4x4()
+        a3_0 = vzero_4x4()
+        a3_1 = vzero_4x4()
+        a4_0 = vzero_4x4()
+        a4_1 = vzero_4x4()
+        a5_0 = vzero_4x4()
+        a5_1 = vzero_4x4()
+        if accumulate and cols == 8:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 8:
             a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-        elif cols > 4:
-            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
-        if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 8:
             a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-        elif cols > 4:
-            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
-        if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 8:
             a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-        elif cols > 4:
-            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
-        if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 8:
             a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-        elif cols > 4:
-            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
-        if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 8:
             a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-        elif cols > 4:
-            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
-        if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 8:
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-        elif cols > 4:
-            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_4x4(xq, xo + 0)
-        xv1 = vload_4x4(xq, xo + 4)
-        wv = vbload_4x4(w, wo0 + ko)
-        a0_0 = vfma_4x4(wv, xv0, a0_0)
-        a0_1 = vfma_4x4(wv, xv1, a0_1)
-        wv = vbload_4x4(w, wo1 + ko)
-        a1_0 = vfma_4x4(wv, xv0, a1_0)
-        a1_1 = vfma_4x4(wv, xv1, a1_1)
-        wv = vbload_4x4(w, wo2 + ko)
-        a2_0 = vfma_4x4(wv, xv0, a2_0)
-        a2_1 = vfma_4x4(wv, xv1, a2_1)
-        wv = vbload_4x4(w, wo3 + ko)
-        a3_0 = vfma_4x4(wv, xv0, a3_0)
-        a3_1 = vfma_4x4(wv, xv1, a3_1)
-        wv = vbload_4x4(w, wo4 + ko)
-        a4_0 = vfma_4x4(wv, xv0, a4_0)
-        a4_1 = vfma_4x4(wv, xv1, a4_1)
-        wv = vbload_4x4(w, wo5 + ko)
-        a5_0 = vfma_4x4(wv, xv0, a5_0)
-        a5_1 = vfma_4x4(wv, xv1, a5_1)
-    if cols == 8 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_4x4()
-        lo = vsplat_4x4(a)
-        hi = vsplat_4x4(b)
-        ones = vsplat_4x4(one)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 4:
+                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
+            elif cols > 4:
+                a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
+            elif cols > 4:
+                a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
+            elif cols > 4:
+                a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
+            elif cols > 4:
+                a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
+            elif cols > 4:
+                a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
+            if cols >= 4:
+                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
+            elif cols > 4:
+                a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_4x4(xq, xo + 0)
+            xv1 = vload_4x4(xq, xo + 4)
+            wv = vbload_4x4(w, wo0 + ko)
+            a0_0 = vfma_4x4(wv, xv0, a0_0)
+            a0_1 = vfma_4x4(wv, xv1, a0_1)
+            wv = vbload_4x4(w, wo1 + ko)
+            a1_0 = vfma_4x4(wv, xv0, a1_0)
+            a1_1 = vfma_4x4(wv, xv1, a1_1)
+            wv = vbload_4x4(w, wo2 + ko)
+            a2_0 = vfma_4x4(wv, xv0, a2_0)
+            a2_1 = vfma_4x4(wv, xv1, a2_1)
+            wv = vbload_4x4(w, wo3 + ko)
+            a3_0 = vfma_4x4(wv, xv0, a3_0)
+            a3_1 = vfma_4x4(wv, xv1, a3_1)
+            wv = vbload_4x4(w, wo4 + ko)
+            a4_0 = vfma_4x4(wv, xv0, a4_0)
+            a4_1 = vfma_4x4(wv, xv1, a4_1)
+            wv = vbload_4x4(w, wo5 + ko)
+            a5_0 = vfma_4x4(wv, xv0, a5_0)
+            a5_1 = vfma_4x4(wv, xv1, a5_1)
+        if cols == 8 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_4x4()
+            lo = vsplat_4x4(a)
+            hi = vsplat_4x4(b)
+            ones = vsplat_4x4(one)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            continue
+        if cols == 8:
+            if rows > 0:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            if rows > 1:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            if rows > 2:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            if rows > 3:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            if rows > 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            if rows > 5:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_4x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
-            if act == 1:
-                a0_1 = vmax_4x4(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_4x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
-            if act == 1:
-                a1_1 = vmax_4x4(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_4x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
-            if act == 1:
-                a2_1 = vmax_4x4(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_4x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
-            if act == 1:
-                a3_1 = vmax_4x4(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_4x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
-            if act == 1:
-                a4_1 = vmax_4x4(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_4x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
-            if act == 1:
-                a5_1 = vmax_4x4(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-        return
-    if cols == 8:
-        if rows > 0:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-        if rows > 1:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-        if rows > 2:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-        if rows > 3:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-        if rows > 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-        if rows > 5:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-        return
-    if rows > 0:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-    if rows > 1:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-    if rows > 2:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-    if rows > 3:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-    if rows > 4:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-    if rows > 5:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
 
 
 @njit(cache=True)
-def tile3v_4x4(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,
-        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the
-    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).
+def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
+    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+    6 rows at a time: one call per block of rows, so its setup and the call
+    itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 12 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM."""
-    q0 = min(0, rows - 1)
-    q1 = min(1, rows - 1)
-    q2 = min(2, rows - 1)
-    q3 = min(3, rows - 1)
-    q4 = min(4, rows - 1)
-    q5 = min(5, rows - 1)
-    wo0 = w0 + q0 * wsr
-    wo1 = w0 + q1 * wsr
-    wo2 = w0 + q2 * wsr
-    wo3 = w0 + q3 * wsr
-    wo4 = w0 + q4 * wsr
-    wo5 = w0 + q5 * wsr
-    a0_0 = vzero_4x4()
-    a0_1 = vzero_4x4()
-    a0_2 = vzero_4x4()
-    a1_0 = vzero_4x4()
-    a1_1 = vzero_4x4()
-    a1_2 = vzero_4x4()
-    a2_0 = vzero_4x4()
-    a2_1 = vzero_4x4()
-    a2_2 = vzero_4x4()
-    a3_0 = vzero_4x4()
-    a3_1 = vzero_4x4()
-    a3_2 = vzero_4x4()
-    a4_0 = vzero_4x4()
-    a4_1 = vzero_4x4()
-    a4_2 = vzero_4x4()
-    a5_0 = vzero_4x4()
-    a5_1 = vzero_4x4()
-    a5_2 = vzero_4x4()
-    if accumulate and cols == 12:
-        a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-        a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
-        a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-        a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
-        a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-        a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
-        a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-        a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
-        a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-        a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
-        a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-        a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-    elif accumulate:  # a partial tile: whole vectors, then one masked load
-        if cols >= 4:
+    for mt in range(0, nrows, 6):
+        rows = min(6, nrows - mt)
+        w0 = w00 + mt * wsr
+        c0 = c00 + mt * ldc
+        r0 = r00 + mt * ldr
+        m0 = m00 + mt
+        q0 = min(0, rows - 1)
+        q1 = min(1, rows - 1)
+        q2 = min(2, rows - 1)
+        q3 = min(3, rows - 1)
+        q4 = min(4, rows - 1)
+        q5 = min(5, rows - 1)
+        wo0 = w0 + q0 * wsr
+        wo1 = w0 + q1 * wsr
+        wo2 = w0 + q2 * wsr
+        wo3 = w0 + q3 * wsr
+        wo4 = w0 + q4 * wsr
+        wo5 = w0 + q5 * wsr
+        a0_0 = vzero_4x4()
+        a0_1 = vzero_4x4()
+        a0_2 = vzero_4x4()
+        a1_0 = vzero_4x4()
+        a1_1 = vzero_4x4()
+        a1_2 = vzero_4x4()
+        a2_0 = vzero_4x4()
+        a2_1 = vzero_4x4()
+        a2_2 = vzero_4x4()
+        a3_0 = vzero_4x4()
+        a3_1 = vzero_4x4()
+        a3_2 = vzero_4x4()
+        a4_0 = vzero_4x4()
+        a4_1 = vzero_4x4()
+        a4_2 = vzero_4x4()
+        a5_0 = vzero_4x4()
+        a5_1 = vzero_4x4()
+        a5_2 = vzero_4x4()
+        if accumulate and cols == 12:
             a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-        elif cols > 0:
-            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-        if cols >= 8:
             a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-        elif cols > 4:
-            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
-        if cols >= 12:
             a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
-        elif cols > 8:
-            a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
-        if cols >= 4:
             a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-        elif cols > 0:
-            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-        if cols >= 8:
             a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-        elif cols > 4:
-            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
-        if cols >= 12:
             a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
-        elif cols > 8:
-            a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
-        if cols >= 4:
             a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-        elif cols > 0:
-            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-        if cols >= 8:
             a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-        elif cols > 4:
-            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
-        if cols >= 12:
             a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
-        elif cols > 8:
-            a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
-        if cols >= 4:
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-        elif cols > 0:
-            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-        if cols >= 8:
             a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-        elif cols > 4:
-            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
-        if cols >= 12:
             a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
-        elif cols > 8:
-            a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
-        if cols >= 4:
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-        elif cols > 0:
-            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-        if cols >= 8:
             a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-        elif cols > 4:
-            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
-        if cols >= 12:
             a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
-        elif cols > 8:
-            a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
-        if cols >= 4:
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        elif cols > 0:
-            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-        if cols >= 8:
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-        elif cols > 4:
-            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
-        if cols >= 12:
             a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-        elif cols > 8:
-            a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
-    for k in range(kc):
-        xo = x0 + k * ldx
-        ko = k * wsk
-        xv0 = vload_4x4(xq, xo + 0)
-        xv1 = vload_4x4(xq, xo + 4)
-        xv2 = vload_4x4(xq, xo + 8)
-        wv = vbload_4x4(w, wo0 + ko)
-        a0_0 = vfma_4x4(wv, xv0, a0_0)
-        a0_1 = vfma_4x4(wv, xv1, a0_1)
-        a0_2 = vfma_4x4(wv, xv2, a0_2)
-        wv = vbload_4x4(w, wo1 + ko)
-        a1_0 = vfma_4x4(wv, xv0, a1_0)
-        a1_1 = vfma_4x4(wv, xv1, a1_1)
-        a1_2 = vfma_4x4(wv, xv2, a1_2)
-        wv = vbload_4x4(w, wo2 + ko)
-        a2_0 = vfma_4x4(wv, xv0, a2_0)
-        a2_1 = vfma_4x4(wv, xv1, a2_1)
-        a2_2 = vfma_4x4(wv, xv2, a2_2)
-        wv = vbload_4x4(w, wo3 + ko)
-        a3_0 = vfma_4x4(wv, xv0, a3_0)
-        a3_1 = vfma_4x4(wv, xv1, a3_1)
-        a3_2 = vfma_4x4(wv, xv2, a3_2)
-        wv = vbload_4x4(w, wo4 + ko)
-        a4_0 = vfma_4x4(wv, xv0, a4_0)
-        a4_1 = vfma_4x4(wv, xv1, a4_1)
-        a4_2 = vfma_4x4(wv, xv2, a4_2)
-        wv = vbload_4x4(w, wo5 + ko)
-        a5_0 = vfma_4x4(wv, xv0, a5_0)
-        a5_1 = vfma_4x4(wv, xv1, a5_1)
-        a5_2 = vfma_4x4(wv, xv2, a5_2)
-    if cols == 12 and epi:
-        by_col = (flags & PER_COL) != 0
-        has_res = (flags & HAS_RES) != 0
-        one = np.float32(1)
-        zero1 = np.float32(0)
-        zero = vzero_4x4()
-        lo = vsplat_4x4(a)
-        hi = vsplat_4x4(b)
-        ones = vsplat_4x4(one)
-        sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
-        bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
-        sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
-        bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
-        sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
-        bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+        elif accumulate:  # a partial tile: whole vectors, then one masked load
+            if cols >= 4:
+                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
+            elif cols > 0:
+                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
+            elif cols > 4:
+                a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
+            elif cols > 8:
+                a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
+            if cols >= 4:
+                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
+            elif cols > 0:
+                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
+            elif cols > 4:
+                a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
+            elif cols > 8:
+                a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
+            if cols >= 4:
+                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
+            elif cols > 0:
+                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
+            elif cols > 4:
+                a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
+            elif cols > 8:
+                a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
+            if cols >= 4:
+                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
+            elif cols > 0:
+                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
+            elif cols > 4:
+                a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
+            elif cols > 8:
+                a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
+            if cols >= 4:
+                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
+            elif cols > 0:
+                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
+            elif cols > 4:
+                a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
+            elif cols > 8:
+                a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
+            if cols >= 4:
+                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
+            elif cols > 0:
+                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+            if cols >= 8:
+                a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
+            elif cols > 4:
+                a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
+            if cols >= 12:
+                a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
+            elif cols > 8:
+                a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
+        for k in range(kc):
+            xo = x0 + k * ldx
+            ko = k * wsk
+            xv0 = vload_4x4(xq, xo + 0)
+            xv1 = vload_4x4(xq, xo + 4)
+            xv2 = vload_4x4(xq, xo + 8)
+            wv = vbload_4x4(w, wo0 + ko)
+            a0_0 = vfma_4x4(wv, xv0, a0_0)
+            a0_1 = vfma_4x4(wv, xv1, a0_1)
+            a0_2 = vfma_4x4(wv, xv2, a0_2)
+            wv = vbload_4x4(w, wo1 + ko)
+            a1_0 = vfma_4x4(wv, xv0, a1_0)
+            a1_1 = vfma_4x4(wv, xv1, a1_1)
+            a1_2 = vfma_4x4(wv, xv2, a1_2)
+            wv = vbload_4x4(w, wo2 + ko)
+            a2_0 = vfma_4x4(wv, xv0, a2_0)
+            a2_1 = vfma_4x4(wv, xv1, a2_1)
+            a2_2 = vfma_4x4(wv, xv2, a2_2)
+            wv = vbload_4x4(w, wo3 + ko)
+            a3_0 = vfma_4x4(wv, xv0, a3_0)
+            a3_1 = vfma_4x4(wv, xv1, a3_1)
+            a3_2 = vfma_4x4(wv, xv2, a3_2)
+            wv = vbload_4x4(w, wo4 + ko)
+            a4_0 = vfma_4x4(wv, xv0, a4_0)
+            a4_1 = vfma_4x4(wv, xv1, a4_1)
+            a4_2 = vfma_4x4(wv, xv2, a4_2)
+            wv = vbload_4x4(w, wo5 + ko)
+            a5_0 = vfma_4x4(wv, xv0, a5_0)
+            a5_1 = vfma_4x4(wv, xv1, a5_1)
+            a5_2 = vfma_4x4(wv, xv2, a5_2)
+        if cols == 12 and epi:
+            by_col = (flags & PER_COL) != 0
+            has_res = (flags & HAS_RES) != 0
+            one = np.float32(1)
+            zero1 = np.float32(0)
+            zero = vzero_4x4()
+            lo = vsplat_4x4(a)
+            hi = vsplat_4x4(b)
+            ones = vsplat_4x4(one)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+                a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
+                if act == 1:
+                    a0_2 = vmax_4x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+                a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
+                if act == 1:
+                    a1_2 = vmax_4x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+                a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
+                if act == 1:
+                    a2_2 = vmax_4x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+                a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
+                if act == 1:
+                    a3_2 = vmax_4x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+                a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
+                if act == 1:
+                    a4_2 = vmax_4x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+                a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
+                if act == 1:
+                    a5_2 = vmax_4x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+            continue
+        if cols == 12:
+            if rows > 0:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+            if rows > 1:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+            if rows > 2:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+            if rows > 3:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+            if rows > 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+            if rows > 5:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+            continue
         if rows > 0:
-            s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-            if act == 1:
-                a0_0 = vmax_4x4(zero, a0_0)
-            elif act == 3:
-                a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
-            if act == 1:
-                a0_1 = vmax_4x4(zero, a0_1)
-            elif act == 3:
-                a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
-            if act == 1:
-                a0_2 = vmax_4x4(zero, a0_2)
-            elif act == 3:
-                a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
-            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
         if rows > 1:
-            s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-            if act == 1:
-                a1_0 = vmax_4x4(zero, a1_0)
-            elif act == 3:
-                a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
-            if act == 1:
-                a1_1 = vmax_4x4(zero, a1_1)
-            elif act == 3:
-                a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
-            if act == 1:
-                a1_2 = vmax_4x4(zero, a1_2)
-            elif act == 3:
-                a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
-            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
         if rows > 2:
-            s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-            if act == 1:
-                a2_0 = vmax_4x4(zero, a2_0)
-            elif act == 3:
-                a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
-            if act == 1:
-                a2_1 = vmax_4x4(zero, a2_1)
-            elif act == 3:
-                a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
-            if act == 1:
-                a2_2 = vmax_4x4(zero, a2_2)
-            elif act == 3:
-                a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
-            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
         if rows > 3:
-            s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-            if act == 1:
-                a3_0 = vmax_4x4(zero, a3_0)
-            elif act == 3:
-                a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
-            if act == 1:
-                a3_1 = vmax_4x4(zero, a3_1)
-            elif act == 3:
-                a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
-            if act == 1:
-                a3_2 = vmax_4x4(zero, a3_2)
-            elif act == 3:
-                a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
-            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
         if rows > 4:
-            s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-            if act == 1:
-                a4_0 = vmax_4x4(zero, a4_0)
-            elif act == 3:
-                a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
-            if act == 1:
-                a4_1 = vmax_4x4(zero, a4_1)
-            elif act == 3:
-                a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
-            if act == 1:
-                a4_2 = vmax_4x4(zero, a4_2)
-            elif act == 3:
-                a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
-            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
         if rows > 5:
-            s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-            b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-            sv = vsplat_4x4(s1)
-            bv = vsplat_4x4(b1)
-            a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-            if has_res:
-                a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-            if act == 1:
-                a5_0 = vmax_4x4(zero, a5_0)
-            elif act == 3:
-                a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-            if has_res:
-                a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
-            if act == 1:
-                a5_1 = vmax_4x4(zero, a5_1)
-            elif act == 3:
-                a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-            if has_res:
-                a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
-            if act == 1:
-                a5_2 = vmax_4x4(zero, a5_2)
-            elif act == 3:
-                a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
-            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-        return
-    if cols == 12:
-        if rows > 0:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-        if rows > 1:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-        if rows > 2:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-        if rows > 3:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-        if rows > 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-        if rows > 5:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-        return
-    if rows > 0:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
-    if rows > 1:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
-    if rows > 2:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
-    if rows > 3:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
-    if rows > 4:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
-    if rows > 5:
-        if cols >= 4:
-            vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-        elif cols > 0:
-            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-        if cols >= 8:
-            vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-        elif cols > 4:
-            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
-        if cols >= 12:
-            vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-        elif cols > 8:
-            vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
+            if cols >= 4:
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+            elif cols > 0:
+                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            if cols >= 8:
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+            elif cols > 4:
+                vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            if cols >= 12:
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+            elif cols > 8:
+                vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
 
 
 @njit(cache=True)
@@ -5545,34 +5635,34 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # needs: a 16-channel output would leave most of a 16-wide tile idle.
                 nvv = (cols + 3) // 4
                 fused = fuse and cols == nvv * 4  # whole vectors: in registers
-                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
-                    rows = min(MR, m_hi - m0)
-                    if nvv == 1:
-                        tile1v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                m0 = pm  # the block's MB row tiles in one call
+                rows = min(MB * MR, m_hi - m0)
+                if nvv == 1:
+                    tile1v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    elif nvv == 2:
-                        tile2v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                elif nvv == 2:
+                    tile2v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    elif nvv == 3:
-                        tile3v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                elif nvv == 3:
+                    tile3v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    else:
-                        tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
+                else:
+                    tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b)
-                    if final and epilogue and not fused:
-                        _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                if final and epilogue and not fused:
+                    _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
+                    if not vec_act:
+                        for r in range(rows):
+                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -5791,16 +5881,14 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                         cols = min(16, co - j0)
                         if not direct:
                             _pack_4x4(u, co, e * ci + kb, kc, j0, cols, xq)
-                        for m0 in range(0, nt, MR):
-                            rows = min(MR, nt - m0)
-                            if direct:
-                                tile_4x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
-                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
-                            else:
-                                tile_4x4(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
-                                        16, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols, *no_epi)
+                        if direct:  # all nt tile rows in one call
+                            tile_4x4(vb, e * tb * cip + kb, cip, 1, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                        else:
+                            tile_4x4(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
+                                    16, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                                    cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop

@@ -80,15 +80,19 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
         "",
         "",
         "@njit(cache=True)",
-        f"def {name}{s}(w, w0, wsr, wsk, rows, xq, x0, ldx, kc, accumulate, c, c0, ldc, cols,",
-        "        epi, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):",
-        '    """c[rows x cols] (+)= w[rows, kc] @ xq[kc, :cols] (flat offsets w0, x0, c0 of the',
-        "    corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc).",
+        f"def {name}{s}(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,",
+        "        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):",
+        '    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00',
+        "    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),",
+        f"    {MR} rows at a time: one call per block of rows, so its setup and the call",
+        "    itself (~100 ns, as long as 30 fma steps) are paid once per block.",
         f"    xq has {nr} columns (zeros past cols); c is touched only in its cols columns.",
         "    With ``epi`` a full tile takes the conv epilogue in registers before its one",
         "    store (relu/clip only; arguments as _epilogue's): for short reductions the",
         '    separate pass over the stored tile cost a quarter of the GEMM."""',
     ]
+    body = L
+    L = []
     # rows past `rows` repeat the last valid row: loads stay inside the arrays, no branches
     for r in range(MR):
         L.append(f"    q{r} = min({r}, rows - 1)")
@@ -173,7 +177,16 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
             L.append(f"            vstore{s}(c, {o}, {acc[r][v]})")
             L.append(f"        elif cols > {v * lanes}:")
             L.append(f"            vstore_n{s}(c, {o}, {acc[r][v]}, cols - {v * lanes})")
-    return "\n".join(L)
+    body += [
+        f"    for mt in range(0, nrows, {MR}):",
+        f"        rows = min({MR}, nrows - mt)",
+        "        w0 = w00 + mt * wsr",
+        "        c0 = c00 + mt * ldc",
+        "        r0 = r00 + mt * ldr",
+        "        m0 = m00 + mt",
+    ]
+    body += [("    " + ln).replace("    return", "    continue") if ln else ln for ln in L]
+    return "\n".join(body)
 
 
 def epilogue_source(lanes: int, nv: int) -> str:
@@ -242,10 +255,10 @@ def driver_source(lanes: int, nv: int) -> str:
         "                            flags, act, a, b)"
     )
     for k in range(1, nv):
-        narrow.append(f"                    {'if' if k == 1 else 'elif'} nvv == {k}:")
-        narrow.append(f"                        tile{k}v{s}{call}")
-    narrow.append("                    else:")
-    narrow.append(f"                        tile{s}{call}")
+        narrow.append(f"                {'if' if k == 1 else 'elif'} nvv == {k}:")
+        narrow.append(f"                    tile{k}v{s}{call}")
+    narrow.append("                else:")
+    narrow.append(f"                    tile{s}{call}")
     narrow = "\n".join(narrow)
     return f'''
 
@@ -296,15 +309,15 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, x
                 # needs: a 16-channel output would leave most of a {nr}-wide tile idle.
                 nvv = (cols + {lanes - 1}) // {lanes}
                 fused = fuse and cols == nvv * {lanes}  # whole vectors: in registers
-                for m0 in range(pm, min(m_hi, pm + MB * MR), MR):
-                    rows = min(MR, m_hi - m0)
+                m0 = pm  # the block's MB row tiles in one call
+                rows = min(MB * MR, m_hi - m0)
 {narrow}
-                    if final and epilogue and not fused:
-                        _epilogue{s}(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                if final and epilogue and not fused:
+                    _epilogue{s}(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
+                    if not vec_act:
+                        for r in range(rows):
+                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -530,16 +543,14 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
                         cols = min({nr}, co - j0)
                         if not direct:
                             _pack{s}(u, co, e * ci + kb, kc, j0, cols, xq)
-                        for m0 in range(0, nt, MR):
-                            rows = min(MR, nt - m0)
-                            if direct:
-                                tile{s}(vb, (e * tb + m0) * cip + kb, cip, 1, rows, u,
-                                        (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                        mb, (e * tb + m0) * cop + j0, cop, cols, *no_epi)
-                            else:
-                                tile{s}(vb, (e * tb + m0) * cip + kb, cip, 1, rows, xq, 0,
-                                        {nr}, kc, kb > 0, mb, (e * tb + m0) * cop + j0, cop,
-                                        cols, *no_epi)
+                        if direct:  # all nt tile rows in one call
+                            tile{s}(vb, e * tb * cip + kb, cip, 1, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                        else:
+                            tile{s}(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
+                                    {nr}, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                                    cols, *no_epi)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
