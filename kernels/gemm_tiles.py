@@ -187,103 +187,31 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
             a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
             a5_3 = vload_16x4(c, c0 + q5 * ldc + 48)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 16:
-                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-            elif cols > 16:
-                a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
-            elif cols > 32:
-                a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
-            if cols >= 64:
-                a0_3 = vload_16x4(c, c0 + q0 * ldc + 48)
-            elif cols > 48:
-                a0_3 = vload_n_16x4(c, c0 + q0 * ldc + 48, cols - 48)
-            if cols >= 16:
-                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-            elif cols > 16:
-                a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
-            elif cols > 32:
-                a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
-            if cols >= 64:
-                a1_3 = vload_16x4(c, c0 + q1 * ldc + 48)
-            elif cols > 48:
-                a1_3 = vload_n_16x4(c, c0 + q1 * ldc + 48, cols - 48)
-            if cols >= 16:
-                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-            elif cols > 16:
-                a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
-            elif cols > 32:
-                a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
-            if cols >= 64:
-                a2_3 = vload_16x4(c, c0 + q2 * ldc + 48)
-            elif cols > 48:
-                a2_3 = vload_n_16x4(c, c0 + q2 * ldc + 48, cols - 48)
-            if cols >= 16:
-                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-            elif cols > 16:
-                a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
-            elif cols > 32:
-                a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
-            if cols >= 64:
-                a3_3 = vload_16x4(c, c0 + q3 * ldc + 48)
-            elif cols > 48:
-                a3_3 = vload_n_16x4(c, c0 + q3 * ldc + 48, cols - 48)
-            if cols >= 16:
-                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-            elif cols > 16:
-                a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
-            elif cols > 32:
-                a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
-            if cols >= 64:
-                a4_3 = vload_16x4(c, c0 + q4 * ldc + 48)
-            elif cols > 48:
-                a4_3 = vload_n_16x4(c, c0 + q4 * ldc + 48, cols - 48)
-            if cols >= 16:
-                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-            elif cols > 16:
-                a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-            elif cols > 32:
-                a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
-            if cols >= 64:
-                a5_3 = vload_16x4(c, c0 + q5 * ldc + 48)
-            elif cols > 48:
-                a5_3 = vload_n_16x4(c, c0 + q5 * ldc + 48, cols - 48)
+        elif accumulate:
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
+            a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
+            a0_3 = vload_n_16x4(c, c0 + q0 * ldc + 48, cols - 48)
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
+            a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
+            a1_3 = vload_n_16x4(c, c0 + q1 * ldc + 48, cols - 48)
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
+            a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
+            a2_3 = vload_n_16x4(c, c0 + q2 * ldc + 48, cols - 48)
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
+            a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
+            a3_3 = vload_n_16x4(c, c0 + q3 * ldc + 48, cols - 48)
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
+            a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
+            a4_3 = vload_n_16x4(c, c0 + q4 * ldc + 48, cols - 48)
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
+            a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
+            a5_3 = vload_n_16x4(c, c0 + q5 * ldc + 48, cols - 48)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -594,107 +522,35 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
                 vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
             continue
         if rows > 0:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
-            if cols >= 64:
-                vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
-            elif cols > 48:
-                vstore_n_16x4(c, c0 + 0 * ldc + 48, a0_3, cols - 48)
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
+            vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
+            vstore_n_16x4(c, c0 + 0 * ldc + 48, a0_3, cols - 48)
         if rows > 1:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
-            if cols >= 64:
-                vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
-            elif cols > 48:
-                vstore_n_16x4(c, c0 + 1 * ldc + 48, a1_3, cols - 48)
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
+            vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
+            vstore_n_16x4(c, c0 + 1 * ldc + 48, a1_3, cols - 48)
         if rows > 2:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
-            if cols >= 64:
-                vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
-            elif cols > 48:
-                vstore_n_16x4(c, c0 + 2 * ldc + 48, a2_3, cols - 48)
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
+            vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
+            vstore_n_16x4(c, c0 + 2 * ldc + 48, a2_3, cols - 48)
         if rows > 3:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
-            if cols >= 64:
-                vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
-            elif cols > 48:
-                vstore_n_16x4(c, c0 + 3 * ldc + 48, a3_3, cols - 48)
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
+            vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
+            vstore_n_16x4(c, c0 + 3 * ldc + 48, a3_3, cols - 48)
         if rows > 4:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
-            if cols >= 64:
-                vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
-            elif cols > 48:
-                vstore_n_16x4(c, c0 + 4 * ldc + 48, a4_3, cols - 48)
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
+            vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
+            vstore_n_16x4(c, c0 + 4 * ldc + 48, a4_3, cols - 48)
         if rows > 5:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
-            if cols >= 64:
-                vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
-            elif cols > 48:
-                vstore_n_16x4(c, c0 + 5 * ldc + 48, a5_3, cols - 48)
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
+            vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
+            vstore_n_16x4(c, c0 + 5 * ldc + 48, a5_3, cols - 48)
 
 
 @njit(cache=True)
@@ -739,31 +595,13 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
             a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
             a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 16:
-                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+        elif accumulate:
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -885,35 +723,17 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
                 vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if rows > 0:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -970,55 +790,19 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
             a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 16:
-                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-            elif cols > 16:
-                a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
-            if cols >= 16:
-                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-            elif cols > 16:
-                a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
-            if cols >= 16:
-                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-            elif cols > 16:
-                a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
-            if cols >= 16:
-                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-            elif cols > 16:
-                a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
-            if cols >= 16:
-                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-            elif cols > 16:
-                a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
-            if cols >= 16:
-                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-            elif cols > 16:
-                a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
+        elif accumulate:
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -1203,59 +987,23 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
                 vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
             continue
         if rows > 0:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
         if rows > 1:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
         if rows > 2:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
         if rows > 3:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
         if rows > 4:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
         if rows > 5:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
 
 
 @njit(cache=True)
@@ -1324,79 +1072,25 @@ def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
             a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
             a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
             a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 16:
-                a0_0 = vload_16x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a0_1 = vload_16x4(c, c0 + q0 * ldc + 16)
-            elif cols > 16:
-                a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a0_2 = vload_16x4(c, c0 + q0 * ldc + 32)
-            elif cols > 32:
-                a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
-            if cols >= 16:
-                a1_0 = vload_16x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a1_1 = vload_16x4(c, c0 + q1 * ldc + 16)
-            elif cols > 16:
-                a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a1_2 = vload_16x4(c, c0 + q1 * ldc + 32)
-            elif cols > 32:
-                a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
-            if cols >= 16:
-                a2_0 = vload_16x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a2_1 = vload_16x4(c, c0 + q2 * ldc + 16)
-            elif cols > 16:
-                a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a2_2 = vload_16x4(c, c0 + q2 * ldc + 32)
-            elif cols > 32:
-                a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
-            if cols >= 16:
-                a3_0 = vload_16x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a3_1 = vload_16x4(c, c0 + q3 * ldc + 16)
-            elif cols > 16:
-                a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a3_2 = vload_16x4(c, c0 + q3 * ldc + 32)
-            elif cols > 32:
-                a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
-            if cols >= 16:
-                a4_0 = vload_16x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a4_1 = vload_16x4(c, c0 + q4 * ldc + 16)
-            elif cols > 16:
-                a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a4_2 = vload_16x4(c, c0 + q4 * ldc + 32)
-            elif cols > 32:
-                a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
-            if cols >= 16:
-                a5_0 = vload_16x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 32:
-                a5_1 = vload_16x4(c, c0 + q5 * ldc + 16)
-            elif cols > 16:
-                a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
-            if cols >= 48:
-                a5_2 = vload_16x4(c, c0 + q5 * ldc + 32)
-            elif cols > 32:
-                a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
+        elif accumulate:
+            a0_0 = vload_n_16x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_16x4(c, c0 + q0 * ldc + 16, cols - 16)
+            a0_2 = vload_n_16x4(c, c0 + q0 * ldc + 32, cols - 32)
+            a1_0 = vload_n_16x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_16x4(c, c0 + q1 * ldc + 16, cols - 16)
+            a1_2 = vload_n_16x4(c, c0 + q1 * ldc + 32, cols - 32)
+            a2_0 = vload_n_16x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_16x4(c, c0 + q2 * ldc + 16, cols - 16)
+            a2_2 = vload_n_16x4(c, c0 + q2 * ldc + 32, cols - 32)
+            a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_16x4(c, c0 + q3 * ldc + 16, cols - 16)
+            a3_2 = vload_n_16x4(c, c0 + q3 * ldc + 32, cols - 32)
+            a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
+            a4_2 = vload_n_16x4(c, c0 + q4 * ldc + 32, cols - 32)
+            a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
+            a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -1644,83 +1338,29 @@ def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
                 vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
             continue
         if rows > 0:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
+            vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
+            vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
         if rows > 1:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
+            vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
+            vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
         if rows > 2:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
+            vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
+            vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
         if rows > 3:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
+            vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
+            vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
         if rows > 4:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
+            vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
+            vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
         if rows > 5:
-            if cols >= 16:
-                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 32:
-                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            elif cols > 16:
-                vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
-            if cols >= 48:
-                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-            elif cols > 32:
-                vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
+            vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
+            vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
 
 
 @njit(cache=True)
@@ -2143,55 +1783,19 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
             a4_1 = vload_8x2(c, c0 + q4 * ldc + 8)
             a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
             a5_1 = vload_8x2(c, c0 + q5 * ldc + 8)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 8:
-                a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a0_1 = vload_8x2(c, c0 + q0 * ldc + 8)
-            elif cols > 8:
-                a0_1 = vload_n_8x2(c, c0 + q0 * ldc + 8, cols - 8)
-            if cols >= 8:
-                a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a1_1 = vload_8x2(c, c0 + q1 * ldc + 8)
-            elif cols > 8:
-                a1_1 = vload_n_8x2(c, c0 + q1 * ldc + 8, cols - 8)
-            if cols >= 8:
-                a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a2_1 = vload_8x2(c, c0 + q2 * ldc + 8)
-            elif cols > 8:
-                a2_1 = vload_n_8x2(c, c0 + q2 * ldc + 8, cols - 8)
-            if cols >= 8:
-                a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a3_1 = vload_8x2(c, c0 + q3 * ldc + 8)
-            elif cols > 8:
-                a3_1 = vload_n_8x2(c, c0 + q3 * ldc + 8, cols - 8)
-            if cols >= 8:
-                a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a4_1 = vload_8x2(c, c0 + q4 * ldc + 8)
-            elif cols > 8:
-                a4_1 = vload_n_8x2(c, c0 + q4 * ldc + 8, cols - 8)
-            if cols >= 8:
-                a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 16:
-                a5_1 = vload_8x2(c, c0 + q5 * ldc + 8)
-            elif cols > 8:
-                a5_1 = vload_n_8x2(c, c0 + q5 * ldc + 8, cols - 8)
+        elif accumulate:
+            a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_8x2(c, c0 + q0 * ldc + 8, cols - 8)
+            a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_8x2(c, c0 + q1 * ldc + 8, cols - 8)
+            a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_8x2(c, c0 + q2 * ldc + 8, cols - 8)
+            a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_8x2(c, c0 + q3 * ldc + 8, cols - 8)
+            a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_8x2(c, c0 + q4 * ldc + 8, cols - 8)
+            a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_8x2(c, c0 + q5 * ldc + 8, cols - 8)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -2376,59 +1980,23 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
                 vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
             continue
         if rows > 0:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 16:
-                vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
-            elif cols > 8:
-                vstore_n_8x2(c, c0 + 0 * ldc + 8, a0_1, cols - 8)
+            vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_8x2(c, c0 + 0 * ldc + 8, a0_1, cols - 8)
         if rows > 1:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 16:
-                vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
-            elif cols > 8:
-                vstore_n_8x2(c, c0 + 1 * ldc + 8, a1_1, cols - 8)
+            vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_8x2(c, c0 + 1 * ldc + 8, a1_1, cols - 8)
         if rows > 2:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 16:
-                vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
-            elif cols > 8:
-                vstore_n_8x2(c, c0 + 2 * ldc + 8, a2_1, cols - 8)
+            vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_8x2(c, c0 + 2 * ldc + 8, a2_1, cols - 8)
         if rows > 3:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 16:
-                vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
-            elif cols > 8:
-                vstore_n_8x2(c, c0 + 3 * ldc + 8, a3_1, cols - 8)
+            vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_8x2(c, c0 + 3 * ldc + 8, a3_1, cols - 8)
         if rows > 4:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 16:
-                vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
-            elif cols > 8:
-                vstore_n_8x2(c, c0 + 4 * ldc + 8, a4_1, cols - 8)
+            vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_8x2(c, c0 + 4 * ldc + 8, a4_1, cols - 8)
         if rows > 5:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 16:
-                vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
-            elif cols > 8:
-                vstore_n_8x2(c, c0 + 5 * ldc + 8, a5_1, cols - 8)
+            vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_8x2(c, c0 + 5 * ldc + 8, a5_1, cols - 8)
 
 
 @njit(cache=True)
@@ -2473,31 +2041,13 @@ def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
             a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
             a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 8:
-                a0_0 = vload_8x2(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a1_0 = vload_8x2(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a2_0 = vload_8x2(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a3_0 = vload_8x2(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a4_0 = vload_8x2(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a5_0 = vload_8x2(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
+        elif accumulate:
+            a0_0 = vload_n_8x2(c, c0 + q0 * ldc + 0, cols - 0)
+            a1_0 = vload_n_8x2(c, c0 + q1 * ldc + 0, cols - 0)
+            a2_0 = vload_n_8x2(c, c0 + q2 * ldc + 0, cols - 0)
+            a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
+            a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
+            a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -2619,35 +2169,17 @@ def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
                 vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if rows > 0:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            if cols >= 8:
-                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -3060,55 +2592,19 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
             a4_1 = vload_4x2(c, c0 + q4 * ldc + 4)
             a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
             a5_1 = vload_4x2(c, c0 + q5 * ldc + 4)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 4:
-                a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a0_1 = vload_4x2(c, c0 + q0 * ldc + 4)
-            elif cols > 4:
-                a0_1 = vload_n_4x2(c, c0 + q0 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a1_1 = vload_4x2(c, c0 + q1 * ldc + 4)
-            elif cols > 4:
-                a1_1 = vload_n_4x2(c, c0 + q1 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a2_1 = vload_4x2(c, c0 + q2 * ldc + 4)
-            elif cols > 4:
-                a2_1 = vload_n_4x2(c, c0 + q2 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a3_1 = vload_4x2(c, c0 + q3 * ldc + 4)
-            elif cols > 4:
-                a3_1 = vload_n_4x2(c, c0 + q3 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a4_1 = vload_4x2(c, c0 + q4 * ldc + 4)
-            elif cols > 4:
-                a4_1 = vload_n_4x2(c, c0 + q4 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a5_1 = vload_4x2(c, c0 + q5 * ldc + 4)
-            elif cols > 4:
-                a5_1 = vload_n_4x2(c, c0 + q5 * ldc + 4, cols - 4)
+        elif accumulate:
+            a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_4x2(c, c0 + q0 * ldc + 4, cols - 4)
+            a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_4x2(c, c0 + q1 * ldc + 4, cols - 4)
+            a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_4x2(c, c0 + q2 * ldc + 4, cols - 4)
+            a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_4x2(c, c0 + q3 * ldc + 4, cols - 4)
+            a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_4x2(c, c0 + q4 * ldc + 4, cols - 4)
+            a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_4x2(c, c0 + q5 * ldc + 4, cols - 4)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -3293,59 +2789,23 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
                 vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
             continue
         if rows > 0:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 8:
-                vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
-            elif cols > 4:
-                vstore_n_4x2(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
+            vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_4x2(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
         if rows > 1:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 8:
-                vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
-            elif cols > 4:
-                vstore_n_4x2(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
+            vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_4x2(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
         if rows > 2:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 8:
-                vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
-            elif cols > 4:
-                vstore_n_4x2(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
+            vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_4x2(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
         if rows > 3:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 8:
-                vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
-            elif cols > 4:
-                vstore_n_4x2(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
+            vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_4x2(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
         if rows > 4:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 8:
-                vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
-            elif cols > 4:
-                vstore_n_4x2(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
+            vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_4x2(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
         if rows > 5:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 8:
-                vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
-            elif cols > 4:
-                vstore_n_4x2(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_4x2(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
 
 
 @njit(cache=True)
@@ -3390,31 +2850,13 @@ def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
             a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
             a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 4:
-                a0_0 = vload_4x2(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a1_0 = vload_4x2(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a2_0 = vload_4x2(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a3_0 = vload_4x2(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a4_0 = vload_4x2(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a5_0 = vload_4x2(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
+        elif accumulate:
+            a0_0 = vload_n_4x2(c, c0 + q0 * ldc + 0, cols - 0)
+            a1_0 = vload_n_4x2(c, c0 + q1 * ldc + 0, cols - 0)
+            a2_0 = vload_n_4x2(c, c0 + q2 * ldc + 0, cols - 0)
+            a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
+            a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
+            a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -3536,35 +2978,17 @@ def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
                 vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if rows > 0:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            if cols >= 4:
-                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -4001,103 +3425,31 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
             a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
             a5_3 = vload_4x4(c, c0 + q5 * ldc + 12)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 4:
-                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-            elif cols > 4:
-                a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
-            elif cols > 8:
-                a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
-            if cols >= 16:
-                a0_3 = vload_4x4(c, c0 + q0 * ldc + 12)
-            elif cols > 12:
-                a0_3 = vload_n_4x4(c, c0 + q0 * ldc + 12, cols - 12)
-            if cols >= 4:
-                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-            elif cols > 4:
-                a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
-            elif cols > 8:
-                a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
-            if cols >= 16:
-                a1_3 = vload_4x4(c, c0 + q1 * ldc + 12)
-            elif cols > 12:
-                a1_3 = vload_n_4x4(c, c0 + q1 * ldc + 12, cols - 12)
-            if cols >= 4:
-                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-            elif cols > 4:
-                a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
-            elif cols > 8:
-                a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
-            if cols >= 16:
-                a2_3 = vload_4x4(c, c0 + q2 * ldc + 12)
-            elif cols > 12:
-                a2_3 = vload_n_4x4(c, c0 + q2 * ldc + 12, cols - 12)
-            if cols >= 4:
-                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-            elif cols > 4:
-                a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
-            elif cols > 8:
-                a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
-            if cols >= 16:
-                a3_3 = vload_4x4(c, c0 + q3 * ldc + 12)
-            elif cols > 12:
-                a3_3 = vload_n_4x4(c, c0 + q3 * ldc + 12, cols - 12)
-            if cols >= 4:
-                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-            elif cols > 4:
-                a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
-            elif cols > 8:
-                a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
-            if cols >= 16:
-                a4_3 = vload_4x4(c, c0 + q4 * ldc + 12)
-            elif cols > 12:
-                a4_3 = vload_n_4x4(c, c0 + q4 * ldc + 12, cols - 12)
-            if cols >= 4:
-                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-            elif cols > 4:
-                a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-            elif cols > 8:
-                a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
-            if cols >= 16:
-                a5_3 = vload_4x4(c, c0 + q5 * ldc + 12)
-            elif cols > 12:
-                a5_3 = vload_n_4x4(c, c0 + q5 * ldc + 12, cols - 12)
+        elif accumulate:
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
+            a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
+            a0_3 = vload_n_4x4(c, c0 + q0 * ldc + 12, cols - 12)
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
+            a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
+            a1_3 = vload_n_4x4(c, c0 + q1 * ldc + 12, cols - 12)
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
+            a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
+            a2_3 = vload_n_4x4(c, c0 + q2 * ldc + 12, cols - 12)
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
+            a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
+            a3_3 = vload_n_4x4(c, c0 + q3 * ldc + 12, cols - 12)
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
+            a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
+            a4_3 = vload_n_4x4(c, c0 + q4 * ldc + 12, cols - 12)
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
+            a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
+            a5_3 = vload_n_4x4(c, c0 + q5 * ldc + 12, cols - 12)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -4408,107 +3760,35 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
                 vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
             continue
         if rows > 0:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
-            if cols >= 16:
-                vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
-            elif cols > 12:
-                vstore_n_4x4(c, c0 + 0 * ldc + 12, a0_3, cols - 12)
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
+            vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
+            vstore_n_4x4(c, c0 + 0 * ldc + 12, a0_3, cols - 12)
         if rows > 1:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
-            if cols >= 16:
-                vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
-            elif cols > 12:
-                vstore_n_4x4(c, c0 + 1 * ldc + 12, a1_3, cols - 12)
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
+            vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
+            vstore_n_4x4(c, c0 + 1 * ldc + 12, a1_3, cols - 12)
         if rows > 2:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
-            if cols >= 16:
-                vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
-            elif cols > 12:
-                vstore_n_4x4(c, c0 + 2 * ldc + 12, a2_3, cols - 12)
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
+            vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
+            vstore_n_4x4(c, c0 + 2 * ldc + 12, a2_3, cols - 12)
         if rows > 3:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
-            if cols >= 16:
-                vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
-            elif cols > 12:
-                vstore_n_4x4(c, c0 + 3 * ldc + 12, a3_3, cols - 12)
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
+            vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
+            vstore_n_4x4(c, c0 + 3 * ldc + 12, a3_3, cols - 12)
         if rows > 4:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
-            if cols >= 16:
-                vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
-            elif cols > 12:
-                vstore_n_4x4(c, c0 + 4 * ldc + 12, a4_3, cols - 12)
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
+            vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
+            vstore_n_4x4(c, c0 + 4 * ldc + 12, a4_3, cols - 12)
         if rows > 5:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
-            if cols >= 16:
-                vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
-            elif cols > 12:
-                vstore_n_4x4(c, c0 + 5 * ldc + 12, a5_3, cols - 12)
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
+            vstore_n_4x4(c, c0 + 5 * ldc + 12, a5_3, cols - 12)
 
 
 @njit(cache=True)
@@ -4553,31 +3833,13 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
             a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 4:
-                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 4:
-                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+        elif accumulate:
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -4699,35 +3961,17 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
                 vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if rows > 0:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
         if rows > 1:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
         if rows > 2:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
         if rows > 3:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
         if rows > 4:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
         if rows > 5:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
 
 
 @njit(cache=True)
@@ -4784,55 +4028,19 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 4:
-                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-            elif cols > 4:
-                a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-            elif cols > 4:
-                a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-            elif cols > 4:
-                a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-            elif cols > 4:
-                a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-            elif cols > 4:
-                a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
-            if cols >= 4:
-                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-            elif cols > 4:
-                a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
+        elif accumulate:
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -5017,59 +4225,23 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
                 vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
             continue
         if rows > 0:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
         if rows > 1:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
         if rows > 2:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
         if rows > 3:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
         if rows > 4:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
         if rows > 5:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
 
 
 @njit(cache=True)
@@ -5138,79 +4310,25 @@ def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
             a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
             a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-        elif accumulate:  # a partial tile: whole vectors, then one masked load
-            if cols >= 4:
-                a0_0 = vload_4x4(c, c0 + q0 * ldc + 0)
-            elif cols > 0:
-                a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a0_1 = vload_4x4(c, c0 + q0 * ldc + 4)
-            elif cols > 4:
-                a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a0_2 = vload_4x4(c, c0 + q0 * ldc + 8)
-            elif cols > 8:
-                a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
-            if cols >= 4:
-                a1_0 = vload_4x4(c, c0 + q1 * ldc + 0)
-            elif cols > 0:
-                a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a1_1 = vload_4x4(c, c0 + q1 * ldc + 4)
-            elif cols > 4:
-                a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a1_2 = vload_4x4(c, c0 + q1 * ldc + 8)
-            elif cols > 8:
-                a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
-            if cols >= 4:
-                a2_0 = vload_4x4(c, c0 + q2 * ldc + 0)
-            elif cols > 0:
-                a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a2_1 = vload_4x4(c, c0 + q2 * ldc + 4)
-            elif cols > 4:
-                a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a2_2 = vload_4x4(c, c0 + q2 * ldc + 8)
-            elif cols > 8:
-                a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
-            if cols >= 4:
-                a3_0 = vload_4x4(c, c0 + q3 * ldc + 0)
-            elif cols > 0:
-                a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a3_1 = vload_4x4(c, c0 + q3 * ldc + 4)
-            elif cols > 4:
-                a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a3_2 = vload_4x4(c, c0 + q3 * ldc + 8)
-            elif cols > 8:
-                a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
-            if cols >= 4:
-                a4_0 = vload_4x4(c, c0 + q4 * ldc + 0)
-            elif cols > 0:
-                a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a4_1 = vload_4x4(c, c0 + q4 * ldc + 4)
-            elif cols > 4:
-                a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a4_2 = vload_4x4(c, c0 + q4 * ldc + 8)
-            elif cols > 8:
-                a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
-            if cols >= 4:
-                a5_0 = vload_4x4(c, c0 + q5 * ldc + 0)
-            elif cols > 0:
-                a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-            if cols >= 8:
-                a5_1 = vload_4x4(c, c0 + q5 * ldc + 4)
-            elif cols > 4:
-                a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
-            if cols >= 12:
-                a5_2 = vload_4x4(c, c0 + q5 * ldc + 8)
-            elif cols > 8:
-                a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
+        elif accumulate:
+            a0_0 = vload_n_4x4(c, c0 + q0 * ldc + 0, cols - 0)
+            a0_1 = vload_n_4x4(c, c0 + q0 * ldc + 4, cols - 4)
+            a0_2 = vload_n_4x4(c, c0 + q0 * ldc + 8, cols - 8)
+            a1_0 = vload_n_4x4(c, c0 + q1 * ldc + 0, cols - 0)
+            a1_1 = vload_n_4x4(c, c0 + q1 * ldc + 4, cols - 4)
+            a1_2 = vload_n_4x4(c, c0 + q1 * ldc + 8, cols - 8)
+            a2_0 = vload_n_4x4(c, c0 + q2 * ldc + 0, cols - 0)
+            a2_1 = vload_n_4x4(c, c0 + q2 * ldc + 4, cols - 4)
+            a2_2 = vload_n_4x4(c, c0 + q2 * ldc + 8, cols - 8)
+            a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
+            a3_1 = vload_n_4x4(c, c0 + q3 * ldc + 4, cols - 4)
+            a3_2 = vload_n_4x4(c, c0 + q3 * ldc + 8, cols - 8)
+            a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
+            a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
+            a4_2 = vload_n_4x4(c, c0 + q4 * ldc + 8, cols - 8)
+            a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
+            a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
+            a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
@@ -5458,83 +4576,29 @@ def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
                 vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
             continue
         if rows > 0:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
+            vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
+            vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
+            vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
         if rows > 1:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
+            vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
+            vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
+            vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
         if rows > 2:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
+            vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
+            vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
+            vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
         if rows > 3:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
+            vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
+            vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
+            vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
         if rows > 4:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
+            vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
+            vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
+            vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
         if rows > 5:
-            if cols >= 4:
-                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            elif cols > 0:
-                vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-            if cols >= 8:
-                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            elif cols > 4:
-                vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
-            if cols >= 12:
-                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-            elif cols > 8:
-                vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
+            vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
 
 
 @njit(cache=True)

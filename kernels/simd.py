@@ -104,8 +104,8 @@ class Ops:
         # doubled the tiles' compile time, which every cold numba cache pays.
         @intrinsic
         def vload_n(typingctx, arr, idx, n):
-            """arr's elements idx .. idx+n-1 in the first n lanes, zeros after (0 < n <
-            lanes); nothing past them is read."""
+            """arr's elements idx .. idx+n-1 in the first n lanes, zeros after; nothing
+            past them is read (n >= lanes: a whole vector; n <= 0: zeros, nothing read)."""
 
             def codegen(context, builder, sig, args):
                 p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
@@ -121,7 +121,7 @@ class Ops:
         @intrinsic
         def vstore_n(typingctx, arr, idx, v, n):
             """The first n lanes of v into arr[idx .. idx+n-1]; nothing past them is
-            written."""
+            written (n >= lanes: the whole vector; n <= 0: nothing)."""
 
             def codegen(context, builder, sig, args):
                 p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])

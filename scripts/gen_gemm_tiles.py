@@ -105,14 +105,13 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
     for r in range(MR):
         for v in range(nv):
             L.append(f"        {acc[r][v]} = vload{s}(c, c0 + q{r} * ldc + {v * lanes})")
-    L.append("    elif accumulate:  # a partial tile: whole vectors, then one masked load")
+    # a partial tile: masked loads (all lanes of a whole vector, none past cols: a mask
+    # wider than the vector or empty does that, so no branches per vector)
+    L.append("    elif accumulate:")
     for r in range(MR):
         for v in range(nv):
             o = f"c0 + q{r} * ldc + {v * lanes}"
-            L.append(f"        if cols >= {(v + 1) * lanes}:")
-            L.append(f"            {acc[r][v]} = vload{s}(c, {o})")
-            L.append(f"        elif cols > {v * lanes}:")
-            L.append(f"            {acc[r][v]} = vload_n{s}(c, {o}, cols - {v * lanes})")
+            L.append(f"        {acc[r][v]} = vload_n{s}(c, {o}, cols - {v * lanes})")
     L.append("    for k in range(kc):")
     L.append("        xo = x0 + k * ldx")
     L.append("        ko = k * wsk")
@@ -173,10 +172,7 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
         L.append(f"    if rows > {r}:")
         for v in range(nv):
             o = f"c0 + {r} * ldc + {v * lanes}"
-            L.append(f"        if cols >= {(v + 1) * lanes}:")
-            L.append(f"            vstore{s}(c, {o}, {acc[r][v]})")
-            L.append(f"        elif cols > {v * lanes}:")
-            L.append(f"            vstore_n{s}(c, {o}, {acc[r][v]}, cols - {v * lanes})")
+            L.append(f"        vstore_n{s}(c, {o}, {acc[r][v]}, cols - {v * lanes})")
     body += [
         f"    for mt in range(0, nrows, {MR}):",
         f"        rows = min({MR}, nrows - mt)",
