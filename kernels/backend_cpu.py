@@ -710,7 +710,8 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     _, oh, _, co = y.shape
     ce = dwin[1].shape[3]
     band = min(int(attrs["band"]), oh)
-    bands = []  # (expand's input rows or None, E band, D band, output rows, residual, top pad)
+    bands = []  # expand's input rows (None without), E band 3-D and 2-D, D band 3-D and
+    # 2-D, output rows, residual rows, the band's top pad
     for n in range(n_):
         for oy0 in range(0, oh, band):
             r = min(band, oh - oy0)
@@ -723,17 +724,18 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
             d = views["d"][:r]
             yb = y[n, oy0 : oy0 + r].reshape(-1, co)
             rb = _DUMMY2 if res is None else res[n, oy0 : oy0 + r].reshape(-1, co)
-            bands.append((xin, e, d, _readonly(d.reshape(-1, ce)), yb, rb, lo + pt - oy0 * sh))
+            e2, d2 = e.reshape(-1, ce), _readonly(d.reshape(-1, ce))
+            bands.append((xin, e, e2, d, d2, yb, rb, lo + pt - oy0 * sh))
     gemm, dwk = K.gemm, K.dwconv_nhwc
     pc = PER_COL
 
     def step() -> None:
         for decode in decodes:
             decode()
-        for xin, e, d, d2, yb, rb, ptb in bands:
+        for xin, e, e2, d, d2, yb, rb, ptb in bands:
             if xin is not None:
                 b_, s_, f_, act, lo_, hi_ = ep_e
-                gemm(xin, we, e.reshape(-1, ce), b_, s_, _DUMMY2, f_ | pc, act, lo_, hi_, xp)
+                gemm(xin, we, e2, b_, s_, _DUMMY2, f_ | pc, act, lo_, hi_, xp)
             b_, s_, f_, act, lo_, hi_ = ep_d
             dwk(e, wd, b_, s_, _DUMMY3, d, sh, sw, ptb, pl, dh, dw, f_, act, lo_, hi_)
             b_, s_, f_, act, lo_, hi_ = ep_p
