@@ -142,3 +142,32 @@ def test_winograd_gives_the_same_bits_at_every_tile_shape():
         assert np.isfinite(outs[0]).all()
         for s, o in zip(shapes[1:], outs[1:]):
             assert np.array_equal(o, outs[0]), f"F{m}: {s} differs from {shapes[0]}"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_masked_vectors_touch_only_their_lanes(lanes):
+    # Partial tiles rely on it: n >= lanes is a whole vector, n <= 0 reads and writes
+    # nothing (the last vectors of a narrow tile), lanes past n load as zeros.
+    from edgepack.kernels.simd import Ops
+    from numba import njit
+
+    ops = Ops(lanes)
+    vload_n, vstore_n, vstore = ops.vload_n, ops.vstore_n, ops.vstore
+
+    @njit
+    def copy_n(src, dst, whole, i, n):
+        v = vload_n(src, i, n)
+        vstore_n(dst, i, v, n)
+        vstore(whole, i, v)
+
+    src = np.arange(3 * lanes, dtype=np.float32) + 1
+    for n in (-3, 0, 1, lanes - 1, lanes, lanes + 5):
+        dst, whole = np.full_like(src, -1), np.full_like(src, -1)
+        copy_n(src, dst, whole, lanes, n)
+        k = max(0, min(n, lanes))
+        want = np.full_like(src, -1)
+        want[lanes : lanes + k] = src[lanes : lanes + k]
+        assert np.array_equal(dst, want), (n, dst)
+        got = whole[lanes : 2 * lanes]
+        assert np.array_equal(got[:k], src[lanes : lanes + k]) and not got[k:].any(), (n, got)
