@@ -685,21 +685,20 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     def pointwise(w: np.ndarray, name: str) -> np.ndarray:  # HWIO [1, 1, K, N] -> [K, N]
         return _readonly(widened(w, name).reshape(w.shape[2], w.shape[3]))
 
-    def epilogue(bias, scale, r, sub: dict) -> tuple:
-        return (
-            bias if bias is not None else _DUMMY1,
-            scale if scale is not None else _DUMMY1,
-            _flags(bias, scale, r),
-            *_act(sub),
-        )
+    def epilogue(conv: list, r, sub: dict, cols: int = 0) -> tuple[tuple, tuple]:
+        """((bias, scale), (flags, act, a, b)): the kernels' epilogue arguments."""
+        bias, scale = conv[2], conv[3]
+        bs = (bias if bias is not None else _DUMMY1, scale if scale is not None else _DUMMY1)
+        return bs, (_flags(bias, scale, r) | cols, *_act(sub))
 
     expand, dwin, proj = mbconv.parts(a)
-    we = None if expand is None else pointwise(expand[1], "we")
-    ep_e = None if expand is None else epilogue(expand[2], expand[3], None, attrs["expand"])
+    if expand is not None:
+        we = pointwise(expand[1], "we")
+        bs_e, fa_e = epilogue(expand, None, attrs["expand"], PER_COL)
     wd = widened(dwin[1], "wd")
-    ep_d = epilogue(dwin[2], dwin[3], None, attrs["dw"])
+    bs_d, fa_d = epilogue(dwin, None, attrs["dw"])
     wp = pointwise(proj[1], "wp")
-    ep_p = epilogue(proj[2], proj[3], res, attrs["project"])
+    bs_p, fa_p = epilogue(proj, res, attrs["project"], PER_COL)
     xp = views["xp"][: max(1, min(GEMM_SLOTS, kernel_threads()))]
     da = attrs["dw"]
     sh, sw = da["strides"]
@@ -710,36 +709,36 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     _, oh, _, co = y.shape
     ce = dwin[1].shape[3]
     band = min(int(attrs["band"]), oh)
-    bands = []  # expand's input rows (None without), E band 3-D and 2-D, D band 3-D and
-    # 2-D, output rows, residual rows, the band's top pad
+    # per band, the arguments of its three kernel calls (no expand call without one)
+    calls = []
     for n in range(n_):
         for oy0 in range(0, oh, band):
             r = min(band, oh - oy0)
             lo = max(0, oy0 * sh - pt)  # first image row the band's depthwise taps read
             hi = min(h, oy0 * sh - pt + mbconv.dw_rows_in(r, da, kh))
-            if expand is None:
-                xin, e = None, x[n, lo:hi]
-            else:
-                xin, e = _readonly(x[n, lo:hi].reshape(-1, ci)), views["e"][: hi - lo]
             d = views["d"][:r]
             yb = y[n, oy0 : oy0 + r].reshape(-1, co)
             rb = _DUMMY2 if res is None else res[n, oy0 : oy0 + r].reshape(-1, co)
-            e2, d2 = e.reshape(-1, ce), _readonly(d.reshape(-1, ce))
-            bands.append((xin, e, e2, d, d2, yb, rb, lo + pt - oy0 * sh))
+            if expand is None:
+                e, ex = x[n, lo:hi], None
+            else:
+                e = views["e"][: hi - lo]
+                xin = _readonly(x[n, lo:hi].reshape(-1, ci))
+                ex = (xin, we, e.reshape(-1, ce), *bs_e, _DUMMY2, *fa_e, xp)
+            ptb = lo + pt - oy0 * sh  # the band's own top pad
+            dwa = (e, wd, *bs_d, _DUMMY3, d, sh, sw, ptb, pl, dh, dw, *fa_d)
+            pr = (_readonly(d.reshape(-1, ce)), wp, yb, *bs_p, rb, *fa_p, xp)
+            calls.append((ex, dwa, pr))
     gemm, dwk = K.gemm, K.dwconv_nhwc
-    pc = PER_COL
 
     def step() -> None:
         for decode in decodes:
             decode()
-        for xin, e, e2, d, d2, yb, rb, ptb in bands:
-            if xin is not None:
-                b_, s_, f_, act, lo_, hi_ = ep_e
-                gemm(xin, we, e2, b_, s_, _DUMMY2, f_ | pc, act, lo_, hi_, xp)
-            b_, s_, f_, act, lo_, hi_ = ep_d
-            dwk(e, wd, b_, s_, _DUMMY3, d, sh, sw, ptb, pl, dh, dw, f_, act, lo_, hi_)
-            b_, s_, f_, act, lo_, hi_ = ep_p
-            gemm(d2, wp, yb, b_, s_, rb, f_ | pc, act, lo_, hi_, xp)
+        for ex, dwa, pr in calls:
+            if ex is not None:
+                gemm(*ex)
+            dwk(*dwa)
+            gemm(*pr)
 
     return step
 

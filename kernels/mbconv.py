@@ -64,57 +64,36 @@ def composed(
     D whole in scratch (then each kernel's own scratch, reused by all three)."""
     from .registry import KERNELS
 
-    def kernels(specs: Sequence) -> list:
+    def convs(a: Sequence, e, d, y, dtype: Callable) -> list:
+        """(kernel, inputs, output, attrs key) per conv: ``a`` the node's inputs, and
+        e, d, y the intermediates and the output, all as arrays or all as specs."""
+        pe, pd, pp = parts(a)
+        out = [] if pe is None else [("conv", pe, e, "expand")]
+        out.append(("dwconv", [e if pd[0] is None else pd[0], *pd[1:]], d, "dw"))
+        out.append(("conv", [d, *pp[1:]], y, "project"))
+        return [(KERNELS[(op, dtype(i[1]), backend)], i, o, key) for op, i, o, key in out]
+
+    def shapes(specs: Sequence, y_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
         a = optional_inputs(specs, N_INPUTS)
-        dt = [None if a[i] is None else a[i][1] for i in (WE, WD, WP)]
-        return [
-            None if dt[0] is None else KERNELS[("conv", dt[0], backend)],
-            KERNELS[("dwconv", dt[1], backend)],
-            KERNELS[("conv", dt[2], backend)],
-        ]
+        return intermediate_shapes(a[X][0], a[WD][0], y_shape)
 
-    def layout_of(ins_shapes: Sequence, y_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        a = optional_inputs(ins_shapes, N_INPUTS)
-        return intermediate_shapes(a[X], a[WD], y_shape)
-
-    def sub_specs(specs, outs, attrs):
-        e, d = layout_of([None if s is None else s[0] for s in specs], outs[0])
-        pe, pd, pp = parts(specs)
-        subs = []
-        if pe is not None:
-            subs.append((pe, [e], attrs["expand"]))
-        pd = [(e, "f32") if pd[0] is None else pd[0], *pd[1:]]
-        subs.append((pd, [d], attrs["dw"]))
-        subs.append(([(d, "f32"), *pp[1:]], [outs[0]], attrs["project"]))
-        return e, d, subs
+    def has_expand(ins: Sequence) -> bool:
+        return optional_inputs(ins, N_INPUTS)[WE] is not None
 
     def scratch(specs, outs, attrs: dict) -> int:
-        e, d, subs = sub_specs(specs, outs, attrs)
-        ks = [k for k in kernels(specs) if k is not None]
-        own = max(k.scratch(s, o, a) for k, (s, o, a) in zip(ks, subs, strict=True))
-        has_e = optional_inputs(specs, N_INPUTS)[WE] is not None
-        return (up64(nbytes(e)) if has_e else 0) + up64(nbytes(d)) + up64(own)
+        e, d = shapes(specs, outs[0])
+        subs = convs(specs, (e, "f32"), (d, "f32"), (outs[0], "f32"), lambda s: s[1])
+        own = max(k.scratch(i, [o[0]], attrs[key]) for k, i, o, key in subs)
+        return (up64(nbytes(e)) if has_expand(specs) else 0) + up64(nbytes(d)) + up64(own)
 
     def bind(ins, outs, scr, attrs: dict):
         specs = [None if a is None else (tuple(a.shape), dtype_name(a.dtype)) for a in ins]
-        e_shape, d_shape, subs = sub_specs(specs, [o.shape for o in outs], attrs)
-        pe, pd, pp = parts(ins)
-        off = 0
-        e = None
-        if pe is not None:
-            e, off = slot(scr, 0, e_shape)
-            off = up64(off)
-        d, off = slot(scr, off, d_shape)
+        e_shape, d_shape = shapes(specs, outs[0].shape)
+        e, off = (None, 0) if not has_expand(ins) else slot(scr, 0, e_shape)
+        d, off = slot(scr, up64(off), d_shape)
         rest = scr[up64(off) :]
-        ks = [k for k in kernels(specs) if k is not None]
-        arrays = []
-        if pe is not None:
-            arrays.append((pe, [e]))
-        arrays.append(([e if pd[0] is None else pd[0], *pd[1:]], [d]))
-        arrays.append(([d, *pp[1:]], outs))
-        steps = [
-            k.bind(i, o, rest, a) for k, (i, o), (_, _, a) in zip(ks, arrays, subs, strict=True)
-        ]
+        subs = convs(ins, e, d, outs[0], lambda a: dtype_name(a.dtype))
+        steps = [k.bind(i, [o], rest, attrs[key]) for k, i, o, key in subs]
 
         def run() -> None:
             for s in steps:

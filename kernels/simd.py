@@ -181,25 +181,6 @@ class Ops:
             return op
 
         @intrinsic
-        def vinsert(typingctx, v, i, x):
-            """v with lane i set to x (partial tiles: built lane by lane)."""
-
-            def codegen(context, builder, sig, args):
-                f = _to_f32(builder, args[2], sig.args[2])
-                lane = builder.trunc(context.cast(builder, args[1], sig.args[1], types.intp), I32)
-                return builder.insert_element(args[0], f, lane)
-
-            return vt(vt, i, x), codegen
-
-        @intrinsic
-        def vextract(typingctx, v, i):
-            def codegen(context, builder, sig, args):
-                lane = builder.trunc(context.cast(builder, args[1], sig.args[1], types.intp), I32)
-                return builder.extract_element(args[0], lane)
-
-            return types.float32(vt, i), codegen
-
-        @intrinsic
         def sload(typingctx, arr, idx):
             """arr's element idx counted flat from its data pointer (any dimensions)."""
 
@@ -221,7 +202,6 @@ class Ops:
 
         self.sload, self.sstore = sload, sstore
         self.vload, self.vstore, self.vbload, self.vsplat = vload, vstore, vbload, vsplat
-        self.vinsert, self.vextract = vinsert, vextract
         self.vload_n, self.vstore_n = vload_n, vstore_n
         self.vzero, self.vfma = vzero, vfma
         self.vadd = _binary(lambda bl, a, b: bl.fadd(a, b))
