@@ -21,7 +21,7 @@ from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
 from .binding import optional_inputs as _opt
 from .binding import up64
-from .cpu_abi import GEMM_XP_FLOATS, PER_COL
+from .cpu_abi import GEMM_XP_FLOATS, PANEL, PER_COL
 from .native import K, kernel_threads
 from .registry import Bound, Kernel, Spec, register
 
@@ -98,18 +98,20 @@ def _gemm_operands(w2: np.ndarray, scratch: np.ndarray):
 
 
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
-    """Decoded weights, the GEMM's packing slots and one band of im2col columns (or,
-    channels-last, im2row rows: the same bytes transposed)."""
+    """Decoded weights, the GEMM's packing slots (channels-first: channels-last
+    weights come packed) and one band of im2col columns (or, channels-last, im2row
+    rows: the same bytes transposed)."""
     (wshape, wdt) = ins[1]
+    need = 0 if wdt == "f32" else up64(_nbytes(wshape))  # decoded weights, same shape
     if layout.is_nhwc(attrs):
-        kh, kw, cg, co = wshape
+        _, kh, kw, cg, _ = wshape
         oh, ow = outs[0][1], outs[0][2]
+        co = attrs["out_channels"]
     else:
         co, cg, kh, kw = wshape
         oh, ow = outs[0][2], outs[0][3]
+        need += _gemm_scratch_bytes()
     kk = cg * kh * kw
-    need = 0 if wdt == "f32" else up64(_nbytes((co, kk)))  # decoded weights
-    need += _gemm_scratch_bytes()
     if not _is_pointwise((co, cg, kh, kw), attrs):
         need += _nbytes((kk, _band_rows(kk, oh, ow) * ow))  # one band of columns / rows
     return need
@@ -183,20 +185,30 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 
 def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     """y[P, Co] = rows[P, K] @ w[K, Co]: pixels are GEMM rows, output channels its
-    vector columns, so a 7x7 image fills whole vectors; bias and scale per column."""
-    if attrs.get("group", 1) != 1:
-        raise ValueError("a channels-last conv must have group 1 (packager/layout.py)")
+    vector columns, so a 7x7 image fills whole vectors; bias and scale per column.
+    The weights come as panels (kernels/layout.py), read in place by gemmp."""
+    if attrs.get("group", 1) != 1 or attrs.get("panel") != PANEL:
+        raise ValueError(
+            f"a channels-last conv needs group 1 and weights in {PANEL}-wide panels "
+            f"(packager/layout.py); got group {attrs.get('group', 1)}, "
+            f"panel {attrs.get('panel')}"
+        )
     x, w, bias, scale, res = _opt(ins, 5)
     y = outs[0]
     n_, h, wd, c_ = x.shape
-    kh, kw, cg, co = w.shape
-    oh, ow = y.shape[1], y.shape[2]
+    _, kh, kw, cg, _ = w.shape
+    oh, ow, co = y.shape[1], y.shape[2], y.shape[3]
     kk = kh * kw * cg
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
-    w2, decode, xp, off = _gemm_operands(w.reshape(kk, co), scratch)
-    w2 = _readonly(w2)
+    off, decode = 0, None
+    if w.dtype != F32:  # widened into scratch once per call, panels and all
+        wf, off = _f32_slot(scratch, 0, w.shape)
+        off = up64(off)
+        decode = _decoder(w, wf)
+        w = wf
+    wq = _readonly(w.reshape(-1))
     pointwise = _is_pointwise((co, cg, kh, kw), attrs)
     band = _band_rows(kk, oh, ow)
     rows_flat = None if pointwise else _f32_slot(scratch, off, (band * ow * kk,))[0]
@@ -204,6 +216,7 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
+    workers = max(1, kernel_threads())
     gemms = []  # (GEMM rows operand, image to im2row from or None, output band, residual, row0)
     for n in range(n_):
         yn = y[n].reshape(oh * ow, co)
@@ -216,7 +229,7 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
             rows = rows_flat[: (span.stop - span.start) * kk].reshape(-1, kk)
             rb = rn if res is None else rn[span]
             gemms.append((rows, x[n], yn[span], rb, oy0))
-    gemm, im2row = K.gemm, K.im2row
+    gemmp, im2row = K.gemmp, K.im2row
     gemms = [(_readonly(r), r, xi, yb, rb, oy0) for r, xi, yb, rb, oy0 in gemms]
 
     def step() -> None:
@@ -225,7 +238,7 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
         for rows_ro, rows, xi, yb, rb, oy0 in gemms:
             if xi is not None:
                 im2row(xi, rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow)
-            gemm(rows_ro, w2, yb, b_, s_, rb, flags, act, a, b, xp)
+            gemmp(rows_ro, wq, yb, b_, s_, rb, flags, act, a, b, workers)
 
     return step
 
@@ -770,8 +783,10 @@ _ALL_W = ("f32", "f16", "i8")
 
 
 def _conv_takes(attrs: dict) -> bool:
-    # channels-last only with group 1 (packager/layout.py gives grouped convs no layout)
-    return not layout.is_nhwc(attrs) or attrs.get("group", 1) == 1
+    # channels-last only with group 1 and panels (packager/layout.py)
+    return not layout.is_nhwc(attrs) or (
+        attrs.get("group", 1) == 1 and attrs.get("panel") == PANEL
+    )
 
 
 _cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes)

@@ -16,11 +16,14 @@ PER_COL = 8
 # Floats per worker slot of the GEMM's packed-column buffer (gemm_tiles.py): 256 KB,
 # half an L2. Here, not in gemm_tiles, because planning scratch must not import numba.
 GEMM_XP_FLOATS = 65536
+# Columns per panel of pre-packed GEMM weights (kernels/layout.py to_panels): a
+# multiple of every tile shape's width (64 for AVX-512, 16 for AVX2 and NEON, 8 for SSE).
+PANEL = 64
 
 AOT_MODULE = "edgepack_kernels"
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
 # builds export the target's shape under the plain name.
-GEMM_TILE_KERNELS = ("gemm", "wino_conv")
+GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv")
 
 
 def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
@@ -65,6 +68,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "gemm": v(
             arr(f4, 2, ro=True), arr(f4, 2, "A", ro=True), a2, w1, w1, a2, i8, i8, f4, f4, f2
         ),
+        "gemmp": v(arr(f4, 2, ro=True), w1, a2, w1, w1, a2, i8, i8, f4, f4, i8),
         "wino_conv": v(f3, f3, arr(f4, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4),
                        w1, w1, f3, i8, i8, f4, f4, i8),
     }

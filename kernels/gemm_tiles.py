@@ -29,14 +29,15 @@ Tile shapes (lanes x vectors): 16x4, 8x2, 4x2, 4x4.
 import numpy as np
 from numba import njit, prange
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
+from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
 from .cpu_numba import act_row, act_scalar, nhwc_fill_row, nhwc_out_row, nhwc_row, nhwc_row_out
-from .simd import Ops
+from .simd import Ops, prefetch
 
 MR = 6
 KC = 128
 MB = 4
 WKC = 128
+MC = 240
 
 
 
@@ -111,7 +112,7 @@ sstore_4x4 = _ops_4x4.sstore
 
 @njit(cache=True)
 def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -119,7 +120,11 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
     xq has 64 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -215,6 +220,8 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_16x4(xq, xo + 0)
             xv1 = vload_16x4(xq, xo + 16)
             xv2 = vload_16x4(xq, xo + 32)
@@ -555,7 +562,7 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
 
 @njit(cache=True)
 def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -563,7 +570,11 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -605,6 +616,8 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_16x4(xq, xo + 0)
             wv = vbload_16x4(w, wo0 + ko)
             a0_0 = vfma_16x4(wv, xv0, a0_0)
@@ -738,7 +751,7 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
 
 @njit(cache=True)
 def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -746,7 +759,11 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
     xq has 32 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -806,6 +823,8 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_16x4(xq, xo + 0)
             xv1 = vload_16x4(xq, xo + 16)
             wv = vbload_16x4(w, wo0 + ko)
@@ -1008,7 +1027,7 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
 
 @njit(cache=True)
 def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -1016,7 +1035,11 @@ def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
     xq has 48 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -1094,6 +1117,8 @@ def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_16x4(xq, xo + 0)
             xv1 = vload_16x4(xq, xo + 16)
             xv2 = vload_16x4(xq, xo + 32)
@@ -1467,22 +1492,22 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
                     tile1v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 elif nvv == 2:
                     tile2v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 elif nvv == 3:
                     tile3v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 else:
                     tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                  m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
@@ -1515,6 +1540,96 @@ def gemm_16x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
             if m_lo < m_hi:
                 _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
                           m_lo, m_hi, xp[sl])
+
+
+
+@njit(cache=True)
+def _pblock_16x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_16x4: per reduction block, per MC
+    rows, per panel (1 column tile(s) of 64), each tile call prefetching its
+    share of the slab the next panel's call reads."""
+    k_ = w.shape[1]
+    n_ = c.shape[1]
+    wsr = w.strides[0] // w.itemsize
+    wsk = w.strides[1] // w.itemsize
+    ldc = c.strides[0] // 4
+    has_res = (flags & HAS_RES) != 0
+    ldr = res.strides[0] // 4 if has_res else 0
+    vec_act = act == 0 or act == 1 or act == 3
+    epilogue = flags != 0 or act != 0
+    ps = k_ * PANEL  # floats per panel
+    end = wq.size - 16
+    for kb in range(0, k_, KC):
+        kc = min(KC, k_ - kb)
+        acc = kb > 0
+        final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
+        for pm in range(m_lo, m_hi, MC):
+            rows = min(MC, m_hi - pm)
+            for t in range(t_lo, t_hi):
+                s0 = t * ps + kb * PANEL
+                # next: the next panel's slab, after the last one the next block's first
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                for u in range(1):
+                    c_n = t * PANEL + u * 64
+                    cols = min(64, n_ - c_n)
+                    if cols <= 0:
+                        break
+                    nvv = (cols + 15) // 16
+                    fused = fuse and cols == nvv * 16  # whole vectors: in registers
+                    pfo = nxt + u * kc * 64
+                    pfn = max(pfo, min(pfo + kc * 64 - 16, end))
+                    if nvv == 1:
+                        tile1v_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 64, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    elif nvv == 2:
+                        tile2v_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 64, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    elif nvv == 3:
+                        tile3v_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 64, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    else:
+                        tile_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 64, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    if final and epilogue and not fused:
+                        _epilogue_16x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
+                        if not vec_act:
+                            for r in range(rows):
+                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def gemmp_16x4(w, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
+    (zero past N), flat. Panels are split across workers when they divide evenly,
+    else rows are."""
+    m_ = w.shape[0]
+    np_ = (c.shape[1] + PANEL - 1) // PANEL
+    by_panel = np_ % workers == 0
+    per_t = np_ // workers
+    tiles = (m_ + MR - 1) // MR
+    per_m = (tiles + workers - 1) // workers * MR
+    for sl in prange(workers):
+        t_lo = sl * per_t if by_panel else 0
+        t_hi = t_lo + per_t if by_panel else np_
+        m_lo = 0 if by_panel else sl * per_m
+        m_hi = m_ if by_panel else min(m_, m_lo + per_m)
+        if m_lo < m_hi:
+            _pblock_16x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -1708,13 +1823,15 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                         if not direct:
                             _pack_16x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
+                            # U is one stream in this order: prefetch what follows
                             tile_16x4(vb, e * tb * cip + kb, cip, 1, nt, u,
                                     (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi,
+                                    u, (e * ci + kb + kc) * co, u.size - 16)
                         else:
                             tile_16x4(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
                                     64, kc, kb > 0, mb, e * tb * cop + j0, cop,
-                                    cols, *no_epi)
+                                    cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -1731,7 +1848,7 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
 
 @njit(cache=True)
 def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -1739,7 +1856,11 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -1799,6 +1920,8 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_8x2(xq, xo + 0)
             xv1 = vload_8x2(xq, xo + 8)
             wv = vbload_8x2(w, wo0 + ko)
@@ -2001,7 +2124,7 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
 
 @njit(cache=True)
 def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -2009,7 +2132,11 @@ def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -2051,6 +2178,8 @@ def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_8x2(xq, xo + 0)
             wv = vbload_8x2(w, wo0 + ko)
             a0_0 = vfma_8x2(wv, xv0, a0_0)
@@ -2286,12 +2415,12 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                     tile1v_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 else:
                     tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                  m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
@@ -2324,6 +2453,84 @@ def gemm_8x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
             if m_lo < m_hi:
                 _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
                           m_lo, m_hi, xp[sl])
+
+
+
+@njit(cache=True)
+def _pblock_8x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_8x2: per reduction block, per MC
+    rows, per panel (4 column tile(s) of 16), each tile call prefetching its
+    share of the slab the next panel's call reads."""
+    k_ = w.shape[1]
+    n_ = c.shape[1]
+    wsr = w.strides[0] // w.itemsize
+    wsk = w.strides[1] // w.itemsize
+    ldc = c.strides[0] // 4
+    has_res = (flags & HAS_RES) != 0
+    ldr = res.strides[0] // 4 if has_res else 0
+    vec_act = act == 0 or act == 1 or act == 3
+    epilogue = flags != 0 or act != 0
+    ps = k_ * PANEL  # floats per panel
+    end = wq.size - 16
+    for kb in range(0, k_, KC):
+        kc = min(KC, k_ - kb)
+        acc = kb > 0
+        final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
+        for pm in range(m_lo, m_hi, MC):
+            rows = min(MC, m_hi - pm)
+            for t in range(t_lo, t_hi):
+                s0 = t * ps + kb * PANEL
+                # next: the next panel's slab, after the last one the next block's first
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                for u in range(4):
+                    c_n = t * PANEL + u * 16
+                    cols = min(16, n_ - c_n)
+                    if cols <= 0:
+                        break
+                    nvv = (cols + 7) // 8
+                    fused = fuse and cols == nvv * 8  # whole vectors: in registers
+                    pfo = nxt + u * kc * 16
+                    pfn = max(pfo, min(pfo + kc * 16 - 16, end))
+                    if nvv == 1:
+                        tile1v_8x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 16, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    else:
+                        tile_8x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 16, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    if final and epilogue and not fused:
+                        _epilogue_8x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
+                        if not vec_act:
+                            for r in range(rows):
+                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def gemmp_8x2(w, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
+    (zero past N), flat. Panels are split across workers when they divide evenly,
+    else rows are."""
+    m_ = w.shape[0]
+    np_ = (c.shape[1] + PANEL - 1) // PANEL
+    by_panel = np_ % workers == 0
+    per_t = np_ // workers
+    tiles = (m_ + MR - 1) // MR
+    per_m = (tiles + workers - 1) // workers * MR
+    for sl in prange(workers):
+        t_lo = sl * per_t if by_panel else 0
+        t_hi = t_lo + per_t if by_panel else np_
+        m_lo = 0 if by_panel else sl * per_m
+        m_hi = m_ if by_panel else min(m_, m_lo + per_m)
+        if m_lo < m_hi:
+            _pblock_8x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -2517,13 +2724,15 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                         if not direct:
                             _pack_8x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
+                            # U is one stream in this order: prefetch what follows
                             tile_8x2(vb, e * tb * cip + kb, cip, 1, nt, u,
                                     (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi,
+                                    u, (e * ci + kb + kc) * co, u.size - 16)
                         else:
                             tile_8x2(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
                                     16, kc, kb > 0, mb, e * tb * cop + j0, cop,
-                                    cols, *no_epi)
+                                    cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -2540,7 +2749,7 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 @njit(cache=True)
 def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -2548,7 +2757,11 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -2608,6 +2821,8 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_4x2(xq, xo + 0)
             xv1 = vload_4x2(xq, xo + 4)
             wv = vbload_4x2(w, wo0 + ko)
@@ -2810,7 +3025,7 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
 
 @njit(cache=True)
 def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -2818,7 +3033,11 @@ def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -2860,6 +3079,8 @@ def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_4x2(xq, xo + 0)
             wv = vbload_4x2(w, wo0 + ko)
             a0_0 = vfma_4x2(wv, xv0, a0_0)
@@ -3095,12 +3316,12 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                     tile1v_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 else:
                     tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                  m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
@@ -3133,6 +3354,84 @@ def gemm_4x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
             if m_lo < m_hi:
                 _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
                           m_lo, m_hi, xp[sl])
+
+
+
+@njit(cache=True)
+def _pblock_4x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x2: per reduction block, per MC
+    rows, per panel (8 column tile(s) of 8), each tile call prefetching its
+    share of the slab the next panel's call reads."""
+    k_ = w.shape[1]
+    n_ = c.shape[1]
+    wsr = w.strides[0] // w.itemsize
+    wsk = w.strides[1] // w.itemsize
+    ldc = c.strides[0] // 4
+    has_res = (flags & HAS_RES) != 0
+    ldr = res.strides[0] // 4 if has_res else 0
+    vec_act = act == 0 or act == 1 or act == 3
+    epilogue = flags != 0 or act != 0
+    ps = k_ * PANEL  # floats per panel
+    end = wq.size - 16
+    for kb in range(0, k_, KC):
+        kc = min(KC, k_ - kb)
+        acc = kb > 0
+        final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
+        for pm in range(m_lo, m_hi, MC):
+            rows = min(MC, m_hi - pm)
+            for t in range(t_lo, t_hi):
+                s0 = t * ps + kb * PANEL
+                # next: the next panel's slab, after the last one the next block's first
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                for u in range(8):
+                    c_n = t * PANEL + u * 8
+                    cols = min(8, n_ - c_n)
+                    if cols <= 0:
+                        break
+                    nvv = (cols + 3) // 4
+                    fused = fuse and cols == nvv * 4  # whole vectors: in registers
+                    pfo = nxt + u * kc * 8
+                    pfn = max(pfo, min(pfo + kc * 8 - 16, end))
+                    if nvv == 1:
+                        tile1v_4x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 8, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    else:
+                        tile_4x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 8, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    if final and epilogue and not fused:
+                        _epilogue_4x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
+                        if not vec_act:
+                            for r in range(rows):
+                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def gemmp_4x2(w, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
+    (zero past N), flat. Panels are split across workers when they divide evenly,
+    else rows are."""
+    m_ = w.shape[0]
+    np_ = (c.shape[1] + PANEL - 1) // PANEL
+    by_panel = np_ % workers == 0
+    per_t = np_ // workers
+    tiles = (m_ + MR - 1) // MR
+    per_m = (tiles + workers - 1) // workers * MR
+    for sl in prange(workers):
+        t_lo = sl * per_t if by_panel else 0
+        t_hi = t_lo + per_t if by_panel else np_
+        m_lo = 0 if by_panel else sl * per_m
+        m_hi = m_ if by_panel else min(m_, m_lo + per_m)
+        if m_lo < m_hi:
+            _pblock_4x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -3326,13 +3625,15 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                         if not direct:
                             _pack_4x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
+                            # U is one stream in this order: prefetch what follows
                             tile_4x2(vb, e * tb * cip + kb, cip, 1, nt, u,
                                     (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi,
+                                    u, (e * ci + kb + kc) * co, u.size - 16)
                         else:
                             tile_4x2(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
                                     8, kc, kb > 0, mb, e * tb * cop + j0, cop,
-                                    cols, *no_epi)
+                                    cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop
@@ -3349,7 +3650,7 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 @njit(cache=True)
 def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -3357,7 +3658,11 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -3453,6 +3758,8 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_4x4(xq, xo + 0)
             xv1 = vload_4x4(xq, xo + 4)
             xv2 = vload_4x4(xq, xo + 8)
@@ -3793,7 +4100,7 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
 
 @njit(cache=True)
 def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -3801,7 +4108,11 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -3843,6 +4154,8 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_4x4(xq, xo + 0)
             wv = vbload_4x4(w, wo0 + ko)
             a0_0 = vfma_4x4(wv, xv0, a0_0)
@@ -3976,7 +4289,7 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
 
 @njit(cache=True)
 def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -3984,7 +4297,11 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -4044,6 +4361,8 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_4x4(xq, xo + 0)
             xv1 = vload_4x4(xq, xo + 4)
             wv = vbload_4x4(w, wo0 + ko)
@@ -4246,7 +4565,7 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
 
 @njit(cache=True)
 def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b):
+        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
     """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
     of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
     6 rows at a time: one call per block of rows, so its setup and the call
@@ -4254,7 +4573,11 @@ def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
     xq has 12 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
-    separate pass over the stored tile cost a quarter of the GEMM."""
+    separate pass over the stored tile cost a quarter of the GEMM.
+    Each reduction step also prefetches one cache line of pf, from element pfo on
+    (never past pfn): the next weight slab streams in while this one is in use.
+    Pass pfn = pfo to prefetch nothing new."""
+    pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
         w0 = w00 + mt * wsr
@@ -4332,6 +4655,8 @@ def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         for k in range(kc):
             xo = x0 + k * ldx
             ko = k * wsk
+            prefetch(pf, min(pq, pfn))
+            pq += 16  # floats per 64-byte line
             xv0 = vload_4x4(xq, xo + 0)
             xv1 = vload_4x4(xq, xo + 4)
             xv2 = vload_4x4(xq, xo + 8)
@@ -4705,22 +5030,22 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                     tile1v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 elif nvv == 2:
                     tile2v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 elif nvv == 3:
                     tile3v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 else:
                     tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
                             t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
                             fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b)
+                            flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                  m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
@@ -4753,6 +5078,96 @@ def gemm_4x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
             if m_lo < m_hi:
                 _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, min(nb, n_ - n0),
                           m_lo, m_hi, xp[sl])
+
+
+
+@njit(cache=True)
+def _pblock_4x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x4: per reduction block, per MC
+    rows, per panel (4 column tile(s) of 16), each tile call prefetching its
+    share of the slab the next panel's call reads."""
+    k_ = w.shape[1]
+    n_ = c.shape[1]
+    wsr = w.strides[0] // w.itemsize
+    wsk = w.strides[1] // w.itemsize
+    ldc = c.strides[0] // 4
+    has_res = (flags & HAS_RES) != 0
+    ldr = res.strides[0] // 4 if has_res else 0
+    vec_act = act == 0 or act == 1 or act == 3
+    epilogue = flags != 0 or act != 0
+    ps = k_ * PANEL  # floats per panel
+    end = wq.size - 16
+    for kb in range(0, k_, KC):
+        kc = min(KC, k_ - kb)
+        acc = kb > 0
+        final = kb + kc >= k_
+        fuse = final and epilogue and vec_act
+        for pm in range(m_lo, m_hi, MC):
+            rows = min(MC, m_hi - pm)
+            for t in range(t_lo, t_hi):
+                s0 = t * ps + kb * PANEL
+                # next: the next panel's slab, after the last one the next block's first
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                for u in range(4):
+                    c_n = t * PANEL + u * 16
+                    cols = min(16, n_ - c_n)
+                    if cols <= 0:
+                        break
+                    nvv = (cols + 3) // 4
+                    fused = fuse and cols == nvv * 4  # whole vectors: in registers
+                    pfo = nxt + u * kc * 16
+                    pfn = max(pfo, min(pfo + kc * 16 - 16, end))
+                    if nvv == 1:
+                        tile1v_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 16, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    elif nvv == 2:
+                        tile2v_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 16, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    elif nvv == 3:
+                        tile3v_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 16, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    else:
+                        tile_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
+                            s0 + u * 16, PANEL, kc, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
+                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
+                            pfn)
+                    if final and epilogue and not fused:
+                        _epilogue_4x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
+                        if not vec_act:
+                            for r in range(rows):
+                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def gemmp_4x4(w, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
+    (zero past N), flat. Panels are split across workers when they divide evenly,
+    else rows are."""
+    m_ = w.shape[0]
+    np_ = (c.shape[1] + PANEL - 1) // PANEL
+    by_panel = np_ % workers == 0
+    per_t = np_ // workers
+    tiles = (m_ + MR - 1) // MR
+    per_m = (tiles + workers - 1) // workers * MR
+    for sl in prange(workers):
+        t_lo = sl * per_t if by_panel else 0
+        t_hi = t_lo + per_t if by_panel else np_
+        m_lo = 0 if by_panel else sl * per_m
+        m_hi = m_ if by_panel else min(m_, m_lo + per_m)
+        if m_lo < m_hi:
+            _pblock_4x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -4946,13 +5361,15 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                         if not direct:
                             _pack_4x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
+                            # U is one stream in this order: prefetch what follows
                             tile_4x4(vb, e * tb * cip + kb, cip, 1, nt, u,
                                     (e * ci + kb) * co + j0, co, kc, kb > 0,
-                                    mb, e * tb * cop + j0, cop, cols, *no_epi)
+                                    mb, e * tb * cop + j0, cop, cols, *no_epi,
+                                    u, (e * ci + kb + kc) * co, u.size - 16)
                         else:
                             tile_4x4(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
                                     16, kc, kb > 0, mb, e * tb * cop + j0, cop,
-                                    cols, *no_epi)
+                                    cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
                 o = (((t // tw) - ty0) * m * ywp + (t % tw) * m) * cop

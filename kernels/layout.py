@@ -10,8 +10,12 @@ planar, a 7x7 plane wastes a quarter of each 16-lane vector). A node with
 - activation input 0, the residual (input 4 of the conv ops) and output 0 in
   ``[N, H, W, C]``, except ``global_avgpool``, whose ``[N, C, 1, 1]`` output has the
   same bytes either way and stays channels-first;
-- ``conv`` / ``dwconv`` weights in ``[kh, kw, C/group, Co]`` (HWIO: row k of the
-  ``[kh*kw*C/group, Co]`` matrix is one input tap, its columns the output channels);
+- ``dwconv`` weights in ``[kh, kw, C, 1]`` (HWIO); ``conv`` weights (group 1) in
+  panels ``[ceil(Co/64), kh, kw, C, 64]`` (attributes ``panel`` = 64 and
+  ``out_channels`` = Co; ``to_panels``):
+  the HWIO matrix ``[kh*kw*C, Co]`` (row k one input tap, columns the output
+  channels) cut into blocks of 64 columns, each stored whole, zero past Co. The CPU
+  GEMM streams a panel front to back without repacking it per call;
   ``conv_wino`` weights unchanged (``U[a*a, C, Co]`` is already channels-last).
 
 The reference and CUDA backends compute these nodes channels-first through
@@ -24,7 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .binding import nbytes, up64
+from .cpu_abi import PANEL
 
 NHWC = "nhwc"
 TO_NCHW = (0, 3, 1, 2)
@@ -39,6 +46,38 @@ WEIGHT_IN_HWIO = ("conv", "dwconv")
 
 def is_nhwc(attrs: dict) -> bool:
     return attrs.get("layout") == NHWC
+
+
+def to_panels(hwio: np.ndarray) -> np.ndarray:
+    """HWIO weights ``[kh, kw, C, Co]`` -> panels ``[ceil(Co/PANEL), kh, kw, C, PANEL]``
+    (numpy; the packager's side)."""
+    kh, kw, c, co = hwio.shape
+    n = -(-co // PANEL)
+    padded = np.zeros((kh, kw, c, n * PANEL), hwio.dtype)
+    padded[..., :co] = hwio
+    return np.ascontiguousarray(padded.reshape(kh, kw, c, n, PANEL).transpose(3, 0, 1, 2, 4))
+
+
+def from_panels(p, co: int):
+    """Panels back to HWIO ``[kh, kw, C, Co]`` (a copy; array methods only, so numpy
+    or cupy)."""
+    n, kh, kw, c, width = p.shape
+    return p.transpose(1, 2, 3, 0, 4).reshape(kh, kw, c, n * width)[..., :co]
+
+
+def hwio_weights(w, attrs: dict):
+    """A channels-last conv's weights as HWIO, whether stored so or in panels."""
+    return from_panels(w, attrs["out_channels"]) if attrs.get("panel") else w
+
+
+def panel_shape(hwio: Sequence[int]) -> tuple[int, ...]:
+    kh, kw, c, co = hwio
+    return (-(-co // PANEL), kh, kw, c, PANEL)
+
+
+def hwio_shape(panels_shape: Sequence[int], co: int) -> tuple[int, ...]:
+    _, kh, kw, c, _ = panels_shape
+    return (kh, kw, c, co)
 
 
 def nchw(shape: Sequence[int]) -> tuple[int, ...]:
@@ -59,7 +98,7 @@ def activation_inputs(op: str, n_inputs: int) -> list[int]:
 
 
 def channels_first_attrs(attrs: dict) -> dict:
-    return {k: v for k, v in attrs.items() if k != "layout"}
+    return {k: v for k, v in attrs.items() if k not in ("layout", "panel", "out_channels")}
 
 
 def adapt(
@@ -79,13 +118,16 @@ def adapt(
     per call; the permuted weights are copied once, when the node is bound.
     """
 
-    def specs_first(ins, outs):
+    def specs_first(ins, outs, attrs: dict):
         ins2 = list(ins)
         for i in activation_inputs(op, len(ins)):
             if i < len(ins2) and ins2[i] is not None:
                 ins2[i] = (nchw(ins2[i][0]), ins2[i][1])
         if op in WEIGHT_IN_HWIO and ins2[1] is not None:
-            ins2[1] = (tuple(ins2[1][0][j] for j in OIHW_FROM_HWIO), ins2[1][1])
+            shape = ins2[1][0]
+            if attrs.get("panel"):
+                shape = hwio_shape(shape, attrs["out_channels"])
+            ins2[1] = (tuple(shape[j] for j in OIHW_FROM_HWIO), ins2[1][1])
         outs2 = [nchw(o) if output_is_nhwc(op) else o for o in outs]
         return ins2, outs2
 
@@ -96,7 +138,7 @@ def adapt(
     def scratch(ins, outs, attrs: dict) -> int:
         if not is_nhwc(attrs):
             return scratch_fn(ins, outs, attrs)
-        ins2, outs2 = specs_first(ins, outs)
+        ins2, outs2 = specs_first(ins, outs, attrs)
         own = up64(scratch_fn(ins2, outs2, channels_first_attrs(attrs)))
         return own + sum(up64(nbytes(s)) for s in copies(ins, outs))
 
@@ -105,7 +147,7 @@ def adapt(
             return bind(ins, outs, scr, attrs)
         a2 = channels_first_attrs(attrs)
         specs = [None if a is None else (tuple(a.shape), dtype_name(a.dtype)) for a in ins]
-        ins2s, outs2s = specs_first(specs, [o.shape for o in outs])
+        ins2s, outs2s = specs_first(specs, [o.shape for o in outs], attrs)
         off = up64(scratch_fn(ins2s, outs2s, a2))
         ins2 = list(ins)
         pre = []  # steps filling the channels-first copies
@@ -117,7 +159,7 @@ def adapt(
             pre.append(copier(view, ins[i].transpose(TO_NCHW)))
             ins2[i] = view
         if op in WEIGHT_IN_HWIO:
-            ins2[1] = contiguous(ins[1].transpose(OIHW_FROM_HWIO))
+            ins2[1] = contiguous(hwio_weights(ins[1], attrs).transpose(OIHW_FROM_HWIO))
         out = outs[0]
         post = None
         if output_is_nhwc(op):

@@ -201,7 +201,7 @@ def _any_layout(op: str, fn: RefFn) -> RefFn:
             if args[i] is not None:
                 args[i] = args[i].transpose(layout.TO_NCHW)
         if op in layout.WEIGHT_IN_HWIO:
-            args[1] = args[1].transpose(layout.OIHW_FROM_HWIO)
+            args[1] = layout.hwio_weights(args[1], attrs).transpose(layout.OIHW_FROM_HWIO)
         y = fn(args, layout.channels_first_attrs(attrs))
         return np.ascontiguousarray(y.transpose(layout.TO_NHWC)) if layout.output_is_nhwc(op) else y
 

@@ -213,6 +213,25 @@ class Ops:
         self.vmin = _binary(lambda bl, a, b: bl.select(bl.fcmp_ordered("<", b, a), b, a))
 
 
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """Ask the cache for the line holding arr's element idx (flat from its data pointer)
+    without waiting for it: the GEMM streams its next weight slab into L2 while the
+    current one is in use. A hint only: an address past the array is not an error."""
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # read, locality 2 (x86 prefetcht1: into L2; L1 is left to the tile in use), data
+        consts = [ir.Constant(I32, v) for v in (0, 2, 1)]
+        builder.call(fn, [builder.bitcast(p, i8p), *consts])
+        return context.get_dummy_value()
+
+    return types.void(arr, idx), codegen
+
+
 def lanes_for(features: set[str] | frozenset[str], arch: str = "x86_64") -> tuple[int, int]:
     """(lanes, vectors per tile row) for a CPU: the widest float32 vector, and as many
     vectors across as leave registers for MR=6 rows of accumulators plus operands."""

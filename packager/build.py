@@ -17,7 +17,7 @@ from ..runtime.executor import Executor
 from .conv_algo import choose_conv_algorithms
 from .fuse import optimise
 from .ir import Graph, PackError
-from .layout import choose_layouts
+from .layout import choose_layouts, pack_panels
 from .manifest import make_manifest
 from .mbconv import fuse_mbconv
 from .onnx_import import import_onnx
@@ -96,6 +96,14 @@ def build_info() -> dict:
     }
 
 
+def _layouts(g: Graph, backends: Sequence[str], layout: str) -> tuple[int, int, int]:
+    """The layout passes, in order (each counts what it changed): channels-last
+    regions, banded chains, then weight panels for the convs left."""
+    n_last = choose_layouts(g, backends, layout)
+    n_chains = fuse_mbconv(g, backends)
+    return n_last, n_chains, pack_panels(g)
+
+
 def build(
     model: str | Path,
     out: str | Path,
@@ -140,12 +148,13 @@ def build(
     n_wino = choose_conv_algorithms(q, backends, conv_algo)
     if n_wino:
         log(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
-    n_last = choose_layouts(q, backends, layout)
+    n_last, n_chains, n_panels = _layouts(q, backends, layout)
     if n_last:
         log(f"      {n_last} op(s) run channels-last (NHWC)")
-    n_chains = fuse_mbconv(q, backends)
     if n_chains:
         log(f"      {n_chains} pointwise-depthwise-pointwise chain(s) run in bands of rows")
+    if n_panels:
+        log(f"      {n_panels} conv(s) store their weights as GEMM panels")
     stage(4, "plan memory")
     plan = plan_memory(q, backends)
     log(
@@ -165,8 +174,7 @@ def build(
         # The fp32 reference takes the same layouts, so both traces hold each tensor
         # in the same order.
         g = copy.deepcopy(g)
-        choose_layouts(g, backends, layout)
-        fuse_mbconv(g, backends)
+        _layouts(g, backends, layout)
         ref_plan = plan_memory(g)
         # On the host: the packager needs no GPU, and a cuda plan's recorded cpu
         # fallbacks compute the same function (checked kernel by kernel in the tests).

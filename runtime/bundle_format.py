@@ -13,7 +13,8 @@ from dataclasses import dataclass
 MAGIC = b"EPKB\r\n\x1a\n"  # PNG-style: text-mode transfers and truncation show up at once
 # 2: conv_wino weights are stored U[a*a, Cin, Cout] (version 1: U[a*a, Cout, Cin])
 # 3: nodes may run channels-last (attrs["layout"] == "nhwc", kernels/layout.py)
-FORMAT_VERSION = 3
+# 4: channels-last convs store their weights as GEMM panels (attrs["panel"])
+FORMAT_VERSION = 4
 ALIGN = 64
 HEADER_STRUCT = struct.Struct("<8sIIQQQQQ32s32sI")  # + u32 crc32 of everything before it
 HEADER_SIZE = HEADER_STRUCT.size + 4

@@ -47,15 +47,15 @@ def tiny_manifest() -> tuple[dict, dict[str, np.ndarray]]:
 # The 128 header bytes of tiny_manifest(), pinned: a change to the layout, the field
 # order, the JSON serialisation or the weight section's padding shows up here.
 GOLDEN_HEADER = bytes.fromhex(
-    "45504b420d0a1a0a03000000800000000304000000000000"  # magic, version 3, header 128, size
+    "45504b420d0a1a0a04000000800000000304000000000000"  # magic, version 4, header 128, size
     "8000000000000000"  # manifest offset
     "5f02000000000000"  # manifest size
     "0003000000000000"  # weights offset (64-aligned)
     "0301000000000000"  # weights size
-    "ddafdda83757b7ffab72c202c2b5c9aa7079e7aeed240bec79d5920d69fd6ede"  # sha256(manifest)
+    "506a1082e7c1a788bd7078a5d95e3a371ee89778e2a09001ce5299e113ed4b90"  # sha256(manifest)
     "ba7793f6ed67bf4929af408d1ce5897f3c7373915fdba1d13f95f7faa6f51263"  # sha256(weights)
     "00000000"  # flags
-    "adbe0d48"  # crc32 of the 124 bytes before it
+    "c66d20db"  # crc32 of the 124 bytes before it
 )
 
 
@@ -65,7 +65,7 @@ def test_golden_header_bytes():
     assert data[:HEADER_SIZE] == GOLDEN_HEADER
     fields = HEADER_STRUCT.unpack_from(data)
     magic, version, hsize, bsize, moff, msize, woff, wsize, msha, wsha, flags = fields
-    assert (magic, version, hsize, flags) == (b"EPKB\r\n\x1a\n", 3, 128, 0)
+    assert (magic, version, hsize, flags) == (b"EPKB\r\n\x1a\n", 4, 128, 0)
     assert bsize == len(data) and moff == HEADER_SIZE and woff % ALIGN == 0
     assert msha == hashlib.sha256(data[moff : moff + msize]).digest()
     assert wsha == hashlib.sha256(data[woff : woff + wsize]).digest()

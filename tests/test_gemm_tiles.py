@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from edgepack.kernels.activations import ACTIVATIONS, apply_act_ref
-from edgepack.kernels.cpu_abi import GEMM_XP_FLOATS, HAS_BIAS, HAS_RES, HAS_SCALE
+from edgepack.kernels.cpu_abi import GEMM_XP_FLOATS, HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
 from edgepack.kernels.native import gemm_shape
 from edgepack.kernels.simd import lanes_for
 
@@ -108,6 +108,38 @@ def test_every_tile_shape_gives_the_same_bits():
         outs = [_run(s, *ops, HAS_BIAS | HAS_SCALE | HAS_RES, "relu") for s in shapes]
         for s, o in zip(shapes[1:], outs[1:]):
             assert np.array_equal(o, outs[0]), f"{s} differs from {shapes[0]}"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("shape", _shapes_to_test())
+def test_packed_weights_give_the_packing_gemms_bits(shape):
+    # gemmp reads weights packed at pack time (kernels/layout.to_panels) instead of
+    # packing them per call: the same fma chains, so the same bits, for partial panels
+    # (N = 77, 130), several reduction blocks, bands of a larger output, row and panel
+    # splits across workers, and each epilogue with per-column bias and scale.
+    from edgepack.kernels import gemm_tiles
+    from edgepack.kernels.layout import to_panels
+
+    gemm = getattr(gemm_tiles, f"gemm_{shape}")
+    gemmp = getattr(gemm_tiles, f"gemmp_{shape}")
+    for m, k, n in [(13, 300, 77), (49, 160, 130), (7, 5, 3), (64, 40, 128)]:
+        rng = np.random.default_rng(m + k + n)
+        w = rng.standard_normal((m, k)).astype(np.float32)
+        x = rng.standard_normal((k, n)).astype(np.float32)
+        wq = to_panels(x.reshape(1, 1, k, n)).reshape(-1)
+        bias = rng.standard_normal(n).astype(np.float32)
+        scale = (rng.random(n) + 0.5).astype(np.float32)
+        res = rng.standard_normal((m, n + 7)).astype(np.float32)[:, 2 : 2 + n]
+        xp = np.zeros((1, GEMM_XP_FLOATS), np.float32)
+        for flags, act in EPILOGUES:
+            args = (flags | PER_COL, ACTIVATIONS[act], np.float32(-0.5), np.float32(0.75))
+            want = np.empty((m, n), np.float32)
+            gemm(w, x, want, bias, scale, res, *args, xp)
+            for workers in (1, 2, 3):
+                big = np.full((m, n + 9), 7.0, np.float32)  # c is a band: columns 3 .. 3+n
+                gemmp(w, wq, big[:, 3 : 3 + n], bias, scale, res, *args, workers)
+                assert (big[:, :3] == 7).all() and (big[:, 3 + n :] == 7).all()
+                assert np.array_equal(big[:, 3 : 3 + n], want), (m, k, n, act, workers)
 
 
 def _wino_run(shape: str, m: int, c: int, co: int, side: int) -> np.ndarray:

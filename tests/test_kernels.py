@@ -358,7 +358,8 @@ def affine_case(name: str, xshape, act: str = "none", inplace: bool = False) -> 
 
 def nhwc(op: str, base: Case) -> Case:
     """``base`` as a channels-last node (kernels/layout.py): activations [N, H, W, C],
-    conv weights HWIO; the reference computes it channels-first on transposed copies."""
+    depthwise weights HWIO, conv weights in panels; the reference computes it
+    channels-first on transposed copies."""
 
     def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
         ins, attrs = base.make(rng, dt)
@@ -366,9 +367,13 @@ def nhwc(op: str, base: Case) -> Case:
         for i in layout.activation_inputs(op, len(ins)):
             if ins[i] is not None:
                 ins[i] = np.ascontiguousarray(ins[i].transpose(layout.TO_NHWC))
+        extra = {}
         if op in layout.WEIGHT_IN_HWIO:
             ins[1] = np.ascontiguousarray(ins[1].transpose(layout.HWIO_FROM_OIHW))
-        return ins, {**attrs, "layout": layout.NHWC}
+        if op == "conv":  # group 1: the packager stores these weights as panels
+            extra = {"panel": layout.PANEL, "out_channels": ins[1].shape[3]}
+            ins[1] = layout.to_panels(ins[1])
+        return ins, {**attrs, "layout": layout.NHWC, **extra}
 
     return Case(f"nhwc_{base.name}", make, const=base.const, onnx=base.onnx)
 

@@ -94,7 +94,9 @@ def test_a_cnn_runs_channels_last_between_one_transpose_in_and_none_out(tmp_path
     # the stored shapes are channels-last, the graph's input is not
     conv = nodes[1]
     assert g["tensors"][conv["outputs"][0]]["shape"] == [2, 12, 10, 8]
-    assert sess.manifest["weights"][conv["inputs"][1]]["shape"] == [3, 3, 3, 8]  # HWIO
+    # HWIO [3, 3, 3, 8] as one 64-wide GEMM panel, zero past the 8 output channels
+    assert sess.manifest["weights"][conv["inputs"][1]]["shape"] == [1, 3, 3, 3, 64]
+    assert conv["attrs"]["panel"] == 64 and conv["attrs"]["out_channels"] == 8
     assert g["inputs"][0]["shape"] == [2, 3, 12, 10]
     # the residual add was fused into the 1x1 conv, whose residual is channels-last too
     assert nodes[4]["inputs"][4] == nodes[2]["outputs"][0]
@@ -182,3 +184,19 @@ def test_cuda_first_targets_keep_channels_first(tmp_path):
     onnx.save(_cnn(), path)
     sess = load(pack(path, tmp_path / "c.epk", backends=("cuda", "cpu", "ref")))
     assert not any(L.is_nhwc(n["attrs"]) for n in sess.manifest["graph"]["nodes"])
+
+
+@pytest.mark.parametrize("co", [1, 8, 64, 77, 130])
+def test_panels_hold_the_hwio_weights_zero_past_co(co):
+    hwio = np.random.default_rng(co).standard_normal((3, 2, 5, co)).astype(np.float32)
+    p = L.to_panels(hwio)
+    assert p.shape == L.panel_shape(hwio.shape) == (-(-co // 64), 3, 2, 5, 64)
+    assert L.hwio_shape(p.shape, co) == hwio.shape
+    assert np.array_equal(L.from_panels(p, co), hwio)
+    # panel t holds output channels 64t .. 64t+63 of the [kh*kw*C, Co] matrix
+    m = hwio.reshape(-1, co)
+    for t in range(p.shape[0]):
+        block = p[t].reshape(-1, 64)
+        cols = m[:, 64 * t : 64 * (t + 1)]
+        assert np.array_equal(block[:, : cols.shape[1]], cols)
+        assert not block[:, cols.shape[1] :].any()
