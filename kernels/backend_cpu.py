@@ -29,6 +29,8 @@ F32 = np.dtype(np.float32)
 _DUMMY1 = np.zeros(1, np.float32)
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY3 = np.zeros((1, 1, 1), np.float32)
+_NOROWS = np.zeros(1, np.int64)  # gemmp's row table of evenly strided rows
+_NOROWS.flags.writeable = False
 
 
 def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
@@ -98,21 +100,24 @@ def _gemm_operands(w2: np.ndarray, scratch: np.ndarray):
 
 
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
-    """Decoded weights, the GEMM's packing slots (channels-first: channels-last
-    weights come packed) and one band of im2col columns (or, channels-last, im2row
-    rows: the same bytes transposed)."""
+    """Decoded weights plus, channels-first, the GEMM's packing slots and one band of
+    im2col columns; channels-last, the zero-padded image its taps are read from (none
+    when the window never leaves the image), or with a dilated width a band of im2row
+    rows."""
     (wshape, wdt) = ins[1]
     need = 0 if wdt == "f32" else up64(_nbytes(wshape))  # decoded weights, same shape
     if layout.is_nhwc(attrs):
         _, kh, kw, cg, _ = wshape
         oh, ow = outs[0][1], outs[0][2]
-        co = attrs["out_channels"]
+        if attrs["dilations"][1] == 1:
+            padded = _padded_image(ins[0][0][1:], (kh, kw), (oh, ow), attrs)
+            return need + (_nbytes(padded) if padded else 0)
     else:
-        co, cg, kh, kw = wshape
+        _, cg, kh, kw = wshape
         oh, ow = outs[0][2], outs[0][3]
         need += _gemm_scratch_bytes()
     kk = cg * kh * kw
-    if not _is_pointwise((co, cg, kh, kw), attrs):
+    if not _is_pointwise((1, cg, kh, kw), attrs):
         need += _nbytes((kk, _band_rows(kk, oh, ow) * ow))  # one band of columns / rows
     return need
 
@@ -183,10 +188,30 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
 # --- conv, channels-last (rows of pixels x output channels) ----------------------
 
 
+def _padded_image(
+    hwc: Sequence[int], k: Sequence[int], out_hw: Sequence[int], attrs: dict
+) -> tuple[int, int, int] | None:
+    """[Hp, Wp, C] of the zero-padded copy a channels-last conv reads its taps from:
+    just the rows and columns its windows cover. None when they never leave the image
+    (a 1x1 stride-2 conv): the taps are read in place."""
+    h, wd, c = hwc
+    (kh, kw), (oh, ow) = k, out_hw
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    pt, pl, _, _ = attrs["pads"]
+    hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1
+    if pt == 0 and pl == 0 and hp <= h and wp <= wd:
+        return None
+    return (hp, wp, c)
+
+
 def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     """y[P, Co] = rows[P, K] @ w[K, Co]: pixels are GEMM rows, output channels its
     vector columns, so a 7x7 image fills whole vectors; bias and scale per column.
-    The weights come as panels (kernels/layout.py), read in place by gemmp."""
+    The weights come as panels (kernels/layout.py), read in place by gemmp. So are the
+    taps: row p of the product is output pixel p's window, read from the image (zero
+    padded into scratch when windows leave it) at offsets gemmp gets in a table, a
+    kernel row of kw * C channels-contiguous taps at a time. Only a dilated width,
+    whose taps are not contiguous, copies them into im2row rows first."""
     if attrs.get("group", 1) != 1 or attrs.get("panel") != PANEL:
         raise ValueError(
             f"a channels-last conv needs group 1 and weights in {PANEL}-wide panels "
@@ -209,36 +234,50 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
         decode = _decoder(w, wf)
         w = wf
     wq = _readonly(w.reshape(-1))
-    pointwise = _is_pointwise((co, cg, kh, kw), attrs)
-    band = _band_rows(kk, oh, ow)
-    rows_flat = None if pointwise else _f32_slot(scratch, off, (band * ow * kk,))[0]
     flags = _flags(bias, scale, res) | PER_COL
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
     workers = max(1, kernel_threads())
-    gemms = []  # (GEMM rows operand, image to im2row from or None, output band, residual, row0)
-    for n in range(n_):
-        yn = y[n].reshape(oh * ow, co)
-        rn = _DUMMY2 if res is None else res[n].reshape(oh * ow, co)
-        if pointwise:  # the image itself is the rows operand
-            gemms.append((_readonly(x[n].reshape(h * wd, c_)), None, yn, rn, 0))
-            continue
-        for oy0 in range(0, oh, band):
-            span = slice(oy0 * ow, (oy0 + min(band, oh - oy0)) * ow)
-            rows = rows_flat[: (span.stop - span.start) * kk].reshape(-1, kk)
-            rb = rn if res is None else rn[span]
-            gemms.append((rows, x[n], yn[span], rb, oy0))
-    gemmp, im2row = K.gemmp, K.im2row
-    gemms = [(_readonly(r), r, xi, yb, rb, oy0) for r, xi, yb, rb, oy0 in gemms]
+    calls = []  # (how to fill the rows operand first or None, gemmp's arguments)
+
+    def product(fill, rows, rtab, run: int, nky: int, wrow: int, n: int, p0: int, np_: int):
+        yb = y[n].reshape(oh * ow, co)[p0 : p0 + np_]
+        rb = _DUMMY2 if res is None else res[n].reshape(oh * ow, co)[p0 : p0 + np_]
+        epi = (b_, s_, rb, flags, act, a, b, workers)
+        calls.append((fill, (_readonly(rows), rtab, run, nky, wrow, wq, yb, *epi)))
+
+    if _is_pointwise((co, cg, kh, kw), attrs):  # the image itself is the rows operand
+        for n in range(n_):
+            product(None, x[n].reshape(h * wd, c_), _NOROWS, kk, 1, 0, n, 0, oh * ow)
+    elif dw == 1:
+        padded = _padded_image((h, wd, c_), (kh, kw), (oh, ow), attrs)
+        pitch = wd if padded is None else padded[1]
+        xp = None if padded is None else _f32_slot(scratch, off, padded)[0]
+        oy, ox = np.divmod(np.arange(oh * ow, dtype=np.int64), ow)
+        rtab = _readonly((oy * sh * pitch + ox * sw) * c_)  # each window's first tap
+        for n in range(n_):
+            fill = None if xp is None else (K.pad_nhwc, (x[n], xp, pt, pl))
+            src = x[n] if xp is None else xp
+            product(fill, src.reshape(-1, c_), rtab, kw * c_, kh, dh * pitch * c_, n, 0, oh * ow)
+    else:  # taps not contiguous: copied into im2row rows, a band of output rows at a time
+        band = _band_rows(kk, oh, ow)
+        rows_flat = _f32_slot(scratch, off, (band * ow * kk,))[0]
+        for n in range(n_):
+            for oy0 in range(0, oh, band):
+                nb = min(band, oh - oy0)
+                rows = rows_flat[: nb * ow * kk].reshape(-1, kk)
+                fill = (K.im2row, (x[n], rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow))
+                product(fill, rows, _NOROWS, kk, 1, 0, n, oy0 * ow, nb * ow)
+    gemmp = K.gemmp
 
     def step() -> None:
         if decode is not None:
             decode()
-        for rows_ro, rows, xi, yb, rb, oy0 in gemms:
-            if xi is not None:
-                im2row(xi, rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow)
-            gemmp(rows_ro, wq, yb, b_, s_, rb, flags, act, a, b, workers)
+        for fill, args in calls:
+            if fill is not None:
+                fill[0](*fill[1])
+            gemmp(*args)
 
     return step
 
@@ -656,9 +695,9 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
 
 
 def _mbconv_slots(specs: Sequence[Spec | None], y_shape, attrs: dict) -> list:
-    """(name, float32 shape) of each scratch buffer, in order: widened weights, the GEMM's
-    packing slots, then one band of the expanded rows (E) and of the depthwise output
-    (D). Scratch and bind both lay scratch out from this list."""
+    """(name, float32 shape) of each scratch buffer, in order: widened weights, then one
+    band of the expanded rows (E) and of the depthwise output (D). Scratch and bind
+    both lay scratch out from this list."""
     a = _opt(specs, mbconv.N_INPUTS)
     _, h, w, _ = a[mbconv.X][0]
     kh, _, _, ce = a[mbconv.WD][0]
@@ -668,7 +707,6 @@ def _mbconv_slots(specs: Sequence[Spec | None], y_shape, attrs: dict) -> list:
     for i, name in ((mbconv.WE, "we"), (mbconv.WD, "wd"), (mbconv.WP, "wp")):
         if a[i] is not None and a[i][1] != "f32" and (name != "wd" or a[i][1] == "f16"):
             out.append((name, tuple(a[i][0])))  # int8 depthwise weights widen in-kernel
-    out.append(("xp", _gemm_xp_shape()))
     if a[mbconv.WE] is not None:
         out.append(("e", (min(h, mbconv.dw_rows_in(rows, attrs["dw"], kh)), w, ce)))
     out.append(("d", (rows, ow, ce)))
@@ -695,8 +733,10 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
         decodes.append(_decoder(w, views[name]))
         return views[name]
 
-    def pointwise(w: np.ndarray, name: str) -> np.ndarray:  # HWIO [1, 1, K, N] -> [K, N]
-        return _readonly(widened(w, name).reshape(w.shape[2], w.shape[3]))
+    def pointwise(w: np.ndarray, name: str, sub: dict) -> np.ndarray:  # panels, flat
+        if sub.get("panel") != PANEL:
+            raise ValueError(f"mbconv: the {name} conv's weights must be {PANEL}-wide panels")
+        return _readonly(widened(w, name).reshape(-1))
 
     def epilogue(conv: list, r, sub: dict, cols: int = 0) -> tuple[tuple, tuple]:
         """((bias, scale), (flags, act, a, b)): the kernels' epilogue arguments."""
@@ -706,13 +746,13 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
 
     expand, dwin, proj = mbconv.parts(a)
     if expand is not None:
-        we = pointwise(expand[1], "we")
+        we = pointwise(expand[1], "we", attrs["expand"])
         bs_e, fa_e = epilogue(expand, None, attrs["expand"], PER_COL)
     wd = widened(dwin[1], "wd")
     bs_d, fa_d = epilogue(dwin, None, attrs["dw"])
-    wp = pointwise(proj[1], "wp")
+    wp = pointwise(proj[1], "wp", attrs["project"])
     bs_p, fa_p = epilogue(proj, res, attrs["project"], PER_COL)
-    xp = views["xp"][: max(1, min(GEMM_SLOTS, kernel_threads()))]
+    workers = max(1, kernel_threads())
     da = attrs["dw"]
     sh, sw = da["strides"]
     pt, pl, _, _ = da["pads"]
@@ -737,21 +777,23 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
             else:
                 e = views["e"][: hi - lo]
                 xin = _readonly(x[n, lo:hi].reshape(-1, ci))
-                ex = (xin, we, e.reshape(-1, ce), *bs_e, _DUMMY2, *fa_e, xp)
+                ex = (xin, _NOROWS, ci, 1, 0, we, e.reshape(-1, ce), *bs_e, _DUMMY2, *fa_e,
+                      workers)
             ptb = lo + pt - oy0 * sh  # the band's own top pad
             dwa = (e, wd, *bs_d, _DUMMY3, d, sh, sw, ptb, pl, dh, dw, *fa_d)
-            pr = (_readonly(d.reshape(-1, ce)), wp, yb, *bs_p, rb, *fa_p, xp)
+            pr = (_readonly(d.reshape(-1, ce)), _NOROWS, ce, 1, 0, wp, yb, *bs_p, rb, *fa_p,
+                  workers)
             calls.append((ex, dwa, pr))
-    gemm, dwk = K.gemm, K.dwconv_nhwc
+    gemmp, dwk = K.gemmp, K.dwconv_nhwc
 
     def step() -> None:
         for decode in decodes:
             decode()
         for ex, dwa, pr in calls:
             if ex is not None:
-                gemm(*ex)
+                gemmp(*ex)
             dwk(*dwa)
-            gemm(*pr)
+            gemmp(*pr)
 
     return step
 

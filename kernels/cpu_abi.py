@@ -53,6 +53,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "global_avgpool": ("global_avgpool", v(arr(f4, 2), arr(f4, 1))),
         "maxpool_nhwc": ("cpu_nhwc.maxpool_nhwc", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "global_avgpool_nhwc": ("cpu_nhwc.global_avgpool_nhwc", v(arr(f4, 2), arr(f4, 1))),
+        "pad_nhwc": ("cpu_nhwc.pad_nhwc", v(arr(f4, 3), arr(f4, 3), i8, i8)),
         "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3))),
         "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),
@@ -68,7 +69,10 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "gemm": v(
             arr(f4, 2, ro=True), arr(f4, 2, "A", ro=True), a2, w1, w1, a2, i8, i8, f4, f4, f2
         ),
-        "gemmp": v(arr(f4, 2, ro=True), w1, a2, w1, w1, a2, i8, i8, f4, f4, i8),
+        "gemmp": v(
+            arr(f4, 2, ro=True), arr(i8, 1, ro=True), i8, i8, i8, w1, a2, w1, w1, a2,
+            i8, i8, f4, f4, i8,
+        ),
         "wino_conv": v(f3, f3, arr(f4, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4),
                        w1, w1, f3, i8, i8, f4, f4, i8),
     }

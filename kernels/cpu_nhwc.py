@@ -394,3 +394,30 @@ def global_avgpool_nhwc(x, out):
                 out[np.uintp(c)] += xf[np.uintp(base + c)]
         for c in range(c0, c1):
             out[np.uintp(c)] = out[np.uintp(c)] / p_
+
+
+@njit(parallel=True, cache=True)
+def pad_nhwc(x, xp, pt, pl):
+    """xp[Hp, Wp, C] = x[H, W, C] placed at row pt, column pl, zeros around it. Rows
+    and columns of x past xp's edge are left out: a strided conv never reads them. The
+    channels-last conv reads its taps in place from xp (backend_cpu)."""
+    h, wd, n_c = x.shape
+    hp, wp = xp.shape[0], xp.shape[1]
+    xf = x.reshape(x.size)
+    pf = xp.reshape(xp.size)
+    n = max(0, min(wd, wp - pl))  # columns of x that land in xp
+    for r in prange(hp):
+        iy = r - pt
+        o = r * wp * n_c
+        if iy < 0 or iy >= h:
+            for q in range(wp * n_c):
+                pf[np.uintp(o + q)] = 0.0
+            continue
+        for q in range(pl * n_c):
+            pf[np.uintp(o + q)] = 0.0
+        s0 = iy * wd * n_c
+        d0 = o + pl * n_c
+        for q in range(n * n_c):
+            pf[np.uintp(d0 + q)] = xf[np.uintp(s0 + q)]
+        for q in range((pl + n) * n_c, wp * n_c):
+            pf[np.uintp(o + q)] = 0.0

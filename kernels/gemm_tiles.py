@@ -38,6 +38,9 @@ KC = 128
 MB = 4
 WKC = 128
 MC = 240
+KD = 160
+# rtab of a GEMM whose rows are evenly strided (tile docstring)
+NOROWS = np.zeros(1, np.int64)
 
 
 
@@ -111,23 +114,28 @@ sstore_4x4 = _ops_4x4.sstore
 
 
 @njit(cache=True)
-def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 64 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -137,12 +145,20 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_16x4(rtab, m0 + q0)
+            wo1 = w00 + sload_16x4(rtab, m0 + q1)
+            wo2 = w00 + sload_16x4(rtab, m0 + q2)
+            wo3 = w00 + sload_16x4(rtab, m0 + q3)
+            wo4 = w00 + sload_16x4(rtab, m0 + q4)
+            wo5 = w00 + sload_16x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_16x4()
         a0_1 = vzero_16x4()
         a0_2 = vzero_16x4()
@@ -217,45 +233,50 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
             a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
             a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
             a5_3 = vload_n_16x4(c, c0 + q5 * ldc + 48, cols - 48)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_16x4(xq, xo + 0)
-            xv1 = vload_16x4(xq, xo + 16)
-            xv2 = vload_16x4(xq, xo + 32)
-            xv3 = vload_16x4(xq, xo + 48)
-            wv = vbload_16x4(w, wo0 + ko)
-            a0_0 = vfma_16x4(wv, xv0, a0_0)
-            a0_1 = vfma_16x4(wv, xv1, a0_1)
-            a0_2 = vfma_16x4(wv, xv2, a0_2)
-            a0_3 = vfma_16x4(wv, xv3, a0_3)
-            wv = vbload_16x4(w, wo1 + ko)
-            a1_0 = vfma_16x4(wv, xv0, a1_0)
-            a1_1 = vfma_16x4(wv, xv1, a1_1)
-            a1_2 = vfma_16x4(wv, xv2, a1_2)
-            a1_3 = vfma_16x4(wv, xv3, a1_3)
-            wv = vbload_16x4(w, wo2 + ko)
-            a2_0 = vfma_16x4(wv, xv0, a2_0)
-            a2_1 = vfma_16x4(wv, xv1, a2_1)
-            a2_2 = vfma_16x4(wv, xv2, a2_2)
-            a2_3 = vfma_16x4(wv, xv3, a2_3)
-            wv = vbload_16x4(w, wo3 + ko)
-            a3_0 = vfma_16x4(wv, xv0, a3_0)
-            a3_1 = vfma_16x4(wv, xv1, a3_1)
-            a3_2 = vfma_16x4(wv, xv2, a3_2)
-            a3_3 = vfma_16x4(wv, xv3, a3_3)
-            wv = vbload_16x4(w, wo4 + ko)
-            a4_0 = vfma_16x4(wv, xv0, a4_0)
-            a4_1 = vfma_16x4(wv, xv1, a4_1)
-            a4_2 = vfma_16x4(wv, xv2, a4_2)
-            a4_3 = vfma_16x4(wv, xv3, a4_3)
-            wv = vbload_16x4(w, wo5 + ko)
-            a5_0 = vfma_16x4(wv, xv0, a5_0)
-            a5_1 = vfma_16x4(wv, xv1, a5_1)
-            a5_2 = vfma_16x4(wv, xv2, a5_2)
-            a5_3 = vfma_16x4(wv, xv3, a5_3)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_16x4(xq, xo + 0)
+                xv1 = vload_16x4(xq, xo + 16)
+                xv2 = vload_16x4(xq, xo + 32)
+                xv3 = vload_16x4(xq, xo + 48)
+                wv = vbload_16x4(w, wo0 + ko)
+                a0_0 = vfma_16x4(wv, xv0, a0_0)
+                a0_1 = vfma_16x4(wv, xv1, a0_1)
+                a0_2 = vfma_16x4(wv, xv2, a0_2)
+                a0_3 = vfma_16x4(wv, xv3, a0_3)
+                wv = vbload_16x4(w, wo1 + ko)
+                a1_0 = vfma_16x4(wv, xv0, a1_0)
+                a1_1 = vfma_16x4(wv, xv1, a1_1)
+                a1_2 = vfma_16x4(wv, xv2, a1_2)
+                a1_3 = vfma_16x4(wv, xv3, a1_3)
+                wv = vbload_16x4(w, wo2 + ko)
+                a2_0 = vfma_16x4(wv, xv0, a2_0)
+                a2_1 = vfma_16x4(wv, xv1, a2_1)
+                a2_2 = vfma_16x4(wv, xv2, a2_2)
+                a2_3 = vfma_16x4(wv, xv3, a2_3)
+                wv = vbload_16x4(w, wo3 + ko)
+                a3_0 = vfma_16x4(wv, xv0, a3_0)
+                a3_1 = vfma_16x4(wv, xv1, a3_1)
+                a3_2 = vfma_16x4(wv, xv2, a3_2)
+                a3_3 = vfma_16x4(wv, xv3, a3_3)
+                wv = vbload_16x4(w, wo4 + ko)
+                a4_0 = vfma_16x4(wv, xv0, a4_0)
+                a4_1 = vfma_16x4(wv, xv1, a4_1)
+                a4_2 = vfma_16x4(wv, xv2, a4_2)
+                a4_3 = vfma_16x4(wv, xv3, a4_3)
+                wv = vbload_16x4(w, wo5 + ko)
+                a5_0 = vfma_16x4(wv, xv0, a5_0)
+                a5_1 = vfma_16x4(wv, xv1, a5_1)
+                a5_2 = vfma_16x4(wv, xv2, a5_2)
+                a5_3 = vfma_16x4(wv, xv3, a5_3)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 64 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -561,23 +582,28 @@ def tile_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc,
 
 
 @njit(cache=True)
-def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile1v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -587,12 +613,20 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_16x4(rtab, m0 + q0)
+            wo1 = w00 + sload_16x4(rtab, m0 + q1)
+            wo2 = w00 + sload_16x4(rtab, m0 + q2)
+            wo3 = w00 + sload_16x4(rtab, m0 + q3)
+            wo4 = w00 + sload_16x4(rtab, m0 + q4)
+            wo5 = w00 + sload_16x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_16x4()
         a1_0 = vzero_16x4()
         a2_0 = vzero_16x4()
@@ -613,24 +647,29 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
             a3_0 = vload_n_16x4(c, c0 + q3 * ldc + 0, cols - 0)
             a4_0 = vload_n_16x4(c, c0 + q4 * ldc + 0, cols - 0)
             a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_16x4(xq, xo + 0)
-            wv = vbload_16x4(w, wo0 + ko)
-            a0_0 = vfma_16x4(wv, xv0, a0_0)
-            wv = vbload_16x4(w, wo1 + ko)
-            a1_0 = vfma_16x4(wv, xv0, a1_0)
-            wv = vbload_16x4(w, wo2 + ko)
-            a2_0 = vfma_16x4(wv, xv0, a2_0)
-            wv = vbload_16x4(w, wo3 + ko)
-            a3_0 = vfma_16x4(wv, xv0, a3_0)
-            wv = vbload_16x4(w, wo4 + ko)
-            a4_0 = vfma_16x4(wv, xv0, a4_0)
-            wv = vbload_16x4(w, wo5 + ko)
-            a5_0 = vfma_16x4(wv, xv0, a5_0)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_16x4(xq, xo + 0)
+                wv = vbload_16x4(w, wo0 + ko)
+                a0_0 = vfma_16x4(wv, xv0, a0_0)
+                wv = vbload_16x4(w, wo1 + ko)
+                a1_0 = vfma_16x4(wv, xv0, a1_0)
+                wv = vbload_16x4(w, wo2 + ko)
+                a2_0 = vfma_16x4(wv, xv0, a2_0)
+                wv = vbload_16x4(w, wo3 + ko)
+                a3_0 = vfma_16x4(wv, xv0, a3_0)
+                wv = vbload_16x4(w, wo4 + ko)
+                a4_0 = vfma_16x4(wv, xv0, a4_0)
+                wv = vbload_16x4(w, wo5 + ko)
+                a5_0 = vfma_16x4(wv, xv0, a5_0)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 16 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -750,23 +789,28 @@ def tile1v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
 
 
 @njit(cache=True)
-def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile2v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 32 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -776,12 +820,20 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_16x4(rtab, m0 + q0)
+            wo1 = w00 + sload_16x4(rtab, m0 + q1)
+            wo2 = w00 + sload_16x4(rtab, m0 + q2)
+            wo3 = w00 + sload_16x4(rtab, m0 + q3)
+            wo4 = w00 + sload_16x4(rtab, m0 + q4)
+            wo5 = w00 + sload_16x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_16x4()
         a0_1 = vzero_16x4()
         a1_0 = vzero_16x4()
@@ -820,31 +872,36 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
             a4_1 = vload_n_16x4(c, c0 + q4 * ldc + 16, cols - 16)
             a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
             a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_16x4(xq, xo + 0)
-            xv1 = vload_16x4(xq, xo + 16)
-            wv = vbload_16x4(w, wo0 + ko)
-            a0_0 = vfma_16x4(wv, xv0, a0_0)
-            a0_1 = vfma_16x4(wv, xv1, a0_1)
-            wv = vbload_16x4(w, wo1 + ko)
-            a1_0 = vfma_16x4(wv, xv0, a1_0)
-            a1_1 = vfma_16x4(wv, xv1, a1_1)
-            wv = vbload_16x4(w, wo2 + ko)
-            a2_0 = vfma_16x4(wv, xv0, a2_0)
-            a2_1 = vfma_16x4(wv, xv1, a2_1)
-            wv = vbload_16x4(w, wo3 + ko)
-            a3_0 = vfma_16x4(wv, xv0, a3_0)
-            a3_1 = vfma_16x4(wv, xv1, a3_1)
-            wv = vbload_16x4(w, wo4 + ko)
-            a4_0 = vfma_16x4(wv, xv0, a4_0)
-            a4_1 = vfma_16x4(wv, xv1, a4_1)
-            wv = vbload_16x4(w, wo5 + ko)
-            a5_0 = vfma_16x4(wv, xv0, a5_0)
-            a5_1 = vfma_16x4(wv, xv1, a5_1)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_16x4(xq, xo + 0)
+                xv1 = vload_16x4(xq, xo + 16)
+                wv = vbload_16x4(w, wo0 + ko)
+                a0_0 = vfma_16x4(wv, xv0, a0_0)
+                a0_1 = vfma_16x4(wv, xv1, a0_1)
+                wv = vbload_16x4(w, wo1 + ko)
+                a1_0 = vfma_16x4(wv, xv0, a1_0)
+                a1_1 = vfma_16x4(wv, xv1, a1_1)
+                wv = vbload_16x4(w, wo2 + ko)
+                a2_0 = vfma_16x4(wv, xv0, a2_0)
+                a2_1 = vfma_16x4(wv, xv1, a2_1)
+                wv = vbload_16x4(w, wo3 + ko)
+                a3_0 = vfma_16x4(wv, xv0, a3_0)
+                a3_1 = vfma_16x4(wv, xv1, a3_1)
+                wv = vbload_16x4(w, wo4 + ko)
+                a4_0 = vfma_16x4(wv, xv0, a4_0)
+                a4_1 = vfma_16x4(wv, xv1, a4_1)
+                wv = vbload_16x4(w, wo5 + ko)
+                a5_0 = vfma_16x4(wv, xv0, a5_0)
+                a5_1 = vfma_16x4(wv, xv1, a5_1)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 32 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -1026,23 +1083,28 @@ def tile2v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
 
 
 @njit(cache=True)
-def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile3v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 48 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -1052,12 +1114,20 @@ def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_16x4(rtab, m0 + q0)
+            wo1 = w00 + sload_16x4(rtab, m0 + q1)
+            wo2 = w00 + sload_16x4(rtab, m0 + q2)
+            wo3 = w00 + sload_16x4(rtab, m0 + q3)
+            wo4 = w00 + sload_16x4(rtab, m0 + q4)
+            wo5 = w00 + sload_16x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_16x4()
         a0_1 = vzero_16x4()
         a0_2 = vzero_16x4()
@@ -1114,38 +1184,43 @@ def tile3v_16x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ld
             a5_0 = vload_n_16x4(c, c0 + q5 * ldc + 0, cols - 0)
             a5_1 = vload_n_16x4(c, c0 + q5 * ldc + 16, cols - 16)
             a5_2 = vload_n_16x4(c, c0 + q5 * ldc + 32, cols - 32)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_16x4(xq, xo + 0)
-            xv1 = vload_16x4(xq, xo + 16)
-            xv2 = vload_16x4(xq, xo + 32)
-            wv = vbload_16x4(w, wo0 + ko)
-            a0_0 = vfma_16x4(wv, xv0, a0_0)
-            a0_1 = vfma_16x4(wv, xv1, a0_1)
-            a0_2 = vfma_16x4(wv, xv2, a0_2)
-            wv = vbload_16x4(w, wo1 + ko)
-            a1_0 = vfma_16x4(wv, xv0, a1_0)
-            a1_1 = vfma_16x4(wv, xv1, a1_1)
-            a1_2 = vfma_16x4(wv, xv2, a1_2)
-            wv = vbload_16x4(w, wo2 + ko)
-            a2_0 = vfma_16x4(wv, xv0, a2_0)
-            a2_1 = vfma_16x4(wv, xv1, a2_1)
-            a2_2 = vfma_16x4(wv, xv2, a2_2)
-            wv = vbload_16x4(w, wo3 + ko)
-            a3_0 = vfma_16x4(wv, xv0, a3_0)
-            a3_1 = vfma_16x4(wv, xv1, a3_1)
-            a3_2 = vfma_16x4(wv, xv2, a3_2)
-            wv = vbload_16x4(w, wo4 + ko)
-            a4_0 = vfma_16x4(wv, xv0, a4_0)
-            a4_1 = vfma_16x4(wv, xv1, a4_1)
-            a4_2 = vfma_16x4(wv, xv2, a4_2)
-            wv = vbload_16x4(w, wo5 + ko)
-            a5_0 = vfma_16x4(wv, xv0, a5_0)
-            a5_1 = vfma_16x4(wv, xv1, a5_1)
-            a5_2 = vfma_16x4(wv, xv2, a5_2)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_16x4(xq, xo + 0)
+                xv1 = vload_16x4(xq, xo + 16)
+                xv2 = vload_16x4(xq, xo + 32)
+                wv = vbload_16x4(w, wo0 + ko)
+                a0_0 = vfma_16x4(wv, xv0, a0_0)
+                a0_1 = vfma_16x4(wv, xv1, a0_1)
+                a0_2 = vfma_16x4(wv, xv2, a0_2)
+                wv = vbload_16x4(w, wo1 + ko)
+                a1_0 = vfma_16x4(wv, xv0, a1_0)
+                a1_1 = vfma_16x4(wv, xv1, a1_1)
+                a1_2 = vfma_16x4(wv, xv2, a1_2)
+                wv = vbload_16x4(w, wo2 + ko)
+                a2_0 = vfma_16x4(wv, xv0, a2_0)
+                a2_1 = vfma_16x4(wv, xv1, a2_1)
+                a2_2 = vfma_16x4(wv, xv2, a2_2)
+                wv = vbload_16x4(w, wo3 + ko)
+                a3_0 = vfma_16x4(wv, xv0, a3_0)
+                a3_1 = vfma_16x4(wv, xv1, a3_1)
+                a3_2 = vfma_16x4(wv, xv2, a3_2)
+                wv = vbload_16x4(w, wo4 + ko)
+                a4_0 = vfma_16x4(wv, xv0, a4_0)
+                a4_1 = vfma_16x4(wv, xv1, a4_1)
+                a4_2 = vfma_16x4(wv, xv2, a4_2)
+                wv = vbload_16x4(w, wo5 + ko)
+                a5_0 = vfma_16x4(wv, xv0, a5_0)
+                a5_1 = vfma_16x4(wv, xv1, a5_1)
+                a5_2 = vfma_16x4(wv, xv2, a5_2)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 48 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -1489,24 +1564,24 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
-                    tile1v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile1v_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 elif nvv == 2:
-                    tile2v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile2v_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 elif nvv == 3:
-                    tile3v_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile3v_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 else:
-                    tile_16x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 64, 64, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
@@ -1544,11 +1619,12 @@ def gemm_16x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 
 @njit(cache=True)
-def _pblock_16x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
-    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_16x4: per reduction block, per MC
-    rows, per panel (1 column tile(s) of 64), each tile call prefetching its
-    share of the slab the next panel's call reads."""
-    k_ = w.shape[1]
+def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+               t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_16x4: per block of the reduction (whole
+    kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (1
+    column tile(s) of 64), each tile call prefetching its share of the slab the next
+    panel's call reads."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -1557,19 +1633,28 @@ def _pblock_16x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo,
     ldr = res.strides[0] // 4 if has_res else 0
     vec_act = act == 0 or act == 1 or act == 3
     epilogue = flags != 0 or act != 0
-    ps = k_ * PANEL  # floats per panel
-    end = wq.size - 16
-    for kb in range(0, k_, KC):
-        kc = min(KC, k_ - kb)
-        acc = kb > 0
-        final = kb + kc >= k_
+    ps = nky * run * PANEL  # floats per panel
+    whole = run <= KD
+    gk = KD // run if whole else 1  # kernel rows per block
+    jb = 1 if whole else (run + KC - 1) // KC  # blocks per kernel row
+    nb = (nky + gk - 1) // gk if whole else nky * jb
+    for bi in range(nb):
+        ky0 = bi * gk if whole else bi // jb
+        g = min(gk, nky - ky0)
+        j0 = 0 if whole else (bi % jb) * KC
+        kc = run if whole else min(KC, run - j0)
+        kf = ky0 * run + j0  # the block's first row of the panels
+        wk0 = ky0 * wrow + j0 * wsk
+        acc = bi > 0
+        final = bi == nb - 1
         fuse = final and epilogue and vec_act
+        share = g * kc * 64  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
             for t in range(t_lo, t_hi):
-                s0 = t * ps + kb * PANEL
+                s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
-                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
                 for u in range(1):
                     c_n = t * PANEL + u * 64
                     cols = min(64, n_ - c_n)
@@ -1577,32 +1662,31 @@ def _pblock_16x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo,
                         break
                     nvv = (cols + 15) // 16
                     fused = fuse and cols == nvv * 16  # whole vectors: in registers
-                    pfo = nxt + u * kc * 64
-                    pfn = max(pfo, min(pfo + kc * 64 - 16, end))
+                    pfo = nxt + u * share
                     if nvv == 1:
-                        tile1v_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 64, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile1v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     elif nvv == 2:
-                        tile2v_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 64, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile2v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     elif nvv == 3:
-                        tile3v_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 64, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile3v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     else:
-                        tile_16x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 64, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_16x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
@@ -1612,12 +1696,14 @@ def _pblock_16x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo,
 
 
 @njit(parallel=True, cache=True)
-def gemmp_16x4(w, wq, c, bias, scale, res, flags, act, a, b, workers):
-    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
-    (zero past N), flat. Panels are split across workers when they divide evenly,
-    else rows are."""
-    m_ = w.shape[0]
+def gemmp_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
+    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
+    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
+    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    Panels are split across workers when they divide evenly, else rows are."""
+    m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
     by_panel = np_ % workers == 0
     per_t = np_ // workers
@@ -1629,7 +1715,8 @@ def gemmp_16x4(w, wq, c, bias, scale, res, flags, act, a, b, workers):
         m_lo = 0 if by_panel else sl * per_m
         m_hi = m_ if by_panel else min(m_, m_lo + per_m)
         if m_lo < m_hi:
-            _pblock_16x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
+            _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+                       t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -1824,13 +1911,13 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                             _pack_16x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_16x4(vb, e * tb * cip + kb, cip, 1, nt, u,
-                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                            tile_16x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, u.size - 16)
+                                    u, (e * ci + kb + kc) * co, 16)
                         else:
-                            tile_16x4(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
-                                    64, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                            tile_16x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
+                                    64, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
                                     cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
@@ -1847,23 +1934,28 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
 
 
 @njit(cache=True)
-def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -1873,12 +1965,20 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_8x2(rtab, m0 + q0)
+            wo1 = w00 + sload_8x2(rtab, m0 + q1)
+            wo2 = w00 + sload_8x2(rtab, m0 + q2)
+            wo3 = w00 + sload_8x2(rtab, m0 + q3)
+            wo4 = w00 + sload_8x2(rtab, m0 + q4)
+            wo5 = w00 + sload_8x2(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_8x2()
         a0_1 = vzero_8x2()
         a1_0 = vzero_8x2()
@@ -1917,31 +2017,36 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
             a4_1 = vload_n_8x2(c, c0 + q4 * ldc + 8, cols - 8)
             a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
             a5_1 = vload_n_8x2(c, c0 + q5 * ldc + 8, cols - 8)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_8x2(xq, xo + 0)
-            xv1 = vload_8x2(xq, xo + 8)
-            wv = vbload_8x2(w, wo0 + ko)
-            a0_0 = vfma_8x2(wv, xv0, a0_0)
-            a0_1 = vfma_8x2(wv, xv1, a0_1)
-            wv = vbload_8x2(w, wo1 + ko)
-            a1_0 = vfma_8x2(wv, xv0, a1_0)
-            a1_1 = vfma_8x2(wv, xv1, a1_1)
-            wv = vbload_8x2(w, wo2 + ko)
-            a2_0 = vfma_8x2(wv, xv0, a2_0)
-            a2_1 = vfma_8x2(wv, xv1, a2_1)
-            wv = vbload_8x2(w, wo3 + ko)
-            a3_0 = vfma_8x2(wv, xv0, a3_0)
-            a3_1 = vfma_8x2(wv, xv1, a3_1)
-            wv = vbload_8x2(w, wo4 + ko)
-            a4_0 = vfma_8x2(wv, xv0, a4_0)
-            a4_1 = vfma_8x2(wv, xv1, a4_1)
-            wv = vbload_8x2(w, wo5 + ko)
-            a5_0 = vfma_8x2(wv, xv0, a5_0)
-            a5_1 = vfma_8x2(wv, xv1, a5_1)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_8x2(xq, xo + 0)
+                xv1 = vload_8x2(xq, xo + 8)
+                wv = vbload_8x2(w, wo0 + ko)
+                a0_0 = vfma_8x2(wv, xv0, a0_0)
+                a0_1 = vfma_8x2(wv, xv1, a0_1)
+                wv = vbload_8x2(w, wo1 + ko)
+                a1_0 = vfma_8x2(wv, xv0, a1_0)
+                a1_1 = vfma_8x2(wv, xv1, a1_1)
+                wv = vbload_8x2(w, wo2 + ko)
+                a2_0 = vfma_8x2(wv, xv0, a2_0)
+                a2_1 = vfma_8x2(wv, xv1, a2_1)
+                wv = vbload_8x2(w, wo3 + ko)
+                a3_0 = vfma_8x2(wv, xv0, a3_0)
+                a3_1 = vfma_8x2(wv, xv1, a3_1)
+                wv = vbload_8x2(w, wo4 + ko)
+                a4_0 = vfma_8x2(wv, xv0, a4_0)
+                a4_1 = vfma_8x2(wv, xv1, a4_1)
+                wv = vbload_8x2(w, wo5 + ko)
+                a5_0 = vfma_8x2(wv, xv0, a5_0)
+                a5_1 = vfma_8x2(wv, xv1, a5_1)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 16 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -2123,23 +2228,28 @@ def tile_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
 
 
 @njit(cache=True)
-def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile1v_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -2149,12 +2259,20 @@ def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_8x2(rtab, m0 + q0)
+            wo1 = w00 + sload_8x2(rtab, m0 + q1)
+            wo2 = w00 + sload_8x2(rtab, m0 + q2)
+            wo3 = w00 + sload_8x2(rtab, m0 + q3)
+            wo4 = w00 + sload_8x2(rtab, m0 + q4)
+            wo5 = w00 + sload_8x2(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_8x2()
         a1_0 = vzero_8x2()
         a2_0 = vzero_8x2()
@@ -2175,24 +2293,29 @@ def tile1v_8x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a3_0 = vload_n_8x2(c, c0 + q3 * ldc + 0, cols - 0)
             a4_0 = vload_n_8x2(c, c0 + q4 * ldc + 0, cols - 0)
             a5_0 = vload_n_8x2(c, c0 + q5 * ldc + 0, cols - 0)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_8x2(xq, xo + 0)
-            wv = vbload_8x2(w, wo0 + ko)
-            a0_0 = vfma_8x2(wv, xv0, a0_0)
-            wv = vbload_8x2(w, wo1 + ko)
-            a1_0 = vfma_8x2(wv, xv0, a1_0)
-            wv = vbload_8x2(w, wo2 + ko)
-            a2_0 = vfma_8x2(wv, xv0, a2_0)
-            wv = vbload_8x2(w, wo3 + ko)
-            a3_0 = vfma_8x2(wv, xv0, a3_0)
-            wv = vbload_8x2(w, wo4 + ko)
-            a4_0 = vfma_8x2(wv, xv0, a4_0)
-            wv = vbload_8x2(w, wo5 + ko)
-            a5_0 = vfma_8x2(wv, xv0, a5_0)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_8x2(xq, xo + 0)
+                wv = vbload_8x2(w, wo0 + ko)
+                a0_0 = vfma_8x2(wv, xv0, a0_0)
+                wv = vbload_8x2(w, wo1 + ko)
+                a1_0 = vfma_8x2(wv, xv0, a1_0)
+                wv = vbload_8x2(w, wo2 + ko)
+                a2_0 = vfma_8x2(wv, xv0, a2_0)
+                wv = vbload_8x2(w, wo3 + ko)
+                a3_0 = vfma_8x2(wv, xv0, a3_0)
+                wv = vbload_8x2(w, wo4 + ko)
+                a4_0 = vfma_8x2(wv, xv0, a4_0)
+                wv = vbload_8x2(w, wo5 + ko)
+                a5_0 = vfma_8x2(wv, xv0, a5_0)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 8 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -2412,14 +2535,14 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
-                    tile1v_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile1v_8x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 else:
-                    tile_8x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile_8x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
@@ -2457,11 +2580,12 @@ def gemm_8x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 
 @njit(cache=True)
-def _pblock_8x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
-    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_8x2: per reduction block, per MC
-    rows, per panel (4 column tile(s) of 16), each tile call prefetching its
-    share of the slab the next panel's call reads."""
-    k_ = w.shape[1]
+def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+               t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_8x2: per block of the reduction (whole
+    kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (4
+    column tile(s) of 16), each tile call prefetching its share of the slab the next
+    panel's call reads."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -2470,19 +2594,28 @@ def _pblock_8x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
     ldr = res.strides[0] // 4 if has_res else 0
     vec_act = act == 0 or act == 1 or act == 3
     epilogue = flags != 0 or act != 0
-    ps = k_ * PANEL  # floats per panel
-    end = wq.size - 16
-    for kb in range(0, k_, KC):
-        kc = min(KC, k_ - kb)
-        acc = kb > 0
-        final = kb + kc >= k_
+    ps = nky * run * PANEL  # floats per panel
+    whole = run <= KD
+    gk = KD // run if whole else 1  # kernel rows per block
+    jb = 1 if whole else (run + KC - 1) // KC  # blocks per kernel row
+    nb = (nky + gk - 1) // gk if whole else nky * jb
+    for bi in range(nb):
+        ky0 = bi * gk if whole else bi // jb
+        g = min(gk, nky - ky0)
+        j0 = 0 if whole else (bi % jb) * KC
+        kc = run if whole else min(KC, run - j0)
+        kf = ky0 * run + j0  # the block's first row of the panels
+        wk0 = ky0 * wrow + j0 * wsk
+        acc = bi > 0
+        final = bi == nb - 1
         fuse = final and epilogue and vec_act
+        share = g * kc * 16  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
             for t in range(t_lo, t_hi):
-                s0 = t * ps + kb * PANEL
+                s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
-                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
                 for u in range(4):
                     c_n = t * PANEL + u * 16
                     cols = min(16, n_ - c_n)
@@ -2490,20 +2623,19 @@ def _pblock_8x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
                         break
                     nvv = (cols + 7) // 8
                     fused = fuse and cols == nvv * 8  # whole vectors: in registers
-                    pfo = nxt + u * kc * 16
-                    pfn = max(pfo, min(pfo + kc * 16 - 16, end))
+                    pfo = nxt + u * share
                     if nvv == 1:
-                        tile1v_8x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 16, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile1v_8x2(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     else:
-                        tile_8x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 16, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile_8x2(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_8x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
@@ -2513,12 +2645,14 @@ def _pblock_8x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
 
 
 @njit(parallel=True, cache=True)
-def gemmp_8x2(w, wq, c, bias, scale, res, flags, act, a, b, workers):
-    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
-    (zero past N), flat. Panels are split across workers when they divide evenly,
-    else rows are."""
-    m_ = w.shape[0]
+def gemmp_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
+    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
+    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
+    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    Panels are split across workers when they divide evenly, else rows are."""
+    m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
     by_panel = np_ % workers == 0
     per_t = np_ // workers
@@ -2530,7 +2664,8 @@ def gemmp_8x2(w, wq, c, bias, scale, res, flags, act, a, b, workers):
         m_lo = 0 if by_panel else sl * per_m
         m_hi = m_ if by_panel else min(m_, m_lo + per_m)
         if m_lo < m_hi:
-            _pblock_8x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
+            _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+                       t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -2725,13 +2860,13 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             _pack_8x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_8x2(vb, e * tb * cip + kb, cip, 1, nt, u,
-                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                            tile_8x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, u.size - 16)
+                                    u, (e * ci + kb + kc) * co, 16)
                         else:
-                            tile_8x2(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
-                                    16, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                            tile_8x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
+                                    16, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
                                     cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
@@ -2748,23 +2883,28 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -2774,12 +2914,20 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_4x2(rtab, m0 + q0)
+            wo1 = w00 + sload_4x2(rtab, m0 + q1)
+            wo2 = w00 + sload_4x2(rtab, m0 + q2)
+            wo3 = w00 + sload_4x2(rtab, m0 + q3)
+            wo4 = w00 + sload_4x2(rtab, m0 + q4)
+            wo5 = w00 + sload_4x2(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_4x2()
         a0_1 = vzero_4x2()
         a1_0 = vzero_4x2()
@@ -2818,31 +2966,36 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
             a4_1 = vload_n_4x2(c, c0 + q4 * ldc + 4, cols - 4)
             a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
             a5_1 = vload_n_4x2(c, c0 + q5 * ldc + 4, cols - 4)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_4x2(xq, xo + 0)
-            xv1 = vload_4x2(xq, xo + 4)
-            wv = vbload_4x2(w, wo0 + ko)
-            a0_0 = vfma_4x2(wv, xv0, a0_0)
-            a0_1 = vfma_4x2(wv, xv1, a0_1)
-            wv = vbload_4x2(w, wo1 + ko)
-            a1_0 = vfma_4x2(wv, xv0, a1_0)
-            a1_1 = vfma_4x2(wv, xv1, a1_1)
-            wv = vbload_4x2(w, wo2 + ko)
-            a2_0 = vfma_4x2(wv, xv0, a2_0)
-            a2_1 = vfma_4x2(wv, xv1, a2_1)
-            wv = vbload_4x2(w, wo3 + ko)
-            a3_0 = vfma_4x2(wv, xv0, a3_0)
-            a3_1 = vfma_4x2(wv, xv1, a3_1)
-            wv = vbload_4x2(w, wo4 + ko)
-            a4_0 = vfma_4x2(wv, xv0, a4_0)
-            a4_1 = vfma_4x2(wv, xv1, a4_1)
-            wv = vbload_4x2(w, wo5 + ko)
-            a5_0 = vfma_4x2(wv, xv0, a5_0)
-            a5_1 = vfma_4x2(wv, xv1, a5_1)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_4x2(xq, xo + 0)
+                xv1 = vload_4x2(xq, xo + 4)
+                wv = vbload_4x2(w, wo0 + ko)
+                a0_0 = vfma_4x2(wv, xv0, a0_0)
+                a0_1 = vfma_4x2(wv, xv1, a0_1)
+                wv = vbload_4x2(w, wo1 + ko)
+                a1_0 = vfma_4x2(wv, xv0, a1_0)
+                a1_1 = vfma_4x2(wv, xv1, a1_1)
+                wv = vbload_4x2(w, wo2 + ko)
+                a2_0 = vfma_4x2(wv, xv0, a2_0)
+                a2_1 = vfma_4x2(wv, xv1, a2_1)
+                wv = vbload_4x2(w, wo3 + ko)
+                a3_0 = vfma_4x2(wv, xv0, a3_0)
+                a3_1 = vfma_4x2(wv, xv1, a3_1)
+                wv = vbload_4x2(w, wo4 + ko)
+                a4_0 = vfma_4x2(wv, xv0, a4_0)
+                a4_1 = vfma_4x2(wv, xv1, a4_1)
+                wv = vbload_4x2(w, wo5 + ko)
+                a5_0 = vfma_4x2(wv, xv0, a5_0)
+                a5_1 = vfma_4x2(wv, xv1, a5_1)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 8 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -3024,23 +3177,28 @@ def tile_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
 
 
 @njit(cache=True)
-def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile1v_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -3050,12 +3208,20 @@ def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_4x2(rtab, m0 + q0)
+            wo1 = w00 + sload_4x2(rtab, m0 + q1)
+            wo2 = w00 + sload_4x2(rtab, m0 + q2)
+            wo3 = w00 + sload_4x2(rtab, m0 + q3)
+            wo4 = w00 + sload_4x2(rtab, m0 + q4)
+            wo5 = w00 + sload_4x2(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_4x2()
         a1_0 = vzero_4x2()
         a2_0 = vzero_4x2()
@@ -3076,24 +3242,29 @@ def tile1v_4x2(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a3_0 = vload_n_4x2(c, c0 + q3 * ldc + 0, cols - 0)
             a4_0 = vload_n_4x2(c, c0 + q4 * ldc + 0, cols - 0)
             a5_0 = vload_n_4x2(c, c0 + q5 * ldc + 0, cols - 0)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_4x2(xq, xo + 0)
-            wv = vbload_4x2(w, wo0 + ko)
-            a0_0 = vfma_4x2(wv, xv0, a0_0)
-            wv = vbload_4x2(w, wo1 + ko)
-            a1_0 = vfma_4x2(wv, xv0, a1_0)
-            wv = vbload_4x2(w, wo2 + ko)
-            a2_0 = vfma_4x2(wv, xv0, a2_0)
-            wv = vbload_4x2(w, wo3 + ko)
-            a3_0 = vfma_4x2(wv, xv0, a3_0)
-            wv = vbload_4x2(w, wo4 + ko)
-            a4_0 = vfma_4x2(wv, xv0, a4_0)
-            wv = vbload_4x2(w, wo5 + ko)
-            a5_0 = vfma_4x2(wv, xv0, a5_0)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_4x2(xq, xo + 0)
+                wv = vbload_4x2(w, wo0 + ko)
+                a0_0 = vfma_4x2(wv, xv0, a0_0)
+                wv = vbload_4x2(w, wo1 + ko)
+                a1_0 = vfma_4x2(wv, xv0, a1_0)
+                wv = vbload_4x2(w, wo2 + ko)
+                a2_0 = vfma_4x2(wv, xv0, a2_0)
+                wv = vbload_4x2(w, wo3 + ko)
+                a3_0 = vfma_4x2(wv, xv0, a3_0)
+                wv = vbload_4x2(w, wo4 + ko)
+                a4_0 = vfma_4x2(wv, xv0, a4_0)
+                wv = vbload_4x2(w, wo5 + ko)
+                a5_0 = vfma_4x2(wv, xv0, a5_0)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 4 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -3313,14 +3484,14 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
-                    tile1v_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile1v_4x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 8, 8, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 else:
-                    tile_4x2(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 8, 8, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile_4x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 8, 8, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
@@ -3358,11 +3529,12 @@ def gemm_4x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 
 @njit(cache=True)
-def _pblock_4x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
-    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x2: per reduction block, per MC
-    rows, per panel (8 column tile(s) of 8), each tile call prefetching its
-    share of the slab the next panel's call reads."""
-    k_ = w.shape[1]
+def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+               t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x2: per block of the reduction (whole
+    kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (8
+    column tile(s) of 8), each tile call prefetching its share of the slab the next
+    panel's call reads."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -3371,19 +3543,28 @@ def _pblock_4x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
     ldr = res.strides[0] // 4 if has_res else 0
     vec_act = act == 0 or act == 1 or act == 3
     epilogue = flags != 0 or act != 0
-    ps = k_ * PANEL  # floats per panel
-    end = wq.size - 16
-    for kb in range(0, k_, KC):
-        kc = min(KC, k_ - kb)
-        acc = kb > 0
-        final = kb + kc >= k_
+    ps = nky * run * PANEL  # floats per panel
+    whole = run <= KD
+    gk = KD // run if whole else 1  # kernel rows per block
+    jb = 1 if whole else (run + KC - 1) // KC  # blocks per kernel row
+    nb = (nky + gk - 1) // gk if whole else nky * jb
+    for bi in range(nb):
+        ky0 = bi * gk if whole else bi // jb
+        g = min(gk, nky - ky0)
+        j0 = 0 if whole else (bi % jb) * KC
+        kc = run if whole else min(KC, run - j0)
+        kf = ky0 * run + j0  # the block's first row of the panels
+        wk0 = ky0 * wrow + j0 * wsk
+        acc = bi > 0
+        final = bi == nb - 1
         fuse = final and epilogue and vec_act
+        share = g * kc * 8  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
             for t in range(t_lo, t_hi):
-                s0 = t * ps + kb * PANEL
+                s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
-                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
                 for u in range(8):
                     c_n = t * PANEL + u * 8
                     cols = min(8, n_ - c_n)
@@ -3391,20 +3572,19 @@ def _pblock_4x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
                         break
                     nvv = (cols + 3) // 4
                     fused = fuse and cols == nvv * 4  # whole vectors: in registers
-                    pfo = nxt + u * kc * 8
-                    pfn = max(pfo, min(pfo + kc * 8 - 16, end))
+                    pfo = nxt + u * share
                     if nvv == 1:
-                        tile1v_4x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 8, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile1v_4x2(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 8, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     else:
-                        tile_4x2(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 8, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile_4x2(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 8, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_4x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
@@ -3414,12 +3594,14 @@ def _pblock_4x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
 
 
 @njit(parallel=True, cache=True)
-def gemmp_4x2(w, wq, c, bias, scale, res, flags, act, a, b, workers):
-    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
-    (zero past N), flat. Panels are split across workers when they divide evenly,
-    else rows are."""
-    m_ = w.shape[0]
+def gemmp_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
+    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
+    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
+    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    Panels are split across workers when they divide evenly, else rows are."""
+    m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
     by_panel = np_ % workers == 0
     per_t = np_ // workers
@@ -3431,7 +3613,8 @@ def gemmp_4x2(w, wq, c, bias, scale, res, flags, act, a, b, workers):
         m_lo = 0 if by_panel else sl * per_m
         m_hi = m_ if by_panel else min(m_, m_lo + per_m)
         if m_lo < m_hi:
-            _pblock_4x2(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
+            _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+                       t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -3626,13 +3809,13 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             _pack_4x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_4x2(vb, e * tb * cip + kb, cip, 1, nt, u,
-                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                            tile_4x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, u.size - 16)
+                                    u, (e * ci + kb + kc) * co, 16)
                         else:
-                            tile_4x2(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
-                                    8, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                            tile_4x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
+                                    8, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
                                     cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):
@@ -3649,23 +3832,28 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -3675,12 +3863,20 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_4x4(rtab, m0 + q0)
+            wo1 = w00 + sload_4x4(rtab, m0 + q1)
+            wo2 = w00 + sload_4x4(rtab, m0 + q2)
+            wo3 = w00 + sload_4x4(rtab, m0 + q3)
+            wo4 = w00 + sload_4x4(rtab, m0 + q4)
+            wo5 = w00 + sload_4x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_4x4()
         a0_1 = vzero_4x4()
         a0_2 = vzero_4x4()
@@ -3755,45 +3951,50 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
             a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
             a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
             a5_3 = vload_n_4x4(c, c0 + q5 * ldc + 12, cols - 12)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_4x4(xq, xo + 0)
-            xv1 = vload_4x4(xq, xo + 4)
-            xv2 = vload_4x4(xq, xo + 8)
-            xv3 = vload_4x4(xq, xo + 12)
-            wv = vbload_4x4(w, wo0 + ko)
-            a0_0 = vfma_4x4(wv, xv0, a0_0)
-            a0_1 = vfma_4x4(wv, xv1, a0_1)
-            a0_2 = vfma_4x4(wv, xv2, a0_2)
-            a0_3 = vfma_4x4(wv, xv3, a0_3)
-            wv = vbload_4x4(w, wo1 + ko)
-            a1_0 = vfma_4x4(wv, xv0, a1_0)
-            a1_1 = vfma_4x4(wv, xv1, a1_1)
-            a1_2 = vfma_4x4(wv, xv2, a1_2)
-            a1_3 = vfma_4x4(wv, xv3, a1_3)
-            wv = vbload_4x4(w, wo2 + ko)
-            a2_0 = vfma_4x4(wv, xv0, a2_0)
-            a2_1 = vfma_4x4(wv, xv1, a2_1)
-            a2_2 = vfma_4x4(wv, xv2, a2_2)
-            a2_3 = vfma_4x4(wv, xv3, a2_3)
-            wv = vbload_4x4(w, wo3 + ko)
-            a3_0 = vfma_4x4(wv, xv0, a3_0)
-            a3_1 = vfma_4x4(wv, xv1, a3_1)
-            a3_2 = vfma_4x4(wv, xv2, a3_2)
-            a3_3 = vfma_4x4(wv, xv3, a3_3)
-            wv = vbload_4x4(w, wo4 + ko)
-            a4_0 = vfma_4x4(wv, xv0, a4_0)
-            a4_1 = vfma_4x4(wv, xv1, a4_1)
-            a4_2 = vfma_4x4(wv, xv2, a4_2)
-            a4_3 = vfma_4x4(wv, xv3, a4_3)
-            wv = vbload_4x4(w, wo5 + ko)
-            a5_0 = vfma_4x4(wv, xv0, a5_0)
-            a5_1 = vfma_4x4(wv, xv1, a5_1)
-            a5_2 = vfma_4x4(wv, xv2, a5_2)
-            a5_3 = vfma_4x4(wv, xv3, a5_3)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_4x4(xq, xo + 0)
+                xv1 = vload_4x4(xq, xo + 4)
+                xv2 = vload_4x4(xq, xo + 8)
+                xv3 = vload_4x4(xq, xo + 12)
+                wv = vbload_4x4(w, wo0 + ko)
+                a0_0 = vfma_4x4(wv, xv0, a0_0)
+                a0_1 = vfma_4x4(wv, xv1, a0_1)
+                a0_2 = vfma_4x4(wv, xv2, a0_2)
+                a0_3 = vfma_4x4(wv, xv3, a0_3)
+                wv = vbload_4x4(w, wo1 + ko)
+                a1_0 = vfma_4x4(wv, xv0, a1_0)
+                a1_1 = vfma_4x4(wv, xv1, a1_1)
+                a1_2 = vfma_4x4(wv, xv2, a1_2)
+                a1_3 = vfma_4x4(wv, xv3, a1_3)
+                wv = vbload_4x4(w, wo2 + ko)
+                a2_0 = vfma_4x4(wv, xv0, a2_0)
+                a2_1 = vfma_4x4(wv, xv1, a2_1)
+                a2_2 = vfma_4x4(wv, xv2, a2_2)
+                a2_3 = vfma_4x4(wv, xv3, a2_3)
+                wv = vbload_4x4(w, wo3 + ko)
+                a3_0 = vfma_4x4(wv, xv0, a3_0)
+                a3_1 = vfma_4x4(wv, xv1, a3_1)
+                a3_2 = vfma_4x4(wv, xv2, a3_2)
+                a3_3 = vfma_4x4(wv, xv3, a3_3)
+                wv = vbload_4x4(w, wo4 + ko)
+                a4_0 = vfma_4x4(wv, xv0, a4_0)
+                a4_1 = vfma_4x4(wv, xv1, a4_1)
+                a4_2 = vfma_4x4(wv, xv2, a4_2)
+                a4_3 = vfma_4x4(wv, xv3, a4_3)
+                wv = vbload_4x4(w, wo5 + ko)
+                a5_0 = vfma_4x4(wv, xv0, a5_0)
+                a5_1 = vfma_4x4(wv, xv1, a5_1)
+                a5_2 = vfma_4x4(wv, xv2, a5_2)
+                a5_3 = vfma_4x4(wv, xv3, a5_3)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 16 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -4099,23 +4300,28 @@ def tile_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, 
 
 
 @njit(cache=True)
-def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile1v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -4125,12 +4331,20 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_4x4(rtab, m0 + q0)
+            wo1 = w00 + sload_4x4(rtab, m0 + q1)
+            wo2 = w00 + sload_4x4(rtab, m0 + q2)
+            wo3 = w00 + sload_4x4(rtab, m0 + q3)
+            wo4 = w00 + sload_4x4(rtab, m0 + q4)
+            wo5 = w00 + sload_4x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_4x4()
         a1_0 = vzero_4x4()
         a2_0 = vzero_4x4()
@@ -4151,24 +4365,29 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a3_0 = vload_n_4x4(c, c0 + q3 * ldc + 0, cols - 0)
             a4_0 = vload_n_4x4(c, c0 + q4 * ldc + 0, cols - 0)
             a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_4x4(xq, xo + 0)
-            wv = vbload_4x4(w, wo0 + ko)
-            a0_0 = vfma_4x4(wv, xv0, a0_0)
-            wv = vbload_4x4(w, wo1 + ko)
-            a1_0 = vfma_4x4(wv, xv0, a1_0)
-            wv = vbload_4x4(w, wo2 + ko)
-            a2_0 = vfma_4x4(wv, xv0, a2_0)
-            wv = vbload_4x4(w, wo3 + ko)
-            a3_0 = vfma_4x4(wv, xv0, a3_0)
-            wv = vbload_4x4(w, wo4 + ko)
-            a4_0 = vfma_4x4(wv, xv0, a4_0)
-            wv = vbload_4x4(w, wo5 + ko)
-            a5_0 = vfma_4x4(wv, xv0, a5_0)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_4x4(xq, xo + 0)
+                wv = vbload_4x4(w, wo0 + ko)
+                a0_0 = vfma_4x4(wv, xv0, a0_0)
+                wv = vbload_4x4(w, wo1 + ko)
+                a1_0 = vfma_4x4(wv, xv0, a1_0)
+                wv = vbload_4x4(w, wo2 + ko)
+                a2_0 = vfma_4x4(wv, xv0, a2_0)
+                wv = vbload_4x4(w, wo3 + ko)
+                a3_0 = vfma_4x4(wv, xv0, a3_0)
+                wv = vbload_4x4(w, wo4 + ko)
+                a4_0 = vfma_4x4(wv, xv0, a4_0)
+                wv = vbload_4x4(w, wo5 + ko)
+                a5_0 = vfma_4x4(wv, xv0, a5_0)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 4 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -4288,23 +4507,28 @@ def tile1v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
 
 
 @njit(cache=True)
-def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile2v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -4314,12 +4538,20 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_4x4(rtab, m0 + q0)
+            wo1 = w00 + sload_4x4(rtab, m0 + q1)
+            wo2 = w00 + sload_4x4(rtab, m0 + q2)
+            wo3 = w00 + sload_4x4(rtab, m0 + q3)
+            wo4 = w00 + sload_4x4(rtab, m0 + q4)
+            wo5 = w00 + sload_4x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_4x4()
         a0_1 = vzero_4x4()
         a1_0 = vzero_4x4()
@@ -4358,31 +4590,36 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a4_1 = vload_n_4x4(c, c0 + q4 * ldc + 4, cols - 4)
             a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
             a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_4x4(xq, xo + 0)
-            xv1 = vload_4x4(xq, xo + 4)
-            wv = vbload_4x4(w, wo0 + ko)
-            a0_0 = vfma_4x4(wv, xv0, a0_0)
-            a0_1 = vfma_4x4(wv, xv1, a0_1)
-            wv = vbload_4x4(w, wo1 + ko)
-            a1_0 = vfma_4x4(wv, xv0, a1_0)
-            a1_1 = vfma_4x4(wv, xv1, a1_1)
-            wv = vbload_4x4(w, wo2 + ko)
-            a2_0 = vfma_4x4(wv, xv0, a2_0)
-            a2_1 = vfma_4x4(wv, xv1, a2_1)
-            wv = vbload_4x4(w, wo3 + ko)
-            a3_0 = vfma_4x4(wv, xv0, a3_0)
-            a3_1 = vfma_4x4(wv, xv1, a3_1)
-            wv = vbload_4x4(w, wo4 + ko)
-            a4_0 = vfma_4x4(wv, xv0, a4_0)
-            a4_1 = vfma_4x4(wv, xv1, a4_1)
-            wv = vbload_4x4(w, wo5 + ko)
-            a5_0 = vfma_4x4(wv, xv0, a5_0)
-            a5_1 = vfma_4x4(wv, xv1, a5_1)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_4x4(xq, xo + 0)
+                xv1 = vload_4x4(xq, xo + 4)
+                wv = vbload_4x4(w, wo0 + ko)
+                a0_0 = vfma_4x4(wv, xv0, a0_0)
+                a0_1 = vfma_4x4(wv, xv1, a0_1)
+                wv = vbload_4x4(w, wo1 + ko)
+                a1_0 = vfma_4x4(wv, xv0, a1_0)
+                a1_1 = vfma_4x4(wv, xv1, a1_1)
+                wv = vbload_4x4(w, wo2 + ko)
+                a2_0 = vfma_4x4(wv, xv0, a2_0)
+                a2_1 = vfma_4x4(wv, xv1, a2_1)
+                wv = vbload_4x4(w, wo3 + ko)
+                a3_0 = vfma_4x4(wv, xv0, a3_0)
+                a3_1 = vfma_4x4(wv, xv1, a3_1)
+                wv = vbload_4x4(w, wo4 + ko)
+                a4_0 = vfma_4x4(wv, xv0, a4_0)
+                a4_1 = vfma_4x4(wv, xv1, a4_1)
+                wv = vbload_4x4(w, wo5 + ko)
+                a5_0 = vfma_4x4(wv, xv0, a5_0)
+                a5_1 = vfma_4x4(wv, xv1, a5_1)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 8 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -4564,23 +4801,28 @@ def tile2v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
 
 
 @njit(cache=True)
-def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc, cols,
-        epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b, pf, pfo, pfn):
-    """c[nrows x cols] (+)= w[nrows, kc] @ xq[kc, :cols] (flat offsets w00, x0, c00
-    of the corners; w's row and k strides wsr, wsk; xq's and c's row strides ldx, ldc),
+def tile3v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
+        c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
+        pf, pfo, pstep):
+    """c[nrows x cols] (+)= w[nrows, K] @ xq[K, :cols], rows m00.. of the operands
+    (flat offsets w00, x0, c00; w's row and k strides wsr, wsk; xq's and c's row
+    strides ldx, ldc). Row m of w starts at w00 + m * wsr, or at w00 + rtab[m] when
+    rtab has more than one entry (a conv's pixels read in place: rtab[0] is 0). K is
+    nky runs of kc, run i starting i * wrow further into w's rows (a conv's kernel
+    rows) and i * kc rows further into xq.
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 12 columns (zeros past cols); c is touched only in its cols columns.
     With ``epi`` a full tile takes the conv epilogue in registers before its one
     store (relu/clip only; arguments as _epilogue's): for short reductions the
     separate pass over the stored tile cost a quarter of the GEMM.
-    Each reduction step also prefetches one cache line of pf, from element pfo on
-    (never past pfn): the next weight slab streams in while this one is in use.
-    Pass pfn = pfo to prefetch nothing new."""
+    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
+    line a step): the next weight slab streams in while this one is in use. A
+    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
+    No clamp: every instruction here is paid once per fma step of the tile."""
     pq = pfo
     for mt in range(0, nrows, 6):
         rows = min(6, nrows - mt)
-        w0 = w00 + mt * wsr
         c0 = c00 + mt * ldc
         r0 = r00 + mt * ldr
         m0 = m00 + mt
@@ -4590,12 +4832,20 @@ def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
         q3 = min(3, rows - 1)
         q4 = min(4, rows - 1)
         q5 = min(5, rows - 1)
-        wo0 = w0 + q0 * wsr
-        wo1 = w0 + q1 * wsr
-        wo2 = w0 + q2 * wsr
-        wo3 = w0 + q3 * wsr
-        wo4 = w0 + q4 * wsr
-        wo5 = w0 + q5 * wsr
+        if rtab.size > 1:
+            wo0 = w00 + sload_4x4(rtab, m0 + q0)
+            wo1 = w00 + sload_4x4(rtab, m0 + q1)
+            wo2 = w00 + sload_4x4(rtab, m0 + q2)
+            wo3 = w00 + sload_4x4(rtab, m0 + q3)
+            wo4 = w00 + sload_4x4(rtab, m0 + q4)
+            wo5 = w00 + sload_4x4(rtab, m0 + q5)
+        else:
+            wo0 = w00 + (m0 + q0) * wsr
+            wo1 = w00 + (m0 + q1) * wsr
+            wo2 = w00 + (m0 + q2) * wsr
+            wo3 = w00 + (m0 + q3) * wsr
+            wo4 = w00 + (m0 + q4) * wsr
+            wo5 = w00 + (m0 + q5) * wsr
         a0_0 = vzero_4x4()
         a0_1 = vzero_4x4()
         a0_2 = vzero_4x4()
@@ -4652,38 +4902,43 @@ def tile3v_4x4(w, w00, wsr, wsk, nrows, xq, x0, ldx, kc, accumulate, c, c00, ldc
             a5_0 = vload_n_4x4(c, c0 + q5 * ldc + 0, cols - 0)
             a5_1 = vload_n_4x4(c, c0 + q5 * ldc + 4, cols - 4)
             a5_2 = vload_n_4x4(c, c0 + q5 * ldc + 8, cols - 8)
-        for k in range(kc):
-            xo = x0 + k * ldx
-            ko = k * wsk
-            prefetch(pf, min(pq, pfn))
-            pq += 16  # floats per 64-byte line
-            xv0 = vload_4x4(xq, xo + 0)
-            xv1 = vload_4x4(xq, xo + 4)
-            xv2 = vload_4x4(xq, xo + 8)
-            wv = vbload_4x4(w, wo0 + ko)
-            a0_0 = vfma_4x4(wv, xv0, a0_0)
-            a0_1 = vfma_4x4(wv, xv1, a0_1)
-            a0_2 = vfma_4x4(wv, xv2, a0_2)
-            wv = vbload_4x4(w, wo1 + ko)
-            a1_0 = vfma_4x4(wv, xv0, a1_0)
-            a1_1 = vfma_4x4(wv, xv1, a1_1)
-            a1_2 = vfma_4x4(wv, xv2, a1_2)
-            wv = vbload_4x4(w, wo2 + ko)
-            a2_0 = vfma_4x4(wv, xv0, a2_0)
-            a2_1 = vfma_4x4(wv, xv1, a2_1)
-            a2_2 = vfma_4x4(wv, xv2, a2_2)
-            wv = vbload_4x4(w, wo3 + ko)
-            a3_0 = vfma_4x4(wv, xv0, a3_0)
-            a3_1 = vfma_4x4(wv, xv1, a3_1)
-            a3_2 = vfma_4x4(wv, xv2, a3_2)
-            wv = vbload_4x4(w, wo4 + ko)
-            a4_0 = vfma_4x4(wv, xv0, a4_0)
-            a4_1 = vfma_4x4(wv, xv1, a4_1)
-            a4_2 = vfma_4x4(wv, xv2, a4_2)
-            wv = vbload_4x4(w, wo5 + ko)
-            a5_0 = vfma_4x4(wv, xv0, a5_0)
-            a5_1 = vfma_4x4(wv, xv1, a5_1)
-            a5_2 = vfma_4x4(wv, xv2, a5_2)
+        xo = x0
+        ko = 0
+        wjump = wrow - kc * wsk  # from the end of one kernel row to the next
+        for _ in range(nky):
+            for _ in range(kc):
+                prefetch(pf, pq)
+                pq += pstep
+                xv0 = vload_4x4(xq, xo + 0)
+                xv1 = vload_4x4(xq, xo + 4)
+                xv2 = vload_4x4(xq, xo + 8)
+                wv = vbload_4x4(w, wo0 + ko)
+                a0_0 = vfma_4x4(wv, xv0, a0_0)
+                a0_1 = vfma_4x4(wv, xv1, a0_1)
+                a0_2 = vfma_4x4(wv, xv2, a0_2)
+                wv = vbload_4x4(w, wo1 + ko)
+                a1_0 = vfma_4x4(wv, xv0, a1_0)
+                a1_1 = vfma_4x4(wv, xv1, a1_1)
+                a1_2 = vfma_4x4(wv, xv2, a1_2)
+                wv = vbload_4x4(w, wo2 + ko)
+                a2_0 = vfma_4x4(wv, xv0, a2_0)
+                a2_1 = vfma_4x4(wv, xv1, a2_1)
+                a2_2 = vfma_4x4(wv, xv2, a2_2)
+                wv = vbload_4x4(w, wo3 + ko)
+                a3_0 = vfma_4x4(wv, xv0, a3_0)
+                a3_1 = vfma_4x4(wv, xv1, a3_1)
+                a3_2 = vfma_4x4(wv, xv2, a3_2)
+                wv = vbload_4x4(w, wo4 + ko)
+                a4_0 = vfma_4x4(wv, xv0, a4_0)
+                a4_1 = vfma_4x4(wv, xv1, a4_1)
+                a4_2 = vfma_4x4(wv, xv2, a4_2)
+                wv = vbload_4x4(w, wo5 + ko)
+                a5_0 = vfma_4x4(wv, xv0, a5_0)
+                a5_1 = vfma_4x4(wv, xv1, a5_1)
+                a5_2 = vfma_4x4(wv, xv2, a5_2)
+                xo += ldx
+                ko += wsk
+            ko += wjump
         if cols == 12 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
@@ -5027,24 +5282,24 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
-                    tile1v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile1v_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 elif nvv == 2:
-                    tile2v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile2v_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 elif nvv == 3:
-                    tile3v_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile3v_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 else:
-                    tile_4x4(w, m0 * wsr + kb * wsk, wsr, wsk, rows, xp,
-                            t * kc * 16, 16, kc, acc, c, m0 * ldc + c_n, ldc, cols,
-                            fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
+                    tile_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
+                            t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
+                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
                             flags, act, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
@@ -5082,11 +5337,12 @@ def gemm_4x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 
 @njit(cache=True)
-def _pblock_4x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi):
-    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x4: per reduction block, per MC
-    rows, per panel (4 column tile(s) of 16), each tile call prefetching its
-    share of the slab the next panel's call reads."""
-    k_ = w.shape[1]
+def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+               t_lo, t_hi, m_lo, m_hi):
+    """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x4: per block of the reduction (whole
+    kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (4
+    column tile(s) of 16), each tile call prefetching its share of the slab the next
+    panel's call reads."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -5095,19 +5351,28 @@ def _pblock_4x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
     ldr = res.strides[0] // 4 if has_res else 0
     vec_act = act == 0 or act == 1 or act == 3
     epilogue = flags != 0 or act != 0
-    ps = k_ * PANEL  # floats per panel
-    end = wq.size - 16
-    for kb in range(0, k_, KC):
-        kc = min(KC, k_ - kb)
-        acc = kb > 0
-        final = kb + kc >= k_
+    ps = nky * run * PANEL  # floats per panel
+    whole = run <= KD
+    gk = KD // run if whole else 1  # kernel rows per block
+    jb = 1 if whole else (run + KC - 1) // KC  # blocks per kernel row
+    nb = (nky + gk - 1) // gk if whole else nky * jb
+    for bi in range(nb):
+        ky0 = bi * gk if whole else bi // jb
+        g = min(gk, nky - ky0)
+        j0 = 0 if whole else (bi % jb) * KC
+        kc = run if whole else min(KC, run - j0)
+        kf = ky0 * run + j0  # the block's first row of the panels
+        wk0 = ky0 * wrow + j0 * wsk
+        acc = bi > 0
+        final = bi == nb - 1
         fuse = final and epilogue and vec_act
+        share = g * kc * 16  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
             for t in range(t_lo, t_hi):
-                s0 = t * ps + kb * PANEL
+                s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
-                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kb + kc) * PANEL
+                nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
                 for u in range(4):
                     c_n = t * PANEL + u * 16
                     cols = min(16, n_ - c_n)
@@ -5115,32 +5380,31 @@ def _pblock_4x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
                         break
                     nvv = (cols + 3) // 4
                     fused = fuse and cols == nvv * 4  # whole vectors: in registers
-                    pfo = nxt + u * kc * 16
-                    pfn = max(pfo, min(pfo + kc * 16 - 16, end))
+                    pfo = nxt + u * share
                     if nvv == 1:
-                        tile1v_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 16, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile1v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     elif nvv == 2:
-                        tile2v_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 16, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile2v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     elif nvv == 3:
-                        tile3v_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 16, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile3v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     else:
-                        tile_4x4(w, pm * wsr + kb * wsk, wsr, wsk, rows, wq,
-                            s0 + u * 16, PANEL, kc, acc, c,
-                            pm * ldc + c_n, ldc, cols, fused, bias, scale, res,
-                            pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq, pfo,
-                            pfn)
+                        tile_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
+                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                            pm * ldc + c_n, ldc, cols, fused, bias, scale,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_4x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
@@ -5150,12 +5414,14 @@ def _pblock_4x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, 
 
 
 @njit(parallel=True, cache=True)
-def gemmp_4x4(w, wq, c, bias, scale, res, flags, act, a, b, workers):
-    """c = act(scale * (w @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats
-    (zero past N), flat. Panels are split across workers when they divide evenly,
-    else rows are."""
-    m_ = w.shape[0]
+def gemmp_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+    """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
+    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
+    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
+    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    Panels are split across workers when they divide evenly, else rows are."""
+    m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
     by_panel = np_ % workers == 0
     per_t = np_ // workers
@@ -5167,7 +5433,8 @@ def gemmp_4x4(w, wq, c, bias, scale, res, flags, act, a, b, workers):
         m_lo = 0 if by_panel else sl * per_m
         m_hi = m_ if by_panel else min(m_, m_lo + per_m)
         if m_lo < m_hi:
-            _pblock_4x4(w, wq, c, bias, scale, res, flags, act, a, b, t_lo, t_hi, m_lo, m_hi)
+            _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
+                       t_lo, t_hi, m_lo, m_hi)
 
 
 
@@ -5362,13 +5629,13 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             _pack_4x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_4x4(vb, e * tb * cip + kb, cip, 1, nt, u,
-                                    (e * ci + kb) * co + j0, co, kc, kb > 0,
+                            tile_4x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                                    (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, u.size - 16)
+                                    u, (e * ci + kb + kc) * co, 16)
                         else:
-                            tile_4x4(vb, e * tb * cip + kb, cip, 1, nt, xq, 0,
-                                    16, kc, kb > 0, mb, e * tb * cop + j0, cop,
+                            tile_4x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
+                                    16, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
                                     cols, *no_epi, xq, 0, 0)
         for sl in prange(slots):
             for t in range(t0 + sl * per, min(t0 + nt, t0 + (sl + 1) * per)):

@@ -98,10 +98,10 @@ def build_info() -> dict:
 
 def _layouts(g: Graph, backends: Sequence[str], layout: str) -> tuple[int, int, int]:
     """The layout passes, in order (each counts what it changed): channels-last
-    regions, banded chains, then weight panels for the convs left."""
+    regions, weight panels for their convs, then banded chains."""
     n_last = choose_layouts(g, backends, layout)
-    n_chains = fuse_mbconv(g, backends)
-    return n_last, n_chains, pack_panels(g)
+    n_panels = pack_panels(g)
+    return n_last, fuse_mbconv(g, backends), n_panels
 
 
 def build(

@@ -124,8 +124,8 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
 
 def pack_panels(g: Graph) -> int:
     """Store each channels-last group-1 conv's weights as GEMM panels (kernels/layout.py
-    to_panels); returns how many convs changed. Runs after the chain fusion, whose
-    pointwise convs keep HWIO.
+    to_panels); returns how many convs changed. Runs before the chain fusion, whose
+    pointwise convs keep their panels.
 
     Why at pack time: the CPU GEMM otherwise repacked the weights on every call,
     reading them in strided rows the hardware prefetcher cannot follow. Read as

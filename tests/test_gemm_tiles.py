@@ -122,6 +122,7 @@ def test_packed_weights_give_the_packing_gemms_bits(shape):
 
     gemm = getattr(gemm_tiles, f"gemm_{shape}")
     gemmp = getattr(gemm_tiles, f"gemmp_{shape}")
+    NOROWS = gemm_tiles.NOROWS
     for m, k, n in [(13, 300, 77), (49, 160, 130), (7, 5, 3), (64, 40, 128)]:
         rng = np.random.default_rng(m + k + n)
         w = rng.standard_normal((m, k)).astype(np.float32)
@@ -137,7 +138,7 @@ def test_packed_weights_give_the_packing_gemms_bits(shape):
             gemm(w, x, want, bias, scale, res, *args, xp)
             for workers in (1, 2, 3):
                 big = np.full((m, n + 9), 7.0, np.float32)  # c is a band: columns 3 .. 3+n
-                gemmp(w, wq, big[:, 3 : 3 + n], bias, scale, res, *args, workers)
+                gemmp(w, NOROWS, k, 1, 0, wq, big[:, 3 : 3 + n], bias, scale, res, *args, workers)
                 assert (big[:, :3] == 7).all() and (big[:, 3 + n :] == 7).all()
                 assert np.array_equal(big[:, 3 : 3 + n], want), (m, k, n, act, workers)
 

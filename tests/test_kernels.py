@@ -189,7 +189,9 @@ def mbconv_case(
             w = _randn(rng, co_, ci // g, kk, kk, scale=1.0 / np.sqrt(ci // g * kk * kk))
             wq, scale = _store_weight(w, dts[which] or dt)
             b = _randn(rng, co_, scale=0.5) if bias else None
-            return [np.ascontiguousarray(wq.transpose(layout.HWIO_FROM_OIHW)), b, scale]
+            hwio = np.ascontiguousarray(wq.transpose(layout.HWIO_FROM_OIHW))
+            # the pointwise convs' weights as the packager stores them: panels
+            return [hwio if g > 1 else layout.to_panels(hwio), b, scale]
 
         def sub(act: str, **kw) -> dict:
             return {
@@ -211,11 +213,11 @@ def mbconv_case(
         attrs = {
             "layout": layout.NHWC,
             "dw": sub(acts[1], strides=[s, s], pads=[p] * 4, group=ce),
-            "project": sub(acts[2]),
+            "project": sub(acts[2], panel=layout.PANEL, out_channels=co),
             "band": band,
         }
         if expand:
-            attrs["expand"] = sub(acts[0])
+            attrs["expand"] = sub(acts[0], panel=layout.PANEL, out_channels=ce)
         return ins, attrs
 
     return Case(name, make, const=tuple(range(1, 10)))
@@ -1196,7 +1198,7 @@ def test_reference_mbconv_matches_onnxruntime(case: Case) -> None:
         if ins[i] is None:
             continue
         sub = attrs[tag]
-        w = np.ascontiguousarray(ins[i].transpose(layout.OIHW_FROM_HWIO))
+        w = np.ascontiguousarray(layout.hwio_weights(ins[i], sub).transpose(layout.OIHW_FROM_HWIO))
         inits[f"w_{tag}"], inits[f"b_{tag}"] = w, ins[i + 1]
         nodes.append(
             helper.make_node(
