@@ -402,6 +402,12 @@ def _dw_planes(wshape, out_shape, attrs) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
+def _dw_kernel(hwio_shape: Sequence[int]):
+    """The channels-last depthwise kernel: 3x3 windows in explicit vectors (dw3, weights
+    held in registers), others row-wise (dwconv_nhwc); same arguments."""
+    return K.dw3 if tuple(hwio_shape[:2]) == (3, 3) else K.dwconv_nhwc
+
+
 def _dw_scratch(ins, outs, attrs) -> int:
     wshape, wdt = ins[1]
     need = _nbytes(wshape) if wdt == "f16" else 0
@@ -439,7 +445,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
                 flat(xn, w, b_, s_, rn, yn, planes, flags, act, a, b)
 
         return step_flat
-    kern = K.dwconv_nhwc if layout.is_nhwc(attrs) else K.dwconv  # same arguments
+    kern = _dw_kernel(w.shape) if layout.is_nhwc(attrs) else K.dwconv  # same arguments
 
     def step() -> None:
         if decode is not None:
@@ -784,7 +790,7 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
             pr = (_readonly(d.reshape(-1, ce)), _NOROWS, ce, 1, 0, wp, yb, *bs_p, rb, *fa_p,
                   workers)
             calls.append((ex, dwa, pr))
-    gemmp, dwk = K.gemmp, K.dwconv_nhwc
+    gemmp, dwk = K.gemmp, _dw_kernel(dwin[1].shape)
 
     def step() -> None:
         for decode in decodes:

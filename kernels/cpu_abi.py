@@ -23,7 +23,7 @@ PANEL = 64
 AOT_MODULE = "edgepack_kernels"
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
 # builds export the target's shape under the plain name.
-GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv")
+GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv", "dw3")
 
 
 def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
@@ -76,7 +76,6 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "wino_conv": v(f3, f3, arr(f4, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4),
                        w1, w1, f3, i8, i8, f4, f4, i8),
     }
-    assert set(tiled) == set(GEMM_TILE_KERNELS)
     for name, sig in tiled.items():
         sigs[name] = (f"gemm_tiles.{name}_{gemm_shape}", sig)
     for name, wdt in (("f32", f4), ("i8", i1)):
@@ -90,4 +89,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         )
         for kern in ("dwconv", "cpu_nhwc.dwconv_nhwc"):  # planar, channels-last
             sigs[f"{kern.rpartition('.')[2]}_{name}"] = (kern, dwconv_sig)
+        sigs[f"dw3_{name}"] = (f"gemm_tiles.dw3_{gemm_shape}", dwconv_sig)  # 3x3, vectors
+    # every per-shape kernel is exported (dw3 once per weight dtype)
+    assert set(tiled) | {"dw3"} == set(GEMM_TILE_KERNELS)
     return sigs

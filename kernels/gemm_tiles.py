@@ -30,7 +30,15 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
-from .cpu_numba import act_row, act_scalar, nhwc_fill_row, nhwc_out_row, nhwc_row, nhwc_row_out
+from .cpu_numba import (
+    act_row,
+    act_scalar,
+    nhwc_fill_row,
+    nhwc_out_row,
+    nhwc_row,
+    nhwc_row_out,
+    valid_cols,
+)
 from .simd import Ops, prefetch
 
 MR = 6
@@ -58,6 +66,7 @@ vmax_16x4 = _ops_16x4.vmax
 vmin_16x4 = _ops_16x4.vmin
 vload_n_16x4 = _ops_16x4.vload_n
 vstore_n_16x4 = _ops_16x4.vstore_n
+vloadw_n_16x4 = _ops_16x4.vloadw_n
 sload_16x4 = _ops_16x4.sload
 sstore_16x4 = _ops_16x4.sstore
 
@@ -75,6 +84,7 @@ vmax_8x2 = _ops_8x2.vmax
 vmin_8x2 = _ops_8x2.vmin
 vload_n_8x2 = _ops_8x2.vload_n
 vstore_n_8x2 = _ops_8x2.vstore_n
+vloadw_n_8x2 = _ops_8x2.vloadw_n
 sload_8x2 = _ops_8x2.sload
 sstore_8x2 = _ops_8x2.sstore
 
@@ -92,6 +102,7 @@ vmax_4x2 = _ops_4x2.vmax
 vmin_4x2 = _ops_4x2.vmin
 vload_n_4x2 = _ops_4x2.vload_n
 vstore_n_4x2 = _ops_4x2.vstore_n
+vloadw_n_4x2 = _ops_4x2.vloadw_n
 sload_4x2 = _ops_4x2.sload
 sstore_4x2 = _ops_4x2.sstore
 
@@ -109,6 +120,7 @@ vmax_4x4 = _ops_4x4.vmax
 vmin_4x4 = _ops_4x4.vmin
 vload_n_4x4 = _ops_4x4.vload_n
 vstore_n_4x4 = _ops_4x4.vstore_n
+vloadw_n_4x4 = _ops_4x4.vloadw_n
 sload_4x4 = _ops_4x4.sload
 sstore_4x4 = _ops_4x4.sstore
 
@@ -1934,6 +1946,133 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
 
 
 @njit(cache=True)
+def _dw3_row_16x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                scale, bias, lo_x, hi_x, lo, hi):
+    """Output row oy of dw3_16x4: per vector of channels, the edge pixels, then the
+    interior (every tap inside the image), the nine weights in registers for both.
+    A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
+    w * 0 (an inf at the edge does not reach its neighbours' padded taps)."""
+    h, wd, n_c = x.shape
+    ow = out.shape[1]
+    rs = dh * wd * n_c
+    cs = dw * n_c
+    step = sw * n_c
+    iy0 = oy * sh - pt
+    r0 = iy0 >= 0 and iy0 < h
+    r1 = iy0 + dh >= 0 and iy0 + dh < h
+    r2 = iy0 + 2 * dh >= 0 and iy0 + 2 * dh < h
+    # the interior: windows inside the image (none in a top or bottom row)
+    i_lo, i_hi = (lo_x, hi_x) if r0 and r1 and r2 else (0, 0)
+    orow = oy * ow * n_c
+    one = vsplat_16x4(np.float32(1))
+    zero = vzero_16x4()
+    for c0 in range(0, n_c, 16):
+        nl = n_c - c0
+        w0 = vloadw_n_16x4(w, 0 * n_c + c0, nl)
+        w1 = vloadw_n_16x4(w, 1 * n_c + c0, nl)
+        w2 = vloadw_n_16x4(w, 2 * n_c + c0, nl)
+        w3 = vloadw_n_16x4(w, 3 * n_c + c0, nl)
+        w4 = vloadw_n_16x4(w, 4 * n_c + c0, nl)
+        w5 = vloadw_n_16x4(w, 5 * n_c + c0, nl)
+        w6 = vloadw_n_16x4(w, 6 * n_c + c0, nl)
+        w7 = vloadw_n_16x4(w, 7 * n_c + c0, nl)
+        w8 = vloadw_n_16x4(w, 8 * n_c + c0, nl)
+        # absent scale and bias multiply by 1 and add 0: no branches per pixel
+        sv = vload_n_16x4(scale, c0, nl) if has_scale else one
+        bv = vload_n_16x4(bias, c0, nl) if has_bias else zero
+        n0, n1, n2 = (nl if r0 else 0), (nl if r1 else 0), (nl if r2 else 0)
+        for k in range(i_lo + ow - i_hi):  # the edge pixels: left of i_lo, then from i_hi
+            ox = k if k < i_lo else i_hi + k - i_lo
+            ix0 = ox * sw - pl
+            m0 = ix0 >= 0 and ix0 < wd
+            m1 = ix0 + dw >= 0 and ix0 + dw < wd
+            m2 = ix0 + 2 * dw >= 0 and ix0 + 2 * dw < wd
+            p0 = (iy0 * wd + ix0) * n_c + c0
+            p1 = p0 + rs
+            p2 = p1 + rs
+            acc = zero
+            acc = vfma_16x4(w0, vload_n_16x4(x, p0, n0 if m0 else 0), acc)
+            acc = vfma_16x4(w1, vload_n_16x4(x, p0 + 1 * cs, n0 if m1 else 0), acc)
+            acc = vfma_16x4(w2, vload_n_16x4(x, p0 + 2 * cs, n0 if m2 else 0), acc)
+            acc = vfma_16x4(w3, vload_n_16x4(x, p1, n1 if m0 else 0), acc)
+            acc = vfma_16x4(w4, vload_n_16x4(x, p1 + 1 * cs, n1 if m1 else 0), acc)
+            acc = vfma_16x4(w5, vload_n_16x4(x, p1 + 2 * cs, n1 if m2 else 0), acc)
+            acc = vfma_16x4(w6, vload_n_16x4(x, p2, n2 if m0 else 0), acc)
+            acc = vfma_16x4(w7, vload_n_16x4(x, p2 + 1 * cs, n2 if m1 else 0), acc)
+            acc = vfma_16x4(w8, vload_n_16x4(x, p2 + 2 * cs, n2 if m2 else 0), acc)
+            o = orow + ox * n_c + c0
+            acc = vadd_16x4(vmul_16x4(acc, sv), bv)
+            if has_res:
+                acc = vadd_16x4(acc, vload_n_16x4(res, o, nl))
+            vstore_n_16x4(out, o, vmin_16x4(vmax_16x4(acc, lo), hi), nl)
+    # the interior in blocks of pixels, all channels of a block before the next: the
+    # block's input stays in L1 while each channel vector passes (a whole row's, at
+    # 112x112x96 stride 2, did not: 1.25x slower than pixel by pixel)
+    for xb in range(i_lo, i_hi, 8):
+        for c0 in range(0, n_c, 16):
+            nl = n_c - c0
+            w0 = vloadw_n_16x4(w, 0 * n_c + c0, nl)
+            w1 = vloadw_n_16x4(w, 1 * n_c + c0, nl)
+            w2 = vloadw_n_16x4(w, 2 * n_c + c0, nl)
+            w3 = vloadw_n_16x4(w, 3 * n_c + c0, nl)
+            w4 = vloadw_n_16x4(w, 4 * n_c + c0, nl)
+            w5 = vloadw_n_16x4(w, 5 * n_c + c0, nl)
+            w6 = vloadw_n_16x4(w, 6 * n_c + c0, nl)
+            w7 = vloadw_n_16x4(w, 7 * n_c + c0, nl)
+            w8 = vloadw_n_16x4(w, 8 * n_c + c0, nl)
+            sv = vload_n_16x4(scale, c0, nl) if has_scale else one
+            bv = vload_n_16x4(bias, c0, nl) if has_bias else zero
+            p0 = (iy0 * wd + xb * sw - pl) * n_c + c0  # row 0 of the block's first window
+            o = orow + xb * n_c + c0
+            for _ in range(xb, min(xb + 8, i_hi)):
+                p1 = p0 + rs
+                p2 = p1 + rs
+                acc = zero
+                acc = vfma_16x4(w0, vload_n_16x4(x, p0, nl), acc)
+                acc = vfma_16x4(w1, vload_n_16x4(x, p0 + 1 * cs, nl), acc)
+                acc = vfma_16x4(w2, vload_n_16x4(x, p0 + 2 * cs, nl), acc)
+                acc = vfma_16x4(w3, vload_n_16x4(x, p1, nl), acc)
+                acc = vfma_16x4(w4, vload_n_16x4(x, p1 + 1 * cs, nl), acc)
+                acc = vfma_16x4(w5, vload_n_16x4(x, p1 + 2 * cs, nl), acc)
+                acc = vfma_16x4(w6, vload_n_16x4(x, p2, nl), acc)
+                acc = vfma_16x4(w7, vload_n_16x4(x, p2 + 1 * cs, nl), acc)
+                acc = vfma_16x4(w8, vload_n_16x4(x, p2 + 2 * cs, nl), acc)
+                acc = vadd_16x4(vmul_16x4(acc, sv), bv)
+                if has_res:
+                    acc = vadd_16x4(acc, vload_n_16x4(res, o, nl))
+                vstore_n_16x4(out, o, vmin_16x4(vmax_16x4(acc, lo), hi), nl)
+                p0 += step
+                o += n_c
+
+
+@njit(parallel=True, cache=True)
+def dw3_16x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b):
+    """3x3 depthwise conv, one image, channels-last: cpu_nhwc.dwconv_nhwc's arguments
+    and result (x[H, W, C], w[3, 3, 1, C] float32 or int8, out[OH, OW, C]) within
+    float32 rounding. Per output row and vector of 16 channels the nine weights
+    stay in registers while the row's pixels pass: nine loads and nine fmas per output
+    vector, where the auto-vectorised loop reloaded the weights for every pixel and
+    multiplied and added separately. The last vector of channels is masked. ReLU and
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    wd = x.shape[1]
+    oh, ow, n_c = out.shape
+    post = act != 0 and act != 1 and act != 3
+    inf = np.float32(np.inf)
+    lo = vsplat_16x4(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
+    hi = vsplat_16x4(np.float32(b) if act == 3 else inf)
+    lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
+    has_scale = (flags & HAS_SCALE) != 0
+    has_bias = (flags & HAS_BIAS) != 0
+    has_res = (flags & HAS_RES) != 0
+    for oy in prange(oh):
+        _dw3_row_16x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                    scale, bias, lo_x, hi_x, lo, hi)
+        if post:
+            act_row(out[oy].reshape(ow * n_c), act, a, b)
+
+
+
+@njit(cache=True)
 def tile_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
         c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
         pf, pfo, pstep):
@@ -2883,6 +3022,133 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
+def _dw3_row_8x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                scale, bias, lo_x, hi_x, lo, hi):
+    """Output row oy of dw3_8x2: per vector of channels, the edge pixels, then the
+    interior (every tap inside the image), the nine weights in registers for both.
+    A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
+    w * 0 (an inf at the edge does not reach its neighbours' padded taps)."""
+    h, wd, n_c = x.shape
+    ow = out.shape[1]
+    rs = dh * wd * n_c
+    cs = dw * n_c
+    step = sw * n_c
+    iy0 = oy * sh - pt
+    r0 = iy0 >= 0 and iy0 < h
+    r1 = iy0 + dh >= 0 and iy0 + dh < h
+    r2 = iy0 + 2 * dh >= 0 and iy0 + 2 * dh < h
+    # the interior: windows inside the image (none in a top or bottom row)
+    i_lo, i_hi = (lo_x, hi_x) if r0 and r1 and r2 else (0, 0)
+    orow = oy * ow * n_c
+    one = vsplat_8x2(np.float32(1))
+    zero = vzero_8x2()
+    for c0 in range(0, n_c, 8):
+        nl = n_c - c0
+        w0 = vloadw_n_8x2(w, 0 * n_c + c0, nl)
+        w1 = vloadw_n_8x2(w, 1 * n_c + c0, nl)
+        w2 = vloadw_n_8x2(w, 2 * n_c + c0, nl)
+        w3 = vloadw_n_8x2(w, 3 * n_c + c0, nl)
+        w4 = vloadw_n_8x2(w, 4 * n_c + c0, nl)
+        w5 = vloadw_n_8x2(w, 5 * n_c + c0, nl)
+        w6 = vloadw_n_8x2(w, 6 * n_c + c0, nl)
+        w7 = vloadw_n_8x2(w, 7 * n_c + c0, nl)
+        w8 = vloadw_n_8x2(w, 8 * n_c + c0, nl)
+        # absent scale and bias multiply by 1 and add 0: no branches per pixel
+        sv = vload_n_8x2(scale, c0, nl) if has_scale else one
+        bv = vload_n_8x2(bias, c0, nl) if has_bias else zero
+        n0, n1, n2 = (nl if r0 else 0), (nl if r1 else 0), (nl if r2 else 0)
+        for k in range(i_lo + ow - i_hi):  # the edge pixels: left of i_lo, then from i_hi
+            ox = k if k < i_lo else i_hi + k - i_lo
+            ix0 = ox * sw - pl
+            m0 = ix0 >= 0 and ix0 < wd
+            m1 = ix0 + dw >= 0 and ix0 + dw < wd
+            m2 = ix0 + 2 * dw >= 0 and ix0 + 2 * dw < wd
+            p0 = (iy0 * wd + ix0) * n_c + c0
+            p1 = p0 + rs
+            p2 = p1 + rs
+            acc = zero
+            acc = vfma_8x2(w0, vload_n_8x2(x, p0, n0 if m0 else 0), acc)
+            acc = vfma_8x2(w1, vload_n_8x2(x, p0 + 1 * cs, n0 if m1 else 0), acc)
+            acc = vfma_8x2(w2, vload_n_8x2(x, p0 + 2 * cs, n0 if m2 else 0), acc)
+            acc = vfma_8x2(w3, vload_n_8x2(x, p1, n1 if m0 else 0), acc)
+            acc = vfma_8x2(w4, vload_n_8x2(x, p1 + 1 * cs, n1 if m1 else 0), acc)
+            acc = vfma_8x2(w5, vload_n_8x2(x, p1 + 2 * cs, n1 if m2 else 0), acc)
+            acc = vfma_8x2(w6, vload_n_8x2(x, p2, n2 if m0 else 0), acc)
+            acc = vfma_8x2(w7, vload_n_8x2(x, p2 + 1 * cs, n2 if m1 else 0), acc)
+            acc = vfma_8x2(w8, vload_n_8x2(x, p2 + 2 * cs, n2 if m2 else 0), acc)
+            o = orow + ox * n_c + c0
+            acc = vadd_8x2(vmul_8x2(acc, sv), bv)
+            if has_res:
+                acc = vadd_8x2(acc, vload_n_8x2(res, o, nl))
+            vstore_n_8x2(out, o, vmin_8x2(vmax_8x2(acc, lo), hi), nl)
+    # the interior in blocks of pixels, all channels of a block before the next: the
+    # block's input stays in L1 while each channel vector passes (a whole row's, at
+    # 112x112x96 stride 2, did not: 1.25x slower than pixel by pixel)
+    for xb in range(i_lo, i_hi, 8):
+        for c0 in range(0, n_c, 8):
+            nl = n_c - c0
+            w0 = vloadw_n_8x2(w, 0 * n_c + c0, nl)
+            w1 = vloadw_n_8x2(w, 1 * n_c + c0, nl)
+            w2 = vloadw_n_8x2(w, 2 * n_c + c0, nl)
+            w3 = vloadw_n_8x2(w, 3 * n_c + c0, nl)
+            w4 = vloadw_n_8x2(w, 4 * n_c + c0, nl)
+            w5 = vloadw_n_8x2(w, 5 * n_c + c0, nl)
+            w6 = vloadw_n_8x2(w, 6 * n_c + c0, nl)
+            w7 = vloadw_n_8x2(w, 7 * n_c + c0, nl)
+            w8 = vloadw_n_8x2(w, 8 * n_c + c0, nl)
+            sv = vload_n_8x2(scale, c0, nl) if has_scale else one
+            bv = vload_n_8x2(bias, c0, nl) if has_bias else zero
+            p0 = (iy0 * wd + xb * sw - pl) * n_c + c0  # row 0 of the block's first window
+            o = orow + xb * n_c + c0
+            for _ in range(xb, min(xb + 8, i_hi)):
+                p1 = p0 + rs
+                p2 = p1 + rs
+                acc = zero
+                acc = vfma_8x2(w0, vload_n_8x2(x, p0, nl), acc)
+                acc = vfma_8x2(w1, vload_n_8x2(x, p0 + 1 * cs, nl), acc)
+                acc = vfma_8x2(w2, vload_n_8x2(x, p0 + 2 * cs, nl), acc)
+                acc = vfma_8x2(w3, vload_n_8x2(x, p1, nl), acc)
+                acc = vfma_8x2(w4, vload_n_8x2(x, p1 + 1 * cs, nl), acc)
+                acc = vfma_8x2(w5, vload_n_8x2(x, p1 + 2 * cs, nl), acc)
+                acc = vfma_8x2(w6, vload_n_8x2(x, p2, nl), acc)
+                acc = vfma_8x2(w7, vload_n_8x2(x, p2 + 1 * cs, nl), acc)
+                acc = vfma_8x2(w8, vload_n_8x2(x, p2 + 2 * cs, nl), acc)
+                acc = vadd_8x2(vmul_8x2(acc, sv), bv)
+                if has_res:
+                    acc = vadd_8x2(acc, vload_n_8x2(res, o, nl))
+                vstore_n_8x2(out, o, vmin_8x2(vmax_8x2(acc, lo), hi), nl)
+                p0 += step
+                o += n_c
+
+
+@njit(parallel=True, cache=True)
+def dw3_8x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b):
+    """3x3 depthwise conv, one image, channels-last: cpu_nhwc.dwconv_nhwc's arguments
+    and result (x[H, W, C], w[3, 3, 1, C] float32 or int8, out[OH, OW, C]) within
+    float32 rounding. Per output row and vector of 8 channels the nine weights
+    stay in registers while the row's pixels pass: nine loads and nine fmas per output
+    vector, where the auto-vectorised loop reloaded the weights for every pixel and
+    multiplied and added separately. The last vector of channels is masked. ReLU and
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    wd = x.shape[1]
+    oh, ow, n_c = out.shape
+    post = act != 0 and act != 1 and act != 3
+    inf = np.float32(np.inf)
+    lo = vsplat_8x2(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
+    hi = vsplat_8x2(np.float32(b) if act == 3 else inf)
+    lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
+    has_scale = (flags & HAS_SCALE) != 0
+    has_bias = (flags & HAS_BIAS) != 0
+    has_res = (flags & HAS_RES) != 0
+    for oy in prange(oh):
+        _dw3_row_8x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                    scale, bias, lo_x, hi_x, lo, hi)
+        if post:
+            act_row(out[oy].reshape(ow * n_c), act, a, b)
+
+
+
+@njit(cache=True)
 def tile_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
         c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
         pf, pfo, pstep):
@@ -3828,6 +4094,133 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                 nhwc_out_row(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
             else:
                 nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+
+
+
+@njit(cache=True)
+def _dw3_row_4x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                scale, bias, lo_x, hi_x, lo, hi):
+    """Output row oy of dw3_4x2: per vector of channels, the edge pixels, then the
+    interior (every tap inside the image), the nine weights in registers for both.
+    A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
+    w * 0 (an inf at the edge does not reach its neighbours' padded taps)."""
+    h, wd, n_c = x.shape
+    ow = out.shape[1]
+    rs = dh * wd * n_c
+    cs = dw * n_c
+    step = sw * n_c
+    iy0 = oy * sh - pt
+    r0 = iy0 >= 0 and iy0 < h
+    r1 = iy0 + dh >= 0 and iy0 + dh < h
+    r2 = iy0 + 2 * dh >= 0 and iy0 + 2 * dh < h
+    # the interior: windows inside the image (none in a top or bottom row)
+    i_lo, i_hi = (lo_x, hi_x) if r0 and r1 and r2 else (0, 0)
+    orow = oy * ow * n_c
+    one = vsplat_4x2(np.float32(1))
+    zero = vzero_4x2()
+    for c0 in range(0, n_c, 4):
+        nl = n_c - c0
+        w0 = vloadw_n_4x2(w, 0 * n_c + c0, nl)
+        w1 = vloadw_n_4x2(w, 1 * n_c + c0, nl)
+        w2 = vloadw_n_4x2(w, 2 * n_c + c0, nl)
+        w3 = vloadw_n_4x2(w, 3 * n_c + c0, nl)
+        w4 = vloadw_n_4x2(w, 4 * n_c + c0, nl)
+        w5 = vloadw_n_4x2(w, 5 * n_c + c0, nl)
+        w6 = vloadw_n_4x2(w, 6 * n_c + c0, nl)
+        w7 = vloadw_n_4x2(w, 7 * n_c + c0, nl)
+        w8 = vloadw_n_4x2(w, 8 * n_c + c0, nl)
+        # absent scale and bias multiply by 1 and add 0: no branches per pixel
+        sv = vload_n_4x2(scale, c0, nl) if has_scale else one
+        bv = vload_n_4x2(bias, c0, nl) if has_bias else zero
+        n0, n1, n2 = (nl if r0 else 0), (nl if r1 else 0), (nl if r2 else 0)
+        for k in range(i_lo + ow - i_hi):  # the edge pixels: left of i_lo, then from i_hi
+            ox = k if k < i_lo else i_hi + k - i_lo
+            ix0 = ox * sw - pl
+            m0 = ix0 >= 0 and ix0 < wd
+            m1 = ix0 + dw >= 0 and ix0 + dw < wd
+            m2 = ix0 + 2 * dw >= 0 and ix0 + 2 * dw < wd
+            p0 = (iy0 * wd + ix0) * n_c + c0
+            p1 = p0 + rs
+            p2 = p1 + rs
+            acc = zero
+            acc = vfma_4x2(w0, vload_n_4x2(x, p0, n0 if m0 else 0), acc)
+            acc = vfma_4x2(w1, vload_n_4x2(x, p0 + 1 * cs, n0 if m1 else 0), acc)
+            acc = vfma_4x2(w2, vload_n_4x2(x, p0 + 2 * cs, n0 if m2 else 0), acc)
+            acc = vfma_4x2(w3, vload_n_4x2(x, p1, n1 if m0 else 0), acc)
+            acc = vfma_4x2(w4, vload_n_4x2(x, p1 + 1 * cs, n1 if m1 else 0), acc)
+            acc = vfma_4x2(w5, vload_n_4x2(x, p1 + 2 * cs, n1 if m2 else 0), acc)
+            acc = vfma_4x2(w6, vload_n_4x2(x, p2, n2 if m0 else 0), acc)
+            acc = vfma_4x2(w7, vload_n_4x2(x, p2 + 1 * cs, n2 if m1 else 0), acc)
+            acc = vfma_4x2(w8, vload_n_4x2(x, p2 + 2 * cs, n2 if m2 else 0), acc)
+            o = orow + ox * n_c + c0
+            acc = vadd_4x2(vmul_4x2(acc, sv), bv)
+            if has_res:
+                acc = vadd_4x2(acc, vload_n_4x2(res, o, nl))
+            vstore_n_4x2(out, o, vmin_4x2(vmax_4x2(acc, lo), hi), nl)
+    # the interior in blocks of pixels, all channels of a block before the next: the
+    # block's input stays in L1 while each channel vector passes (a whole row's, at
+    # 112x112x96 stride 2, did not: 1.25x slower than pixel by pixel)
+    for xb in range(i_lo, i_hi, 8):
+        for c0 in range(0, n_c, 4):
+            nl = n_c - c0
+            w0 = vloadw_n_4x2(w, 0 * n_c + c0, nl)
+            w1 = vloadw_n_4x2(w, 1 * n_c + c0, nl)
+            w2 = vloadw_n_4x2(w, 2 * n_c + c0, nl)
+            w3 = vloadw_n_4x2(w, 3 * n_c + c0, nl)
+            w4 = vloadw_n_4x2(w, 4 * n_c + c0, nl)
+            w5 = vloadw_n_4x2(w, 5 * n_c + c0, nl)
+            w6 = vloadw_n_4x2(w, 6 * n_c + c0, nl)
+            w7 = vloadw_n_4x2(w, 7 * n_c + c0, nl)
+            w8 = vloadw_n_4x2(w, 8 * n_c + c0, nl)
+            sv = vload_n_4x2(scale, c0, nl) if has_scale else one
+            bv = vload_n_4x2(bias, c0, nl) if has_bias else zero
+            p0 = (iy0 * wd + xb * sw - pl) * n_c + c0  # row 0 of the block's first window
+            o = orow + xb * n_c + c0
+            for _ in range(xb, min(xb + 8, i_hi)):
+                p1 = p0 + rs
+                p2 = p1 + rs
+                acc = zero
+                acc = vfma_4x2(w0, vload_n_4x2(x, p0, nl), acc)
+                acc = vfma_4x2(w1, vload_n_4x2(x, p0 + 1 * cs, nl), acc)
+                acc = vfma_4x2(w2, vload_n_4x2(x, p0 + 2 * cs, nl), acc)
+                acc = vfma_4x2(w3, vload_n_4x2(x, p1, nl), acc)
+                acc = vfma_4x2(w4, vload_n_4x2(x, p1 + 1 * cs, nl), acc)
+                acc = vfma_4x2(w5, vload_n_4x2(x, p1 + 2 * cs, nl), acc)
+                acc = vfma_4x2(w6, vload_n_4x2(x, p2, nl), acc)
+                acc = vfma_4x2(w7, vload_n_4x2(x, p2 + 1 * cs, nl), acc)
+                acc = vfma_4x2(w8, vload_n_4x2(x, p2 + 2 * cs, nl), acc)
+                acc = vadd_4x2(vmul_4x2(acc, sv), bv)
+                if has_res:
+                    acc = vadd_4x2(acc, vload_n_4x2(res, o, nl))
+                vstore_n_4x2(out, o, vmin_4x2(vmax_4x2(acc, lo), hi), nl)
+                p0 += step
+                o += n_c
+
+
+@njit(parallel=True, cache=True)
+def dw3_4x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b):
+    """3x3 depthwise conv, one image, channels-last: cpu_nhwc.dwconv_nhwc's arguments
+    and result (x[H, W, C], w[3, 3, 1, C] float32 or int8, out[OH, OW, C]) within
+    float32 rounding. Per output row and vector of 4 channels the nine weights
+    stay in registers while the row's pixels pass: nine loads and nine fmas per output
+    vector, where the auto-vectorised loop reloaded the weights for every pixel and
+    multiplied and added separately. The last vector of channels is masked. ReLU and
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    wd = x.shape[1]
+    oh, ow, n_c = out.shape
+    post = act != 0 and act != 1 and act != 3
+    inf = np.float32(np.inf)
+    lo = vsplat_4x2(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
+    hi = vsplat_4x2(np.float32(b) if act == 3 else inf)
+    lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
+    has_scale = (flags & HAS_SCALE) != 0
+    has_bias = (flags & HAS_BIAS) != 0
+    has_res = (flags & HAS_RES) != 0
+    for oy in prange(oh):
+        _dw3_row_4x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                    scale, bias, lo_x, hi_x, lo, hi)
+        if post:
+            act_row(out[oy].reshape(ow * n_c), act, a, b)
 
 
 
@@ -5648,3 +6041,130 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                 nhwc_out_row(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
             else:
                 nhwc_row_out(yt, y, oy, ty0 * m, bias, scale, res, flags, act, a, b)
+
+
+
+@njit(cache=True)
+def _dw3_row_4x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                scale, bias, lo_x, hi_x, lo, hi):
+    """Output row oy of dw3_4x4: per vector of channels, the edge pixels, then the
+    interior (every tap inside the image), the nine weights in registers for both.
+    A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
+    w * 0 (an inf at the edge does not reach its neighbours' padded taps)."""
+    h, wd, n_c = x.shape
+    ow = out.shape[1]
+    rs = dh * wd * n_c
+    cs = dw * n_c
+    step = sw * n_c
+    iy0 = oy * sh - pt
+    r0 = iy0 >= 0 and iy0 < h
+    r1 = iy0 + dh >= 0 and iy0 + dh < h
+    r2 = iy0 + 2 * dh >= 0 and iy0 + 2 * dh < h
+    # the interior: windows inside the image (none in a top or bottom row)
+    i_lo, i_hi = (lo_x, hi_x) if r0 and r1 and r2 else (0, 0)
+    orow = oy * ow * n_c
+    one = vsplat_4x4(np.float32(1))
+    zero = vzero_4x4()
+    for c0 in range(0, n_c, 4):
+        nl = n_c - c0
+        w0 = vloadw_n_4x4(w, 0 * n_c + c0, nl)
+        w1 = vloadw_n_4x4(w, 1 * n_c + c0, nl)
+        w2 = vloadw_n_4x4(w, 2 * n_c + c0, nl)
+        w3 = vloadw_n_4x4(w, 3 * n_c + c0, nl)
+        w4 = vloadw_n_4x4(w, 4 * n_c + c0, nl)
+        w5 = vloadw_n_4x4(w, 5 * n_c + c0, nl)
+        w6 = vloadw_n_4x4(w, 6 * n_c + c0, nl)
+        w7 = vloadw_n_4x4(w, 7 * n_c + c0, nl)
+        w8 = vloadw_n_4x4(w, 8 * n_c + c0, nl)
+        # absent scale and bias multiply by 1 and add 0: no branches per pixel
+        sv = vload_n_4x4(scale, c0, nl) if has_scale else one
+        bv = vload_n_4x4(bias, c0, nl) if has_bias else zero
+        n0, n1, n2 = (nl if r0 else 0), (nl if r1 else 0), (nl if r2 else 0)
+        for k in range(i_lo + ow - i_hi):  # the edge pixels: left of i_lo, then from i_hi
+            ox = k if k < i_lo else i_hi + k - i_lo
+            ix0 = ox * sw - pl
+            m0 = ix0 >= 0 and ix0 < wd
+            m1 = ix0 + dw >= 0 and ix0 + dw < wd
+            m2 = ix0 + 2 * dw >= 0 and ix0 + 2 * dw < wd
+            p0 = (iy0 * wd + ix0) * n_c + c0
+            p1 = p0 + rs
+            p2 = p1 + rs
+            acc = zero
+            acc = vfma_4x4(w0, vload_n_4x4(x, p0, n0 if m0 else 0), acc)
+            acc = vfma_4x4(w1, vload_n_4x4(x, p0 + 1 * cs, n0 if m1 else 0), acc)
+            acc = vfma_4x4(w2, vload_n_4x4(x, p0 + 2 * cs, n0 if m2 else 0), acc)
+            acc = vfma_4x4(w3, vload_n_4x4(x, p1, n1 if m0 else 0), acc)
+            acc = vfma_4x4(w4, vload_n_4x4(x, p1 + 1 * cs, n1 if m1 else 0), acc)
+            acc = vfma_4x4(w5, vload_n_4x4(x, p1 + 2 * cs, n1 if m2 else 0), acc)
+            acc = vfma_4x4(w6, vload_n_4x4(x, p2, n2 if m0 else 0), acc)
+            acc = vfma_4x4(w7, vload_n_4x4(x, p2 + 1 * cs, n2 if m1 else 0), acc)
+            acc = vfma_4x4(w8, vload_n_4x4(x, p2 + 2 * cs, n2 if m2 else 0), acc)
+            o = orow + ox * n_c + c0
+            acc = vadd_4x4(vmul_4x4(acc, sv), bv)
+            if has_res:
+                acc = vadd_4x4(acc, vload_n_4x4(res, o, nl))
+            vstore_n_4x4(out, o, vmin_4x4(vmax_4x4(acc, lo), hi), nl)
+    # the interior in blocks of pixels, all channels of a block before the next: the
+    # block's input stays in L1 while each channel vector passes (a whole row's, at
+    # 112x112x96 stride 2, did not: 1.25x slower than pixel by pixel)
+    for xb in range(i_lo, i_hi, 8):
+        for c0 in range(0, n_c, 4):
+            nl = n_c - c0
+            w0 = vloadw_n_4x4(w, 0 * n_c + c0, nl)
+            w1 = vloadw_n_4x4(w, 1 * n_c + c0, nl)
+            w2 = vloadw_n_4x4(w, 2 * n_c + c0, nl)
+            w3 = vloadw_n_4x4(w, 3 * n_c + c0, nl)
+            w4 = vloadw_n_4x4(w, 4 * n_c + c0, nl)
+            w5 = vloadw_n_4x4(w, 5 * n_c + c0, nl)
+            w6 = vloadw_n_4x4(w, 6 * n_c + c0, nl)
+            w7 = vloadw_n_4x4(w, 7 * n_c + c0, nl)
+            w8 = vloadw_n_4x4(w, 8 * n_c + c0, nl)
+            sv = vload_n_4x4(scale, c0, nl) if has_scale else one
+            bv = vload_n_4x4(bias, c0, nl) if has_bias else zero
+            p0 = (iy0 * wd + xb * sw - pl) * n_c + c0  # row 0 of the block's first window
+            o = orow + xb * n_c + c0
+            for _ in range(xb, min(xb + 8, i_hi)):
+                p1 = p0 + rs
+                p2 = p1 + rs
+                acc = zero
+                acc = vfma_4x4(w0, vload_n_4x4(x, p0, nl), acc)
+                acc = vfma_4x4(w1, vload_n_4x4(x, p0 + 1 * cs, nl), acc)
+                acc = vfma_4x4(w2, vload_n_4x4(x, p0 + 2 * cs, nl), acc)
+                acc = vfma_4x4(w3, vload_n_4x4(x, p1, nl), acc)
+                acc = vfma_4x4(w4, vload_n_4x4(x, p1 + 1 * cs, nl), acc)
+                acc = vfma_4x4(w5, vload_n_4x4(x, p1 + 2 * cs, nl), acc)
+                acc = vfma_4x4(w6, vload_n_4x4(x, p2, nl), acc)
+                acc = vfma_4x4(w7, vload_n_4x4(x, p2 + 1 * cs, nl), acc)
+                acc = vfma_4x4(w8, vload_n_4x4(x, p2 + 2 * cs, nl), acc)
+                acc = vadd_4x4(vmul_4x4(acc, sv), bv)
+                if has_res:
+                    acc = vadd_4x4(acc, vload_n_4x4(res, o, nl))
+                vstore_n_4x4(out, o, vmin_4x4(vmax_4x4(acc, lo), hi), nl)
+                p0 += step
+                o += n_c
+
+
+@njit(parallel=True, cache=True)
+def dw3_4x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b):
+    """3x3 depthwise conv, one image, channels-last: cpu_nhwc.dwconv_nhwc's arguments
+    and result (x[H, W, C], w[3, 3, 1, C] float32 or int8, out[OH, OW, C]) within
+    float32 rounding. Per output row and vector of 4 channels the nine weights
+    stay in registers while the row's pixels pass: nine loads and nine fmas per output
+    vector, where the auto-vectorised loop reloaded the weights for every pixel and
+    multiplied and added separately. The last vector of channels is masked. ReLU and
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    wd = x.shape[1]
+    oh, ow, n_c = out.shape
+    post = act != 0 and act != 1 and act != 3
+    inf = np.float32(np.inf)
+    lo = vsplat_4x4(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
+    hi = vsplat_4x4(np.float32(b) if act == 3 else inf)
+    lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
+    has_scale = (flags & HAS_SCALE) != 0
+    has_bias = (flags & HAS_BIAS) != 0
+    has_res = (flags & HAS_RES) != 0
+    for oy in prange(oh):
+        _dw3_row_4x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                    scale, bias, lo_x, hi_x, lo, hi)
+        if post:
+            act_row(out[oy].reshape(ow * n_c), act, a, b)

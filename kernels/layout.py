@@ -10,7 +10,7 @@ planar, a 7x7 plane wastes a quarter of each 16-lane vector). A node with
 - activation input 0, the residual (input 4 of the conv ops) and output 0 in
   ``[N, H, W, C]``, except ``global_avgpool``, whose ``[N, C, 1, 1]`` output has the
   same bytes either way and stays channels-first;
-- ``dwconv`` weights in ``[kh, kw, C, 1]`` (HWIO); ``conv`` weights (group 1) in
+- ``dwconv`` weights in ``[kh, kw, 1, C]`` (HWIO); ``conv`` weights (group 1) in
   panels ``[ceil(Co/64), kh, kw, C, 64]`` (attributes ``panel`` = 64 and
   ``out_channels`` = Co; ``to_panels``):
   the HWIO matrix ``[kh*kw*C, Co]`` (row k one input tap, columns the output

@@ -20,7 +20,7 @@ from .cpu_abi import AOT_MODULE, GEMM_TILE_KERNELS, HAS_BIAS, HAS_RES, HAS_SCALE
 def _aot_namespace(mod) -> SimpleNamespace:
     """The AOT exports under the JIT kernels' names (one export per weight dtype)."""
     ns = {name: getattr(mod, name) for name in dir(mod) if not name.startswith("_")}
-    for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc"):
+    for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc", "dw3"):
         ns[name] = _by_weight_dtype(ns.pop(f"{name}_f32"), ns.pop(f"{name}_i8"))
     return SimpleNamespace(build="aot", **ns)
 

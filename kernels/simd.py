@@ -135,6 +135,29 @@ class Ops:
             return types.void(arr, idx, v, n), codegen
 
         @intrinsic
+        def vloadw_n(typingctx, arr, idx, n):
+            """vload_n from float32 or int8 weights, widened to float32 (int8 to the
+            integer's value, exactly)."""
+
+            def codegen(context, builder, sig, args):
+                p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                m = first_n(context, builder, args[2], sig.args[2])
+                dt = sig.args[0].dtype
+                floats = isinstance(dt, types.Float)
+                ety = F32 if floats else ir.IntType(dt.bitwidth)
+                vty = ir.VectorType(ety, lanes)
+                fnty = ir.FunctionType(vty, [p.type, I32, m.type, vty])
+                suffix = "f32" if floats else f"i{dt.bitwidth}"
+                name = f"llvm.masked.load.v{lanes}{suffix}.p0"
+                fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+                zeros = ir.Constant(vty, [0.0 if floats else 0] * lanes)
+                align = ir.Constant(I32, 4 if floats else dt.bitwidth // 8)
+                v = builder.call(fn, [p, align, m, zeros])
+                return v if floats else builder.sitofp(v, lvt)
+
+            return vt(arr, idx, n), codegen
+
+        @intrinsic
         def vbload(typingctx, arr, idx):
             """arr[idx] widened to float32 (float or int8 weights) in every lane."""
 
@@ -202,7 +225,7 @@ class Ops:
 
         self.sload, self.sstore = sload, sstore
         self.vload, self.vstore, self.vbload, self.vsplat = vload, vstore, vbload, vsplat
-        self.vload_n, self.vstore_n = vload_n, vstore_n
+        self.vload_n, self.vstore_n, self.vloadw_n = vload_n, vstore_n, vloadw_n
         self.vzero, self.vfma = vzero, vfma
         self.vadd = _binary(lambda bl, a, b: bl.fadd(a, b))
         self.vsub = _binary(lambda bl, a, b: bl.fsub(a, b))

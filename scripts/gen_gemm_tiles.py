@@ -29,6 +29,9 @@ WKC = 128
 # Rows per pass of the pre-packed GEMM over a weight slab: their rows operand block
 # (MC x KC floats, 120 KB) stays in L2 while each slab is in L1.
 MC = 240
+# Output pixels per block of the depthwise conv's interior (dw3): their input rows stay
+# in L1 while every channel vector passes over them.
+DWB = 8
 # Most reduction steps per pass of the pre-packed GEMM when they are whole kernel rows
 # of a conv (a 128 x 64 slab, KC, would split ResNet-18's 7x7 stem, 147 taps, 128 + 19).
 KD = 160
@@ -66,7 +69,15 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
-from .cpu_numba import act_row, act_scalar, nhwc_fill_row, nhwc_out_row, nhwc_row, nhwc_row_out
+from .cpu_numba import (
+    act_row,
+    act_scalar,
+    nhwc_fill_row,
+    nhwc_out_row,
+    nhwc_row,
+    nhwc_row_out,
+    valid_cols,
+)
 from .simd import Ops, prefetch
 
 MR = {MR}
@@ -477,6 +488,125 @@ def gemmp{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
 '''
 
 
+def dw3_source(lanes: int, nv: int) -> str:
+    """The 3x3 depthwise conv, channels-last, in this shape's vectors."""
+    s = f"_{lanes}x{nv}"
+    taps = [(i, j) for i in range(3) for j in range(3)]
+
+    edge = []
+    for t, (i, j) in enumerate(taps):
+        off = f"p{i}" + (f" + {j} * cs" if j else "")
+        cnt = f"n{i} if m{j} else 0"
+        edge.append(f"            acc = vfma{s}(w{t}, vload_n{s}(x, {off}, {cnt}), acc)")
+    edge = "\n".join(edge)
+    inner = []
+    for t, (i, j) in enumerate(taps):
+        off = f"p{i}" + (f" + {j} * cs" if j else "")
+        inner.append(f"                acc = vfma{s}(w{t}, vload_n{s}(x, {off}, nl), acc)")
+    inner = "\n".join(inner)
+    loads = "\n".join(
+        f"        w{t} = vloadw_n{s}(w, {t} * n_c + c0, nl)" for t in range(9)
+    )
+    loads2 = "\n".join(
+        f"            w{t} = vloadw_n{s}(w, {t} * n_c + c0, nl)" for t in range(9)
+    )
+    return f'''
+
+@njit(cache=True)
+def _dw3_row{s}(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                scale, bias, lo_x, hi_x, lo, hi):
+    """Output row oy of dw3{s}: per vector of channels, the edge pixels, then the
+    interior (every tap inside the image), the nine weights in registers for both.
+    A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
+    w * 0 (an inf at the edge does not reach its neighbours' padded taps)."""
+    h, wd, n_c = x.shape
+    ow = out.shape[1]
+    rs = dh * wd * n_c
+    cs = dw * n_c
+    step = sw * n_c
+    iy0 = oy * sh - pt
+    r0 = iy0 >= 0 and iy0 < h
+    r1 = iy0 + dh >= 0 and iy0 + dh < h
+    r2 = iy0 + 2 * dh >= 0 and iy0 + 2 * dh < h
+    # the interior: windows inside the image (none in a top or bottom row)
+    i_lo, i_hi = (lo_x, hi_x) if r0 and r1 and r2 else (0, 0)
+    orow = oy * ow * n_c
+    one = vsplat{s}(np.float32(1))
+    zero = vzero{s}()
+    for c0 in range(0, n_c, {lanes}):
+        nl = n_c - c0
+{loads}
+        # absent scale and bias multiply by 1 and add 0: no branches per pixel
+        sv = vload_n{s}(scale, c0, nl) if has_scale else one
+        bv = vload_n{s}(bias, c0, nl) if has_bias else zero
+        n0, n1, n2 = (nl if r0 else 0), (nl if r1 else 0), (nl if r2 else 0)
+        for k in range(i_lo + ow - i_hi):  # the edge pixels: left of i_lo, then from i_hi
+            ox = k if k < i_lo else i_hi + k - i_lo
+            ix0 = ox * sw - pl
+            m0 = ix0 >= 0 and ix0 < wd
+            m1 = ix0 + dw >= 0 and ix0 + dw < wd
+            m2 = ix0 + 2 * dw >= 0 and ix0 + 2 * dw < wd
+            p0 = (iy0 * wd + ix0) * n_c + c0
+            p1 = p0 + rs
+            p2 = p1 + rs
+            acc = zero
+{edge}
+            o = orow + ox * n_c + c0
+            acc = vadd{s}(vmul{s}(acc, sv), bv)
+            if has_res:
+                acc = vadd{s}(acc, vload_n{s}(res, o, nl))
+            vstore_n{s}(out, o, vmin{s}(vmax{s}(acc, lo), hi), nl)
+    # the interior in blocks of pixels, all channels of a block before the next: the
+    # block's input stays in L1 while each channel vector passes (a whole row's, at
+    # 112x112x96 stride 2, did not: 1.25x slower than pixel by pixel)
+    for xb in range(i_lo, i_hi, {DWB}):
+        for c0 in range(0, n_c, {lanes}):
+            nl = n_c - c0
+{loads2}
+            sv = vload_n{s}(scale, c0, nl) if has_scale else one
+            bv = vload_n{s}(bias, c0, nl) if has_bias else zero
+            p0 = (iy0 * wd + xb * sw - pl) * n_c + c0  # row 0 of the block's first window
+            o = orow + xb * n_c + c0
+            for _ in range(xb, min(xb + {DWB}, i_hi)):
+                p1 = p0 + rs
+                p2 = p1 + rs
+                acc = zero
+{inner}
+                acc = vadd{s}(vmul{s}(acc, sv), bv)
+                if has_res:
+                    acc = vadd{s}(acc, vload_n{s}(res, o, nl))
+                vstore_n{s}(out, o, vmin{s}(vmax{s}(acc, lo), hi), nl)
+                p0 += step
+                o += n_c
+
+
+@njit(parallel=True, cache=True)
+def dw3{s}(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b):
+    """3x3 depthwise conv, one image, channels-last: cpu_nhwc.dwconv_nhwc's arguments
+    and result (x[H, W, C], w[3, 3, 1, C] float32 or int8, out[OH, OW, C]) within
+    float32 rounding. Per output row and vector of {lanes} channels the nine weights
+    stay in registers while the row's pixels pass: nine loads and nine fmas per output
+    vector, where the auto-vectorised loop reloaded the weights for every pixel and
+    multiplied and added separately. The last vector of channels is masked. ReLU and
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    wd = x.shape[1]
+    oh, ow, n_c = out.shape
+    post = act != 0 and act != 1 and act != 3
+    inf = np.float32(np.inf)
+    lo = vsplat{s}(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
+    hi = vsplat{s}(np.float32(b) if act == 3 else inf)
+    lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
+    has_scale = (flags & HAS_SCALE) != 0
+    has_bias = (flags & HAS_BIAS) != 0
+    has_res = (flags & HAS_RES) != 0
+    for oy in prange(oh):
+        _dw3_row{s}(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
+                    scale, bias, lo_x, hi_x, lo, hi)
+        if post:
+            act_row(out[oy].reshape(ow * n_c), act, a, b)
+'''
+
+
 def wino_source(lanes: int, nv: int) -> str:
     """Winograd F(4x4)/F(2x2) for 3x3 convs, vectorised along channels: the
     transforms (NHWC working planes) and the a*a GEMMs on this shape's micro-kernel."""
@@ -716,6 +846,7 @@ def source() -> str:
             "vmin",
             "vload_n",
             "vstore_n",
+            "vloadw_n",
             "sload",
             "sstore",
         ):
@@ -728,6 +859,7 @@ def source() -> str:
         parts.append(driver_source(lanes, nv))
         parts.append(packed_source(lanes, nv))
         parts.append(wino_source(lanes, nv))
+        parts.append(dw3_source(lanes, nv))
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -16,6 +16,7 @@ import pytest
 from edgepack.kernels import reference as R
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
+from edgepack.kernels.native import gemm_shape
 
 pytestmark = pytest.mark.cpu
 
@@ -162,7 +163,21 @@ def _dw_inputs(cfg: dict, rng: np.random.Generator):
     return x, w, bias, scale, res, attrs, (oh, ow)
 
 
-def _run_dw(x, w, bias, scale, res, attrs, out_hw) -> np.ndarray:
+def _dw3(shape: str):
+    from edgepack.kernels import gemm_tiles
+
+    return getattr(gemm_tiles, f"dw3_{shape}")
+
+
+# The row-wise kernel (any window), and the 3x3 one in explicit vectors at the host's
+# width and at the narrowest (another lane count splits the channels differently).
+DW_KERNELS = {
+    "rows": lambda: N.dwconv_nhwc,
+    **{f"dw3_{s}": (lambda s=s: _dw3(s)) for s in sorted({gemm_shape(), "4x2"})},
+}
+
+
+def _run_dw(x, w, bias, scale, res, attrs, out_hw, kernel: str = "rows") -> np.ndarray:
     """The NHWC kernel on the NCHW case; returns its output as NCHW."""
     c = x.shape[1]
     xt = _guarded(x[0].transpose(1, 2, 0), np.nan)
@@ -178,25 +193,30 @@ def _run_dw(x, w, bias, scale, res, attrs, out_hw) -> np.ndarray:
     pt, pl = attrs["pads"][:2]
     dh, dw_ = attrs["dilations"]
     act = ACTIVATIONS[attrs["act"]]
-    N.dwconv_nhwc(xt, wt, b_, s_, r_, out, sh, sw, pt, pl, dh, dw_, flags, act, a, b)
+    kern = DW_KERNELS[kernel]()
+    kern(xt, wt, b_, s_, r_, out, sh, sw, pt, pl, dh, dw_, flags, act, a, b)
     _check_guards(out)
     first = out.copy()
-    N.dwconv_nhwc(xt, wt, b_, s_, r_, out, sh, sw, pt, pl, dh, dw_, flags, act, a, b)
+    kern(xt, wt, b_, s_, r_, out, sh, sw, pt, pl, dh, dw_, flags, act, a, b)
     np.testing.assert_array_equal(out, first, err_msg="a second run gave other bits")
     return out.transpose(2, 0, 1)[None]
 
 
+@pytest.mark.parametrize("kernel", DW_KERNELS)
 @pytest.mark.parametrize("cfg", DW_CASES)
-def test_dwconv_nhwc(cfg: dict) -> None:
+def test_dwconv_nhwc(cfg: dict, kernel: str) -> None:
+    if kernel != "rows" and cfg["k"] != (3, 3):
+        pytest.skip("dw3 takes 3x3 windows (backend_cpu gives others to the row kernel)")
     x, w, bias, scale, res, attrs, out_hw = _dw_inputs(cfg, _rng(cfg))
-    got = _run_dw(x, w, bias, scale, res, attrs, out_hw)
+    got = _run_dw(x, w, bias, scale, res, attrs, out_hw, kernel)
     want = R.REFERENCE["dwconv"]([x, w, bias, scale, res], attrs)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=DW_TOL[0], atol=DW_TOL[1])
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the reference's inf - inf
-def test_dwconv_nhwc_padding_is_zero_not_a_product() -> None:
+@pytest.mark.parametrize("kernel", DW_KERNELS)
+def test_dwconv_nhwc_padding_is_zero_not_a_product(kernel: str) -> None:
     """Taps outside the image read a clamped pixel and discard it (a select): an inf
     at the image edge must not turn the padded taps of its neighbours into NaN."""
     cfg = dict(c=19, hw=(6, 7), k=(3, 3), s=(1, 1), p=(1, 1, 1, 1), d=(1, 1), bias=True)
@@ -204,7 +224,7 @@ def test_dwconv_nhwc_padding_is_zero_not_a_product() -> None:
     x, w, bias, scale, res, attrs, out_hw = _dw_inputs(cfg, np.random.default_rng(7))
     x[0, :, 0, :] = np.inf  # top row
     x[0, :, :, -1] = -np.inf  # right column
-    got = _run_dw(x, w, bias, scale, res, attrs, out_hw)
+    got = _run_dw(x, w, bias, scale, res, attrs, out_hw, kernel)
     want = R.REFERENCE["dwconv"]([x, w, bias, scale, res], attrs)
     # where the reference is finite the kernel must be too (rows far from the infs)
     finite = np.isfinite(want)
