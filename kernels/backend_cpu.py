@@ -26,7 +26,10 @@ from .native import K, kernel_threads
 from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
+# An absent bias or scale, read-only like the bundle's own: one more array type per
+# kernel argument is one more compile of the kernel and of every tile it calls.
 _DUMMY1 = np.zeros(1, np.float32)
+_DUMMY1.flags.writeable = False
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY3 = np.zeros((1, 1, 1), np.float32)
 _NOROWS = np.zeros(1, np.int64)  # gemmp's row table of evenly strided rows
