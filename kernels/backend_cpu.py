@@ -87,17 +87,21 @@ def _gemm_slots(scratch: np.ndarray, off: int) -> tuple[np.ndarray, int]:
     return _f32_slot(scratch, off, _gemm_xp_shape())[0], off + _gemm_scratch_bytes()
 
 
+def _widened(w: np.ndarray, scratch: np.ndarray):
+    """(float32 weights, decode step or None, next scratch offset): int8/fp16 conv
+    weights are widened into the front of scratch once per call, in their stored shape
+    (the GEMM could read int8 directly, but widening each broadcast costs 3 instructions
+    in its inner loop: ResNet-18 int8 took 103 ms that way against 71 for fp32)."""
+    if w.dtype == F32:
+        return w, None, 0
+    wf, _ = _f32_slot(scratch, 0, w.shape)
+    return wf, _decoder(w, wf), up64(_nbytes(w.shape))
+
+
 def _gemm_operands(w2: np.ndarray, scratch: np.ndarray):
-    """(float32 weights, decode step or None, GEMM slots, next scratch offset) of a conv:
-    int8/fp16 weights are widened into the front of scratch once per call (the GEMM
-    could read int8 directly, but widening each broadcast costs 3 instructions in its
-    inner loop: ResNet-18 int8 took 103 ms that way against 71 for fp32)."""
-    off, decode = 0, None
-    if w2.dtype != F32:
-        wf, _ = _f32_slot(scratch, 0, w2.shape)
-        off = up64(_nbytes(w2.shape))
-        decode = _decoder(w2, wf)
-        w2 = wf
+    """(float32 weights, decode step or None, GEMM slots, next scratch offset) of a
+    channels-first conv (_widened, then the GEMM's packing slots)."""
+    w2, decode, off = _widened(w2, scratch)
     xp, off = _gemm_slots(scratch, off)
     return w2, decode, xp[: max(1, min(GEMM_SLOTS, kernel_threads()))], off  # a slot a thread
 
@@ -230,12 +234,7 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
-    off, decode = 0, None
-    if w.dtype != F32:  # widened into scratch once per call, panels and all
-        wf, off = _f32_slot(scratch, 0, w.shape)
-        off = up64(off)
-        decode = _decoder(w, wf)
-        w = wf
+    w, decode, off = _widened(w, scratch)  # panels and all
     wq = _readonly(w.reshape(-1))
     flags = _flags(bias, scale, res) | PER_COL
     b_ = bias if bias is not None else _DUMMY1
@@ -786,12 +785,22 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
             else:
                 e = views["e"][: hi - lo]
                 xin = _readonly(x[n, lo:hi].reshape(-1, ci))
-                ex = (xin, _NOROWS, ci, 1, 0, we, e.reshape(-1, ce), *bs_e, _DUMMY2, *fa_e,
-                      workers)
+                ex = (xin, _NOROWS, ci, 1, 0, we, e.reshape(-1, ce), *bs_e, _DUMMY2, *fa_e, workers)
             ptb = lo + pt - oy0 * sh  # the band's own top pad
             dwa = (e, wd, *bs_d, _DUMMY3, d, sh, sw, ptb, pl, dh, dw, *fa_d)
-            pr = (_readonly(d.reshape(-1, ce)), _NOROWS, ce, 1, 0, wp, yb, *bs_p, rb, *fa_p,
-                  workers)
+            pr = (
+                _readonly(d.reshape(-1, ce)),
+                _NOROWS,
+                ce,
+                1,
+                0,
+                wp,
+                yb,
+                *bs_p,
+                rb,
+                *fa_p,
+                workers,
+            )
             calls.append((ex, dwa, pr))
     gemmp, dwk = K.gemmp, _dw_kernel(dwin[1].shape)
 
@@ -835,9 +844,7 @@ _ALL_W = ("f32", "f16", "i8")
 
 def _conv_takes(attrs: dict) -> bool:
     # channels-last only with group 1 and panels (packager/layout.py)
-    return not layout.is_nhwc(attrs) or (
-        attrs.get("group", 1) == 1 and attrs.get("panel") == PANEL
-    )
+    return not layout.is_nhwc(attrs) or (attrs.get("group", 1) == 1 and attrs.get("panel") == PANEL)
 
 
 _cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes)

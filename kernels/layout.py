@@ -70,11 +70,6 @@ def hwio_weights(w, attrs: dict):
     return from_panels(w, attrs["out_channels"]) if attrs.get("panel") else w
 
 
-def panel_shape(hwio: Sequence[int]) -> tuple[int, ...]:
-    kh, kw, c, co = hwio
-    return (-(-co // PANEL), kh, kw, c, PANEL)
-
-
 def hwio_shape(panels_shape: Sequence[int], co: int) -> tuple[int, ...]:
     _, kh, kw, c, _ = panels_shape
     return (kh, kw, c, co)
