@@ -32,7 +32,6 @@ from numba import njit, prange
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
 from .cpu_numba import (
     act_row,
-    act_scalar,
     nhwc_fill_row,
     nhwc_out_row,
     nhwc_row,
@@ -138,10 +137,9 @@ def tile_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumul
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 64 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -290,479 +288,245 @@ def tile_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumul
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 64 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_16x4()
             lo = vsplat_16x4(a)
             hi = vsplat_16x4(b)
             ones = vsplat_16x4(one)
-            if cols == 64:
-                sc0 = vload_16x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_16x4(bias, n0 + 0) if col_b else zero
-                sc1 = vload_16x4(scale, n0 + 16) if col_s else ones
-                bi1 = vload_16x4(bias, n0 + 16) if col_b else zero
-                sc2 = vload_16x4(scale, n0 + 32) if col_s else ones
-                bi2 = vload_16x4(bias, n0 + 32) if col_b else zero
-                sc3 = vload_16x4(scale, n0 + 48) if col_s else ones
-                bi3 = vload_16x4(bias, n0 + 48) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
-                    if act == 1:
-                        a0_1 = vmax_16x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-                    a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
-                    if act == 1:
-                        a0_2 = vmax_16x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-                    a0_3 = vadd_16x4(vmul_16x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a0_3 = vadd_16x4(a0_3, vload_16x4(res, r0 + 0 * ldr + 48))
-                    if act == 1:
-                        a0_3 = vmax_16x4(zero, a0_3)
-                    elif act == 3:
-                        a0_3 = vmin_16x4(vmax_16x4(a0_3, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
-                    if act == 1:
-                        a1_1 = vmax_16x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-                    a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
-                    if act == 1:
-                        a1_2 = vmax_16x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-                    a1_3 = vadd_16x4(vmul_16x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a1_3 = vadd_16x4(a1_3, vload_16x4(res, r0 + 1 * ldr + 48))
-                    if act == 1:
-                        a1_3 = vmax_16x4(zero, a1_3)
-                    elif act == 3:
-                        a1_3 = vmin_16x4(vmax_16x4(a1_3, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
-                    if act == 1:
-                        a2_1 = vmax_16x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-                    a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
-                    if act == 1:
-                        a2_2 = vmax_16x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-                    a2_3 = vadd_16x4(vmul_16x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a2_3 = vadd_16x4(a2_3, vload_16x4(res, r0 + 2 * ldr + 48))
-                    if act == 1:
-                        a2_3 = vmax_16x4(zero, a2_3)
-                    elif act == 3:
-                        a2_3 = vmin_16x4(vmax_16x4(a2_3, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
-                    if act == 1:
-                        a3_1 = vmax_16x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-                    a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
-                    if act == 1:
-                        a3_2 = vmax_16x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-                    a3_3 = vadd_16x4(vmul_16x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a3_3 = vadd_16x4(a3_3, vload_16x4(res, r0 + 3 * ldr + 48))
-                    if act == 1:
-                        a3_3 = vmax_16x4(zero, a3_3)
-                    elif act == 3:
-                        a3_3 = vmin_16x4(vmax_16x4(a3_3, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
-                    if act == 1:
-                        a4_1 = vmax_16x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-                    a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
-                    if act == 1:
-                        a4_2 = vmax_16x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-                    a4_3 = vadd_16x4(vmul_16x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a4_3 = vadd_16x4(a4_3, vload_16x4(res, r0 + 4 * ldr + 48))
-                    if act == 1:
-                        a4_3 = vmax_16x4(zero, a4_3)
-                    elif act == 3:
-                        a4_3 = vmin_16x4(vmax_16x4(a4_3, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
-                    if act == 1:
-                        a5_1 = vmax_16x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-                    a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
-                    if act == 1:
-                        a5_2 = vmax_16x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-                    a5_3 = vadd_16x4(vmul_16x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a5_3 = vadd_16x4(a5_3, vload_16x4(res, r0 + 5 * ldr + 48))
-                    if act == 1:
-                        a5_3 = vmax_16x4(zero, a5_3)
-                    elif act == 3:
-                        a5_3 = vmin_16x4(vmax_16x4(a5_3, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
-            else:
-                sc0 = vload_n_16x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_16x4(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_16x4(scale, n0 + 16, cols - 16) if col_s else ones
-                bi1 = vload_n_16x4(bias, n0 + 16, cols - 16) if col_b else zero
-                sc2 = vload_n_16x4(scale, n0 + 32, cols - 32) if col_s else ones
-                bi2 = vload_n_16x4(bias, n0 + 32, cols - 32) if col_b else zero
-                sc3 = vload_n_16x4(scale, n0 + 48, cols - 48) if col_s else ones
-                bi3 = vload_n_16x4(bias, n0 + 48, cols - 48) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_n_16x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_16x4(a0_1, vload_n_16x4(res, r0 + 0 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a0_1 = vmax_16x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-                    a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_16x4(a0_2, vload_n_16x4(res, r0 + 0 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a0_2 = vmax_16x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
-                    a0_3 = vadd_16x4(vmul_16x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a0_3 = vadd_16x4(a0_3, vload_n_16x4(res, r0 + 0 * ldr + 48, cols - 48))
-                    if act == 1:
-                        a0_3 = vmax_16x4(zero, a0_3)
-                    elif act == 3:
-                        a0_3 = vmin_16x4(vmax_16x4(a0_3, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 48, a0_3, cols - 48)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_n_16x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_16x4(a1_1, vload_n_16x4(res, r0 + 1 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a1_1 = vmax_16x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-                    a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_16x4(a1_2, vload_n_16x4(res, r0 + 1 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a1_2 = vmax_16x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
-                    a1_3 = vadd_16x4(vmul_16x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a1_3 = vadd_16x4(a1_3, vload_n_16x4(res, r0 + 1 * ldr + 48, cols - 48))
-                    if act == 1:
-                        a1_3 = vmax_16x4(zero, a1_3)
-                    elif act == 3:
-                        a1_3 = vmin_16x4(vmax_16x4(a1_3, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 48, a1_3, cols - 48)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_n_16x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_16x4(a2_1, vload_n_16x4(res, r0 + 2 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a2_1 = vmax_16x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-                    a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_16x4(a2_2, vload_n_16x4(res, r0 + 2 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a2_2 = vmax_16x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
-                    a2_3 = vadd_16x4(vmul_16x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a2_3 = vadd_16x4(a2_3, vload_n_16x4(res, r0 + 2 * ldr + 48, cols - 48))
-                    if act == 1:
-                        a2_3 = vmax_16x4(zero, a2_3)
-                    elif act == 3:
-                        a2_3 = vmin_16x4(vmax_16x4(a2_3, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 48, a2_3, cols - 48)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_n_16x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_16x4(a3_1, vload_n_16x4(res, r0 + 3 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a3_1 = vmax_16x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-                    a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_16x4(a3_2, vload_n_16x4(res, r0 + 3 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a3_2 = vmax_16x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
-                    a3_3 = vadd_16x4(vmul_16x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a3_3 = vadd_16x4(a3_3, vload_n_16x4(res, r0 + 3 * ldr + 48, cols - 48))
-                    if act == 1:
-                        a3_3 = vmax_16x4(zero, a3_3)
-                    elif act == 3:
-                        a3_3 = vmin_16x4(vmax_16x4(a3_3, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 48, a3_3, cols - 48)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_n_16x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_16x4(a4_1, vload_n_16x4(res, r0 + 4 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a4_1 = vmax_16x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-                    a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_16x4(a4_2, vload_n_16x4(res, r0 + 4 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a4_2 = vmax_16x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
-                    a4_3 = vadd_16x4(vmul_16x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a4_3 = vadd_16x4(a4_3, vload_n_16x4(res, r0 + 4 * ldr + 48, cols - 48))
-                    if act == 1:
-                        a4_3 = vmax_16x4(zero, a4_3)
-                    elif act == 3:
-                        a4_3 = vmin_16x4(vmax_16x4(a4_3, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 48, a4_3, cols - 48)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_n_16x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_16x4(a5_1, vload_n_16x4(res, r0 + 5 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a5_1 = vmax_16x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
-                    a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_16x4(a5_2, vload_n_16x4(res, r0 + 5 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a5_2 = vmax_16x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
-                    a5_3 = vadd_16x4(vmul_16x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a5_3 = vadd_16x4(a5_3, vload_n_16x4(res, r0 + 5 * ldr + 48, cols - 48))
-                    if act == 1:
-                        a5_3 = vmax_16x4(zero, a5_3)
-                    elif act == 3:
-                        a5_3 = vmin_16x4(vmax_16x4(a5_3, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 48, a5_3, cols - 48)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
+            sc3 = vload_16x4(scale, n0 + 48) if by_col and flags & HAS_SCALE else ones
+            bi3 = vload_16x4(bias, n0 + 48) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+                if act == 1:
+                    a0_1 = vmax_16x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+                a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
+                if act == 1:
+                    a0_2 = vmax_16x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+                a0_3 = vadd_16x4(vmul_16x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a0_3 = vadd_16x4(a0_3, vload_16x4(res, r0 + 0 * ldr + 48))
+                if act == 1:
+                    a0_3 = vmax_16x4(zero, a0_3)
+                elif act == 3:
+                    a0_3 = vmin_16x4(vmax_16x4(a0_3, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 48, a0_3)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+                if act == 1:
+                    a1_1 = vmax_16x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+                a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
+                if act == 1:
+                    a1_2 = vmax_16x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+                a1_3 = vadd_16x4(vmul_16x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a1_3 = vadd_16x4(a1_3, vload_16x4(res, r0 + 1 * ldr + 48))
+                if act == 1:
+                    a1_3 = vmax_16x4(zero, a1_3)
+                elif act == 3:
+                    a1_3 = vmin_16x4(vmax_16x4(a1_3, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 48, a1_3)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+                if act == 1:
+                    a2_1 = vmax_16x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+                a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
+                if act == 1:
+                    a2_2 = vmax_16x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+                a2_3 = vadd_16x4(vmul_16x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a2_3 = vadd_16x4(a2_3, vload_16x4(res, r0 + 2 * ldr + 48))
+                if act == 1:
+                    a2_3 = vmax_16x4(zero, a2_3)
+                elif act == 3:
+                    a2_3 = vmin_16x4(vmax_16x4(a2_3, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 48, a2_3)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+                if act == 1:
+                    a3_1 = vmax_16x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+                a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
+                if act == 1:
+                    a3_2 = vmax_16x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+                a3_3 = vadd_16x4(vmul_16x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a3_3 = vadd_16x4(a3_3, vload_16x4(res, r0 + 3 * ldr + 48))
+                if act == 1:
+                    a3_3 = vmax_16x4(zero, a3_3)
+                elif act == 3:
+                    a3_3 = vmin_16x4(vmax_16x4(a3_3, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 48, a3_3)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+                if act == 1:
+                    a4_1 = vmax_16x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+                a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
+                if act == 1:
+                    a4_2 = vmax_16x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+                a4_3 = vadd_16x4(vmul_16x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a4_3 = vadd_16x4(a4_3, vload_16x4(res, r0 + 4 * ldr + 48))
+                if act == 1:
+                    a4_3 = vmax_16x4(zero, a4_3)
+                elif act == 3:
+                    a4_3 = vmin_16x4(vmax_16x4(a4_3, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 48, a4_3)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+                if act == 1:
+                    a5_1 = vmax_16x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+                a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
+                if act == 1:
+                    a5_2 = vmax_16x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
+                a5_3 = vadd_16x4(vmul_16x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a5_3 = vadd_16x4(a5_3, vload_16x4(res, r0 + 5 * ldr + 48))
+                if act == 1:
+                    a5_3 = vmax_16x4(zero, a5_3)
+                elif act == 3:
+                    a5_3 = vmin_16x4(vmax_16x4(a5_3, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 48, a5_3)
             continue
         if cols == 64:
             if rows > 0:
@@ -841,10 +605,9 @@ def tile1v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accum
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -918,179 +681,95 @@ def tile1v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accum
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 16 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_16x4()
             lo = vsplat_16x4(a)
             hi = vsplat_16x4(b)
             ones = vsplat_16x4(one)
-            if cols == 16:
-                sc0 = vload_16x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_16x4(bias, n0 + 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-            else:
-                sc0 = vload_n_16x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_16x4(bias, n0 + 0, cols - 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_n_16x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_n_16x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_n_16x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_n_16x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_n_16x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_n_16x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if cols == 16:
             if rows > 0:
@@ -1133,10 +812,9 @@ def tile2v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accum
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 32 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -1235,279 +913,145 @@ def tile2v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accum
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 32 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_16x4()
             lo = vsplat_16x4(a)
             hi = vsplat_16x4(b)
             ones = vsplat_16x4(one)
-            if cols == 32:
-                sc0 = vload_16x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_16x4(bias, n0 + 0) if col_b else zero
-                sc1 = vload_16x4(scale, n0 + 16) if col_s else ones
-                bi1 = vload_16x4(bias, n0 + 16) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
-                    if act == 1:
-                        a0_1 = vmax_16x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
-                    if act == 1:
-                        a1_1 = vmax_16x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
-                    if act == 1:
-                        a2_1 = vmax_16x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
-                    if act == 1:
-                        a3_1 = vmax_16x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
-                    if act == 1:
-                        a4_1 = vmax_16x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
-                    if act == 1:
-                        a5_1 = vmax_16x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-            else:
-                sc0 = vload_n_16x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_16x4(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_16x4(scale, n0 + 16, cols - 16) if col_s else ones
-                bi1 = vload_n_16x4(bias, n0 + 16, cols - 16) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_n_16x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_16x4(a0_1, vload_n_16x4(res, r0 + 0 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a0_1 = vmax_16x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_n_16x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_16x4(a1_1, vload_n_16x4(res, r0 + 1 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a1_1 = vmax_16x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_n_16x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_16x4(a2_1, vload_n_16x4(res, r0 + 2 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a2_1 = vmax_16x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_n_16x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_16x4(a3_1, vload_n_16x4(res, r0 + 3 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a3_1 = vmax_16x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_n_16x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_16x4(a4_1, vload_n_16x4(res, r0 + 4 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a4_1 = vmax_16x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_n_16x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_16x4(a5_1, vload_n_16x4(res, r0 + 5 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a5_1 = vmax_16x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+                if act == 1:
+                    a0_1 = vmax_16x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+                if act == 1:
+                    a1_1 = vmax_16x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+                if act == 1:
+                    a2_1 = vmax_16x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+                if act == 1:
+                    a3_1 = vmax_16x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+                if act == 1:
+                    a4_1 = vmax_16x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+                if act == 1:
+                    a5_1 = vmax_16x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
             continue
         if cols == 32:
             if rows > 0:
@@ -1562,10 +1106,9 @@ def tile3v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accum
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 48 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -1689,379 +1232,195 @@ def tile3v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accum
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 48 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_16x4()
             lo = vsplat_16x4(a)
             hi = vsplat_16x4(b)
             ones = vsplat_16x4(one)
-            if cols == 48:
-                sc0 = vload_16x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_16x4(bias, n0 + 0) if col_b else zero
-                sc1 = vload_16x4(scale, n0 + 16) if col_s else ones
-                bi1 = vload_16x4(bias, n0 + 16) if col_b else zero
-                sc2 = vload_16x4(scale, n0 + 32) if col_s else ones
-                bi2 = vload_16x4(bias, n0 + 32) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
-                    if act == 1:
-                        a0_1 = vmax_16x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
-                    a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
-                    if act == 1:
-                        a0_2 = vmax_16x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
-                    vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
-                    if act == 1:
-                        a1_1 = vmax_16x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
-                    a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
-                    if act == 1:
-                        a1_2 = vmax_16x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
-                    vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
-                    if act == 1:
-                        a2_1 = vmax_16x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
-                    a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
-                    if act == 1:
-                        a2_2 = vmax_16x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
-                    vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
-                    if act == 1:
-                        a3_1 = vmax_16x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
-                    a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
-                    if act == 1:
-                        a3_2 = vmax_16x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
-                    vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
-                    if act == 1:
-                        a4_1 = vmax_16x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
-                    a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
-                    if act == 1:
-                        a4_2 = vmax_16x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
-                    vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
-                    if act == 1:
-                        a5_1 = vmax_16x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
-                    a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
-                    if act == 1:
-                        a5_2 = vmax_16x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
-                    vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
-            else:
-                sc0 = vload_n_16x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_16x4(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_16x4(scale, n0 + 16, cols - 16) if col_s else ones
-                bi1 = vload_n_16x4(bias, n0 + 16, cols - 16) if col_b else zero
-                sc2 = vload_n_16x4(scale, n0 + 32, cols - 32) if col_s else ones
-                bi2 = vload_n_16x4(bias, n0 + 32, cols - 32) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_16x4(a0_0, vload_n_16x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_16x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_16x4(a0_1, vload_n_16x4(res, r0 + 0 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a0_1 = vmax_16x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 16, a0_1, cols - 16)
-                    a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_16x4(a0_2, vload_n_16x4(res, r0 + 0 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a0_2 = vmax_16x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 0 * ldc + 32, a0_2, cols - 32)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_16x4(a1_0, vload_n_16x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_16x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_16x4(a1_1, vload_n_16x4(res, r0 + 1 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a1_1 = vmax_16x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 16, a1_1, cols - 16)
-                    a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_16x4(a1_2, vload_n_16x4(res, r0 + 1 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a1_2 = vmax_16x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 1 * ldc + 32, a1_2, cols - 32)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_16x4(a2_0, vload_n_16x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_16x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_16x4(a2_1, vload_n_16x4(res, r0 + 2 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a2_1 = vmax_16x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 16, a2_1, cols - 16)
-                    a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_16x4(a2_2, vload_n_16x4(res, r0 + 2 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a2_2 = vmax_16x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 2 * ldc + 32, a2_2, cols - 32)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_16x4(a3_0, vload_n_16x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_16x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_16x4(a3_1, vload_n_16x4(res, r0 + 3 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a3_1 = vmax_16x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 16, a3_1, cols - 16)
-                    a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_16x4(a3_2, vload_n_16x4(res, r0 + 3 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a3_2 = vmax_16x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 3 * ldc + 32, a3_2, cols - 32)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_16x4(a4_0, vload_n_16x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_16x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_16x4(a4_1, vload_n_16x4(res, r0 + 4 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a4_1 = vmax_16x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 16, a4_1, cols - 16)
-                    a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_16x4(a4_2, vload_n_16x4(res, r0 + 4 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a4_2 = vmax_16x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 4 * ldc + 32, a4_2, cols - 32)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_16x4(s1)
-                    bv = vsplat_16x4(b1)
-                    a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_16x4(a5_0, vload_n_16x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_16x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_16x4(a5_1, vload_n_16x4(res, r0 + 5 * ldr + 16, cols - 16))
-                    if act == 1:
-                        a5_1 = vmax_16x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 16, a5_1, cols - 16)
-                    a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_16x4(a5_2, vload_n_16x4(res, r0 + 5 * ldr + 32, cols - 32))
-                    if act == 1:
-                        a5_2 = vmax_16x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
-                    vstore_n_16x4(c, c0 + 5 * ldc + 32, a5_2, cols - 32)
+            sc0 = vload_16x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_16x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_16x4(scale, n0 + 16) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_16x4(bias, n0 + 16) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_16x4(scale, n0 + 32) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_16x4(bias, n0 + 32) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a0_0 = vadd_16x4(vmul_16x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_16x4(a0_0, vload_16x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_16x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_16x4(vmax_16x4(a0_0, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_16x4(vmul_16x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_16x4(a0_1, vload_16x4(res, r0 + 0 * ldr + 16))
+                if act == 1:
+                    a0_1 = vmax_16x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_16x4(vmax_16x4(a0_1, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 16, a0_1)
+                a0_2 = vadd_16x4(vmul_16x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_16x4(a0_2, vload_16x4(res, r0 + 0 * ldr + 32))
+                if act == 1:
+                    a0_2 = vmax_16x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_16x4(vmax_16x4(a0_2, lo), hi)
+                vstore_16x4(c, c0 + 0 * ldc + 32, a0_2)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a1_0 = vadd_16x4(vmul_16x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_16x4(a1_0, vload_16x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_16x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_16x4(vmax_16x4(a1_0, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_16x4(vmul_16x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_16x4(a1_1, vload_16x4(res, r0 + 1 * ldr + 16))
+                if act == 1:
+                    a1_1 = vmax_16x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_16x4(vmax_16x4(a1_1, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 16, a1_1)
+                a1_2 = vadd_16x4(vmul_16x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_16x4(a1_2, vload_16x4(res, r0 + 1 * ldr + 32))
+                if act == 1:
+                    a1_2 = vmax_16x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_16x4(vmax_16x4(a1_2, lo), hi)
+                vstore_16x4(c, c0 + 1 * ldc + 32, a1_2)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a2_0 = vadd_16x4(vmul_16x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_16x4(a2_0, vload_16x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_16x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_16x4(vmax_16x4(a2_0, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_16x4(vmul_16x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_16x4(a2_1, vload_16x4(res, r0 + 2 * ldr + 16))
+                if act == 1:
+                    a2_1 = vmax_16x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_16x4(vmax_16x4(a2_1, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 16, a2_1)
+                a2_2 = vadd_16x4(vmul_16x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_16x4(a2_2, vload_16x4(res, r0 + 2 * ldr + 32))
+                if act == 1:
+                    a2_2 = vmax_16x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_16x4(vmax_16x4(a2_2, lo), hi)
+                vstore_16x4(c, c0 + 2 * ldc + 32, a2_2)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a3_0 = vadd_16x4(vmul_16x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_16x4(a3_0, vload_16x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_16x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_16x4(vmax_16x4(a3_0, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_16x4(vmul_16x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_16x4(a3_1, vload_16x4(res, r0 + 3 * ldr + 16))
+                if act == 1:
+                    a3_1 = vmax_16x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_16x4(vmax_16x4(a3_1, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 16, a3_1)
+                a3_2 = vadd_16x4(vmul_16x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_16x4(a3_2, vload_16x4(res, r0 + 3 * ldr + 32))
+                if act == 1:
+                    a3_2 = vmax_16x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_16x4(vmax_16x4(a3_2, lo), hi)
+                vstore_16x4(c, c0 + 3 * ldc + 32, a3_2)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a4_0 = vadd_16x4(vmul_16x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_16x4(a4_0, vload_16x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_16x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_16x4(vmax_16x4(a4_0, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_16x4(vmul_16x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_16x4(a4_1, vload_16x4(res, r0 + 4 * ldr + 16))
+                if act == 1:
+                    a4_1 = vmax_16x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_16x4(vmax_16x4(a4_1, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 16, a4_1)
+                a4_2 = vadd_16x4(vmul_16x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_16x4(a4_2, vload_16x4(res, r0 + 4 * ldr + 32))
+                if act == 1:
+                    a4_2 = vmax_16x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_16x4(vmax_16x4(a4_2, lo), hi)
+                vstore_16x4(c, c0 + 4 * ldc + 32, a4_2)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_16x4(s1)
+                bv = vsplat_16x4(b1)
+                a5_0 = vadd_16x4(vmul_16x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_16x4(a5_0, vload_16x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_16x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_16x4(vmax_16x4(a5_0, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_16x4(vmul_16x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_16x4(a5_1, vload_16x4(res, r0 + 5 * ldr + 16))
+                if act == 1:
+                    a5_1 = vmax_16x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_16x4(vmax_16x4(a5_1, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 16, a5_1)
+                a5_2 = vadd_16x4(vmul_16x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_16x4(a5_2, vload_16x4(res, r0 + 5 * ldr + 32))
+                if act == 1:
+                    a5_2 = vmax_16x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_16x4(vmax_16x4(a5_2, lo), hi)
+                vstore_16x4(c, c0 + 5 * ldc + 32, a5_2)
             continue
         if cols == 48:
             if rows > 0:
@@ -2117,52 +1476,40 @@ def tile3v_16x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accum
 
 @njit(cache=True)
 def _epilogue_16x4(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
-    last cols % 16 columns one by one. Bias and scale per row m0.., or per column
-    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
+    """The conv epilogue on a just-stored tile, still in L1, a vector at a time; the
+    last, partial one (24 channels on 16 lanes) with masked loads and store. Bias and
+    scale per row m0.., or per column n0.. with PER_COL. Activations other than
+    relu/clip run after (act_row). Partial tiles take this pass rather than a masked
+    copy of the tile's in-register epilogue: that copy doubled numba's compile time
+    (the tiles' code size sets it) for 15-20% on the few GEMMs with partial tiles."""
     one = np.float32(1)
     zero = vzero_16x4()
     lo = vsplat_16x4(a)
     hi = vsplat_16x4(b)
     by_col = (flags & PER_COL) != 0
-    full = cols // 16 * 16
     for r in range(rows):
         s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
         b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
         sv = vsplat_16x4(s1)
         bv = vsplat_16x4(b1)
-        for v in range(0, full, 16):
+        for v in range(0, cols, 16):
             o = c0 + r * ldc + v
+            n = cols - v  # at least 16 (a whole vector) but for the last one
             if by_col:
-                y = vload_16x4(c, o)
+                y = vload_n_16x4(c, o, n)
                 if flags & HAS_SCALE:
-                    y = vmul_16x4(y, vload_16x4(scale, n0 + v))
+                    y = vmul_16x4(y, vload_n_16x4(scale, n0 + v, n))
                 if flags & HAS_BIAS:
-                    y = vadd_16x4(y, vload_16x4(bias, n0 + v))
+                    y = vadd_16x4(y, vload_n_16x4(bias, n0 + v, n))
             else:
-                y = vadd_16x4(vmul_16x4(vload_16x4(c, o), sv), bv)
+                y = vadd_16x4(vmul_16x4(vload_n_16x4(c, o, n), sv), bv)
             if flags & HAS_RES:
-                y = vadd_16x4(y, vload_16x4(res, r0 + r * ldr + v))
+                y = vadd_16x4(y, vload_n_16x4(res, r0 + r * ldr + v, n))
             if act == 1:
                 y = vmax_16x4(zero, y)
             elif act == 3:
                 y = vmin_16x4(vmax_16x4(y, lo), hi)
-            vstore_16x4(c, o, y)
-        for j in range(full, cols):
-            o = c0 + r * ldc + j
-            z = sload_16x4(c, o)
-            if by_col:
-                if flags & HAS_SCALE:
-                    z = z * scale[n0 + j]
-                if flags & HAS_BIAS:
-                    z = z + bias[n0 + j]
-            else:
-                z = z * s1 + b1
-            if flags & HAS_RES:
-                z = z + sload_16x4(res, r0 + r * ldr + j)
-            if act == 1 or act == 3:
-                z = act_scalar(z, act, a, b)
-            sstore_16x4(c, o, z)
+            vstore_n_16x4(c, o, y, n)
 
 
 
@@ -2212,7 +1559,7 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 64-wide tile idle.
                 nvv = (cols + 15) // 16
-                fused = fuse  # in registers, a partial tile's too
+                fused = fuse and cols == nvv * 16  # whole vectors: in registers
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
@@ -2313,7 +1660,7 @@ def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a
                     if cols <= 0:
                         break
                     nvv = (cols + 15) // 16
-                    fused = fuse  # in registers, a partial tile's too
+                    fused = fuse and cols == nvv * 16  # whole vectors: in registers
                     pfo = nxt + u * share
                     if nvv == 1:
                         tile1v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
@@ -2725,10 +2072,9 @@ def tile_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumula
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -2827,279 +2173,145 @@ def tile_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumula
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 16 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_8x2()
             lo = vsplat_8x2(a)
             hi = vsplat_8x2(b)
             ones = vsplat_8x2(one)
-            if cols == 16:
-                sc0 = vload_8x2(scale, n0 + 0) if col_s else ones
-                bi0 = vload_8x2(bias, n0 + 0) if col_b else zero
-                sc1 = vload_8x2(scale, n0 + 8) if col_s else ones
-                bi1 = vload_8x2(bias, n0 + 8) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_8x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
-                    vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_8x2(vmul_8x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_8x2(a0_1, vload_8x2(res, r0 + 0 * ldr + 8))
-                    if act == 1:
-                        a0_1 = vmax_8x2(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_8x2(vmax_8x2(a0_1, lo), hi)
-                    vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_8x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
-                    vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_8x2(vmul_8x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_8x2(a1_1, vload_8x2(res, r0 + 1 * ldr + 8))
-                    if act == 1:
-                        a1_1 = vmax_8x2(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_8x2(vmax_8x2(a1_1, lo), hi)
-                    vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_8x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
-                    vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_8x2(vmul_8x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_8x2(a2_1, vload_8x2(res, r0 + 2 * ldr + 8))
-                    if act == 1:
-                        a2_1 = vmax_8x2(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_8x2(vmax_8x2(a2_1, lo), hi)
-                    vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_8x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
-                    vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_8x2(vmul_8x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_8x2(a3_1, vload_8x2(res, r0 + 3 * ldr + 8))
-                    if act == 1:
-                        a3_1 = vmax_8x2(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_8x2(vmax_8x2(a3_1, lo), hi)
-                    vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_8x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
-                    vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_8x2(vmul_8x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_8x2(a4_1, vload_8x2(res, r0 + 4 * ldr + 8))
-                    if act == 1:
-                        a4_1 = vmax_8x2(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_8x2(vmax_8x2(a4_1, lo), hi)
-                    vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_8x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
-                    vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_8x2(vmul_8x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_8x2(a5_1, vload_8x2(res, r0 + 5 * ldr + 8))
-                    if act == 1:
-                        a5_1 = vmax_8x2(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_8x2(vmax_8x2(a5_1, lo), hi)
-                    vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
-            else:
-                sc0 = vload_n_8x2(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_8x2(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_8x2(scale, n0 + 8, cols - 8) if col_s else ones
-                bi1 = vload_n_8x2(bias, n0 + 8, cols - 8) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_8x2(a0_0, vload_n_8x2(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_8x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_8x2(vmul_8x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_8x2(a0_1, vload_n_8x2(res, r0 + 0 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a0_1 = vmax_8x2(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_8x2(vmax_8x2(a0_1, lo), hi)
-                    vstore_n_8x2(c, c0 + 0 * ldc + 8, a0_1, cols - 8)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_8x2(a1_0, vload_n_8x2(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_8x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_8x2(vmul_8x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_8x2(a1_1, vload_n_8x2(res, r0 + 1 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a1_1 = vmax_8x2(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_8x2(vmax_8x2(a1_1, lo), hi)
-                    vstore_n_8x2(c, c0 + 1 * ldc + 8, a1_1, cols - 8)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_8x2(a2_0, vload_n_8x2(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_8x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_8x2(vmul_8x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_8x2(a2_1, vload_n_8x2(res, r0 + 2 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a2_1 = vmax_8x2(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_8x2(vmax_8x2(a2_1, lo), hi)
-                    vstore_n_8x2(c, c0 + 2 * ldc + 8, a2_1, cols - 8)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_8x2(a3_0, vload_n_8x2(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_8x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_8x2(vmul_8x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_8x2(a3_1, vload_n_8x2(res, r0 + 3 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a3_1 = vmax_8x2(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_8x2(vmax_8x2(a3_1, lo), hi)
-                    vstore_n_8x2(c, c0 + 3 * ldc + 8, a3_1, cols - 8)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_8x2(a4_0, vload_n_8x2(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_8x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_8x2(vmul_8x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_8x2(a4_1, vload_n_8x2(res, r0 + 4 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a4_1 = vmax_8x2(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_8x2(vmax_8x2(a4_1, lo), hi)
-                    vstore_n_8x2(c, c0 + 4 * ldc + 8, a4_1, cols - 8)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_8x2(a5_0, vload_n_8x2(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_8x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_8x2(vmul_8x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_8x2(a5_1, vload_n_8x2(res, r0 + 5 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a5_1 = vmax_8x2(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_8x2(vmax_8x2(a5_1, lo), hi)
-                    vstore_n_8x2(c, c0 + 5 * ldc + 8, a5_1, cols - 8)
+            sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_8x2(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_8x2(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_8x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_8x2(vmul_8x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_8x2(a0_1, vload_8x2(res, r0 + 0 * ldr + 8))
+                if act == 1:
+                    a0_1 = vmax_8x2(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_8x2(vmax_8x2(a0_1, lo), hi)
+                vstore_8x2(c, c0 + 0 * ldc + 8, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_8x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_8x2(vmul_8x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_8x2(a1_1, vload_8x2(res, r0 + 1 * ldr + 8))
+                if act == 1:
+                    a1_1 = vmax_8x2(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_8x2(vmax_8x2(a1_1, lo), hi)
+                vstore_8x2(c, c0 + 1 * ldc + 8, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_8x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_8x2(vmul_8x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_8x2(a2_1, vload_8x2(res, r0 + 2 * ldr + 8))
+                if act == 1:
+                    a2_1 = vmax_8x2(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_8x2(vmax_8x2(a2_1, lo), hi)
+                vstore_8x2(c, c0 + 2 * ldc + 8, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_8x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_8x2(vmul_8x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_8x2(a3_1, vload_8x2(res, r0 + 3 * ldr + 8))
+                if act == 1:
+                    a3_1 = vmax_8x2(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_8x2(vmax_8x2(a3_1, lo), hi)
+                vstore_8x2(c, c0 + 3 * ldc + 8, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_8x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_8x2(vmul_8x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_8x2(a4_1, vload_8x2(res, r0 + 4 * ldr + 8))
+                if act == 1:
+                    a4_1 = vmax_8x2(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_8x2(vmax_8x2(a4_1, lo), hi)
+                vstore_8x2(c, c0 + 4 * ldc + 8, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_8x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_8x2(vmul_8x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_8x2(a5_1, vload_8x2(res, r0 + 5 * ldr + 8))
+                if act == 1:
+                    a5_1 = vmax_8x2(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_8x2(vmax_8x2(a5_1, lo), hi)
+                vstore_8x2(c, c0 + 5 * ldc + 8, a5_1)
             continue
         if cols == 16:
             if rows > 0:
@@ -3154,10 +2366,9 @@ def tile1v_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -3231,179 +2442,95 @@ def tile1v_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 8 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_8x2()
             lo = vsplat_8x2(a)
             hi = vsplat_8x2(b)
             ones = vsplat_8x2(one)
-            if cols == 8:
-                sc0 = vload_8x2(scale, n0 + 0) if col_s else ones
-                bi0 = vload_8x2(bias, n0 + 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_8x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
-                    vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_8x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
-                    vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_8x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
-                    vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_8x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
-                    vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_8x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
-                    vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_8x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
-                    vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
-            else:
-                sc0 = vload_n_8x2(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_8x2(bias, n0 + 0, cols - 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_8x2(a0_0, vload_n_8x2(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_8x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_8x2(a1_0, vload_n_8x2(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_8x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_8x2(a2_0, vload_n_8x2(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_8x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_8x2(a3_0, vload_n_8x2(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_8x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_8x2(a4_0, vload_n_8x2(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_8x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_8x2(s1)
-                    bv = vsplat_8x2(b1)
-                    a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_8x2(a5_0, vload_n_8x2(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_8x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
-                    vstore_n_8x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            sc0 = vload_8x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_8x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a0_0 = vadd_8x2(vmul_8x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_8x2(a0_0, vload_8x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_8x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_8x2(vmax_8x2(a0_0, lo), hi)
+                vstore_8x2(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a1_0 = vadd_8x2(vmul_8x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_8x2(a1_0, vload_8x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_8x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_8x2(vmax_8x2(a1_0, lo), hi)
+                vstore_8x2(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a2_0 = vadd_8x2(vmul_8x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_8x2(a2_0, vload_8x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_8x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_8x2(vmax_8x2(a2_0, lo), hi)
+                vstore_8x2(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a3_0 = vadd_8x2(vmul_8x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_8x2(a3_0, vload_8x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_8x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_8x2(vmax_8x2(a3_0, lo), hi)
+                vstore_8x2(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a4_0 = vadd_8x2(vmul_8x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_8x2(a4_0, vload_8x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_8x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_8x2(vmax_8x2(a4_0, lo), hi)
+                vstore_8x2(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_8x2(s1)
+                bv = vsplat_8x2(b1)
+                a5_0 = vadd_8x2(vmul_8x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_8x2(a5_0, vload_8x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_8x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_8x2(vmax_8x2(a5_0, lo), hi)
+                vstore_8x2(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if cols == 8:
             if rows > 0:
@@ -3435,52 +2562,40 @@ def tile1v_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
 
 @njit(cache=True)
 def _epilogue_8x2(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
-    last cols % 8 columns one by one. Bias and scale per row m0.., or per column
-    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
+    """The conv epilogue on a just-stored tile, still in L1, a vector at a time; the
+    last, partial one (24 channels on 16 lanes) with masked loads and store. Bias and
+    scale per row m0.., or per column n0.. with PER_COL. Activations other than
+    relu/clip run after (act_row). Partial tiles take this pass rather than a masked
+    copy of the tile's in-register epilogue: that copy doubled numba's compile time
+    (the tiles' code size sets it) for 15-20% on the few GEMMs with partial tiles."""
     one = np.float32(1)
     zero = vzero_8x2()
     lo = vsplat_8x2(a)
     hi = vsplat_8x2(b)
     by_col = (flags & PER_COL) != 0
-    full = cols // 8 * 8
     for r in range(rows):
         s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
         b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
         sv = vsplat_8x2(s1)
         bv = vsplat_8x2(b1)
-        for v in range(0, full, 8):
+        for v in range(0, cols, 8):
             o = c0 + r * ldc + v
+            n = cols - v  # at least 8 (a whole vector) but for the last one
             if by_col:
-                y = vload_8x2(c, o)
+                y = vload_n_8x2(c, o, n)
                 if flags & HAS_SCALE:
-                    y = vmul_8x2(y, vload_8x2(scale, n0 + v))
+                    y = vmul_8x2(y, vload_n_8x2(scale, n0 + v, n))
                 if flags & HAS_BIAS:
-                    y = vadd_8x2(y, vload_8x2(bias, n0 + v))
+                    y = vadd_8x2(y, vload_n_8x2(bias, n0 + v, n))
             else:
-                y = vadd_8x2(vmul_8x2(vload_8x2(c, o), sv), bv)
+                y = vadd_8x2(vmul_8x2(vload_n_8x2(c, o, n), sv), bv)
             if flags & HAS_RES:
-                y = vadd_8x2(y, vload_8x2(res, r0 + r * ldr + v))
+                y = vadd_8x2(y, vload_n_8x2(res, r0 + r * ldr + v, n))
             if act == 1:
                 y = vmax_8x2(zero, y)
             elif act == 3:
                 y = vmin_8x2(vmax_8x2(y, lo), hi)
-            vstore_8x2(c, o, y)
-        for j in range(full, cols):
-            o = c0 + r * ldc + j
-            z = sload_8x2(c, o)
-            if by_col:
-                if flags & HAS_SCALE:
-                    z = z * scale[n0 + j]
-                if flags & HAS_BIAS:
-                    z = z + bias[n0 + j]
-            else:
-                z = z * s1 + b1
-            if flags & HAS_RES:
-                z = z + sload_8x2(res, r0 + r * ldr + j)
-            if act == 1 or act == 3:
-                z = act_scalar(z, act, a, b)
-            sstore_8x2(c, o, z)
+            vstore_n_8x2(c, o, y, n)
 
 
 
@@ -3530,7 +2645,7 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 16-wide tile idle.
                 nvv = (cols + 7) // 8
-                fused = fuse  # in registers, a partial tile's too
+                fused = fuse and cols == nvv * 8  # whole vectors: in registers
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
@@ -3621,7 +2736,7 @@ def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                     if cols <= 0:
                         break
                     nvv = (cols + 7) // 8
-                    fused = fuse  # in registers, a partial tile's too
+                    fused = fuse and cols == nvv * 8  # whole vectors: in registers
                     pfo = nxt + u * share
                     if nvv == 1:
                         tile1v_8x2(w, wk0, wsr, wsk, rtab, rows, wq,
@@ -4021,10 +3136,9 @@ def tile_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumula
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -4123,279 +3237,145 @@ def tile_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumula
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 8 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_4x2()
             lo = vsplat_4x2(a)
             hi = vsplat_4x2(b)
             ones = vsplat_4x2(one)
-            if cols == 8:
-                sc0 = vload_4x2(scale, n0 + 0) if col_s else ones
-                bi0 = vload_4x2(bias, n0 + 0) if col_b else zero
-                sc1 = vload_4x2(scale, n0 + 4) if col_s else ones
-                bi1 = vload_4x2(bias, n0 + 4) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_4x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
-                    vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_4x2(vmul_4x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x2(a0_1, vload_4x2(res, r0 + 0 * ldr + 4))
-                    if act == 1:
-                        a0_1 = vmax_4x2(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x2(vmax_4x2(a0_1, lo), hi)
-                    vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_4x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
-                    vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_4x2(vmul_4x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x2(a1_1, vload_4x2(res, r0 + 1 * ldr + 4))
-                    if act == 1:
-                        a1_1 = vmax_4x2(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x2(vmax_4x2(a1_1, lo), hi)
-                    vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_4x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
-                    vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_4x2(vmul_4x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x2(a2_1, vload_4x2(res, r0 + 2 * ldr + 4))
-                    if act == 1:
-                        a2_1 = vmax_4x2(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x2(vmax_4x2(a2_1, lo), hi)
-                    vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_4x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
-                    vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_4x2(vmul_4x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x2(a3_1, vload_4x2(res, r0 + 3 * ldr + 4))
-                    if act == 1:
-                        a3_1 = vmax_4x2(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x2(vmax_4x2(a3_1, lo), hi)
-                    vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_4x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
-                    vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_4x2(vmul_4x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x2(a4_1, vload_4x2(res, r0 + 4 * ldr + 4))
-                    if act == 1:
-                        a4_1 = vmax_4x2(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x2(vmax_4x2(a4_1, lo), hi)
-                    vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_4x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
-                    vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_4x2(vmul_4x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x2(a5_1, vload_4x2(res, r0 + 5 * ldr + 4))
-                    if act == 1:
-                        a5_1 = vmax_4x2(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x2(vmax_4x2(a5_1, lo), hi)
-                    vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
-            else:
-                sc0 = vload_n_4x2(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_4x2(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_4x2(scale, n0 + 4, cols - 4) if col_s else ones
-                bi1 = vload_n_4x2(bias, n0 + 4, cols - 4) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x2(a0_0, vload_n_4x2(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_4x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_4x2(vmul_4x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x2(a0_1, vload_n_4x2(res, r0 + 0 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a0_1 = vmax_4x2(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x2(vmax_4x2(a0_1, lo), hi)
-                    vstore_n_4x2(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x2(a1_0, vload_n_4x2(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_4x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_4x2(vmul_4x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x2(a1_1, vload_n_4x2(res, r0 + 1 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a1_1 = vmax_4x2(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x2(vmax_4x2(a1_1, lo), hi)
-                    vstore_n_4x2(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x2(a2_0, vload_n_4x2(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_4x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_4x2(vmul_4x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x2(a2_1, vload_n_4x2(res, r0 + 2 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a2_1 = vmax_4x2(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x2(vmax_4x2(a2_1, lo), hi)
-                    vstore_n_4x2(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x2(a3_0, vload_n_4x2(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_4x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_4x2(vmul_4x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x2(a3_1, vload_n_4x2(res, r0 + 3 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a3_1 = vmax_4x2(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x2(vmax_4x2(a3_1, lo), hi)
-                    vstore_n_4x2(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x2(a4_0, vload_n_4x2(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_4x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_4x2(vmul_4x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x2(a4_1, vload_n_4x2(res, r0 + 4 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a4_1 = vmax_4x2(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x2(vmax_4x2(a4_1, lo), hi)
-                    vstore_n_4x2(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x2(a5_0, vload_n_4x2(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_4x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_4x2(vmul_4x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x2(a5_1, vload_n_4x2(res, r0 + 5 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a5_1 = vmax_4x2(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x2(vmax_4x2(a5_1, lo), hi)
-                    vstore_n_4x2(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x2(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x2(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x2(vmul_4x2(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x2(a0_1, vload_4x2(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x2(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x2(vmax_4x2(a0_1, lo), hi)
+                vstore_4x2(c, c0 + 0 * ldc + 4, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x2(vmul_4x2(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x2(a1_1, vload_4x2(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x2(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x2(vmax_4x2(a1_1, lo), hi)
+                vstore_4x2(c, c0 + 1 * ldc + 4, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x2(vmul_4x2(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x2(a2_1, vload_4x2(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x2(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x2(vmax_4x2(a2_1, lo), hi)
+                vstore_4x2(c, c0 + 2 * ldc + 4, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x2(vmul_4x2(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x2(a3_1, vload_4x2(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x2(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x2(vmax_4x2(a3_1, lo), hi)
+                vstore_4x2(c, c0 + 3 * ldc + 4, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x2(vmul_4x2(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x2(a4_1, vload_4x2(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x2(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x2(vmax_4x2(a4_1, lo), hi)
+                vstore_4x2(c, c0 + 4 * ldc + 4, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x2(vmul_4x2(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x2(a5_1, vload_4x2(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x2(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x2(vmax_4x2(a5_1, lo), hi)
+                vstore_4x2(c, c0 + 5 * ldc + 4, a5_1)
             continue
         if cols == 8:
             if rows > 0:
@@ -4450,10 +3430,9 @@ def tile1v_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -4527,179 +3506,95 @@ def tile1v_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 4 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_4x2()
             lo = vsplat_4x2(a)
             hi = vsplat_4x2(b)
             ones = vsplat_4x2(one)
-            if cols == 4:
-                sc0 = vload_4x2(scale, n0 + 0) if col_s else ones
-                bi0 = vload_4x2(bias, n0 + 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_4x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
-                    vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_4x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
-                    vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_4x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
-                    vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_4x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
-                    vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_4x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
-                    vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_4x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
-                    vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
-            else:
-                sc0 = vload_n_4x2(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_4x2(bias, n0 + 0, cols - 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x2(a0_0, vload_n_4x2(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_4x2(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x2(a1_0, vload_n_4x2(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_4x2(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x2(a2_0, vload_n_4x2(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_4x2(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x2(a3_0, vload_n_4x2(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_4x2(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x2(a4_0, vload_n_4x2(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_4x2(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x2(s1)
-                    bv = vsplat_4x2(b1)
-                    a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x2(a5_0, vload_n_4x2(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_4x2(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
-                    vstore_n_4x2(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            sc0 = vload_4x2(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x2(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a0_0 = vadd_4x2(vmul_4x2(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x2(a0_0, vload_4x2(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x2(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x2(vmax_4x2(a0_0, lo), hi)
+                vstore_4x2(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a1_0 = vadd_4x2(vmul_4x2(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x2(a1_0, vload_4x2(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x2(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x2(vmax_4x2(a1_0, lo), hi)
+                vstore_4x2(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a2_0 = vadd_4x2(vmul_4x2(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x2(a2_0, vload_4x2(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x2(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x2(vmax_4x2(a2_0, lo), hi)
+                vstore_4x2(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a3_0 = vadd_4x2(vmul_4x2(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x2(a3_0, vload_4x2(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x2(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x2(vmax_4x2(a3_0, lo), hi)
+                vstore_4x2(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a4_0 = vadd_4x2(vmul_4x2(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x2(a4_0, vload_4x2(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x2(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x2(vmax_4x2(a4_0, lo), hi)
+                vstore_4x2(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x2(s1)
+                bv = vsplat_4x2(b1)
+                a5_0 = vadd_4x2(vmul_4x2(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x2(a5_0, vload_4x2(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x2(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x2(vmax_4x2(a5_0, lo), hi)
+                vstore_4x2(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if cols == 4:
             if rows > 0:
@@ -4731,52 +3626,40 @@ def tile1v_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
 
 @njit(cache=True)
 def _epilogue_4x2(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
-    last cols % 4 columns one by one. Bias and scale per row m0.., or per column
-    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
+    """The conv epilogue on a just-stored tile, still in L1, a vector at a time; the
+    last, partial one (24 channels on 16 lanes) with masked loads and store. Bias and
+    scale per row m0.., or per column n0.. with PER_COL. Activations other than
+    relu/clip run after (act_row). Partial tiles take this pass rather than a masked
+    copy of the tile's in-register epilogue: that copy doubled numba's compile time
+    (the tiles' code size sets it) for 15-20% on the few GEMMs with partial tiles."""
     one = np.float32(1)
     zero = vzero_4x2()
     lo = vsplat_4x2(a)
     hi = vsplat_4x2(b)
     by_col = (flags & PER_COL) != 0
-    full = cols // 4 * 4
     for r in range(rows):
         s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
         b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
         sv = vsplat_4x2(s1)
         bv = vsplat_4x2(b1)
-        for v in range(0, full, 4):
+        for v in range(0, cols, 4):
             o = c0 + r * ldc + v
+            n = cols - v  # at least 4 (a whole vector) but for the last one
             if by_col:
-                y = vload_4x2(c, o)
+                y = vload_n_4x2(c, o, n)
                 if flags & HAS_SCALE:
-                    y = vmul_4x2(y, vload_4x2(scale, n0 + v))
+                    y = vmul_4x2(y, vload_n_4x2(scale, n0 + v, n))
                 if flags & HAS_BIAS:
-                    y = vadd_4x2(y, vload_4x2(bias, n0 + v))
+                    y = vadd_4x2(y, vload_n_4x2(bias, n0 + v, n))
             else:
-                y = vadd_4x2(vmul_4x2(vload_4x2(c, o), sv), bv)
+                y = vadd_4x2(vmul_4x2(vload_n_4x2(c, o, n), sv), bv)
             if flags & HAS_RES:
-                y = vadd_4x2(y, vload_4x2(res, r0 + r * ldr + v))
+                y = vadd_4x2(y, vload_n_4x2(res, r0 + r * ldr + v, n))
             if act == 1:
                 y = vmax_4x2(zero, y)
             elif act == 3:
                 y = vmin_4x2(vmax_4x2(y, lo), hi)
-            vstore_4x2(c, o, y)
-        for j in range(full, cols):
-            o = c0 + r * ldc + j
-            z = sload_4x2(c, o)
-            if by_col:
-                if flags & HAS_SCALE:
-                    z = z * scale[n0 + j]
-                if flags & HAS_BIAS:
-                    z = z + bias[n0 + j]
-            else:
-                z = z * s1 + b1
-            if flags & HAS_RES:
-                z = z + sload_4x2(res, r0 + r * ldr + j)
-            if act == 1 or act == 3:
-                z = act_scalar(z, act, a, b)
-            sstore_4x2(c, o, z)
+            vstore_n_4x2(c, o, y, n)
 
 
 
@@ -4826,7 +3709,7 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 8-wide tile idle.
                 nvv = (cols + 3) // 4
-                fused = fuse  # in registers, a partial tile's too
+                fused = fuse and cols == nvv * 4  # whole vectors: in registers
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
@@ -4917,7 +3800,7 @@ def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                     if cols <= 0:
                         break
                     nvv = (cols + 3) // 4
-                    fused = fuse  # in registers, a partial tile's too
+                    fused = fuse and cols == nvv * 4  # whole vectors: in registers
                     pfo = nxt + u * share
                     if nvv == 1:
                         tile1v_4x2(w, wk0, wsr, wsk, rtab, rows, wq,
@@ -5317,10 +4200,9 @@ def tile_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumula
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 16 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -5469,479 +4351,245 @@ def tile_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumula
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 16 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_4x4()
             lo = vsplat_4x4(a)
             hi = vsplat_4x4(b)
             ones = vsplat_4x4(one)
-            if cols == 16:
-                sc0 = vload_4x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_4x4(bias, n0 + 0) if col_b else zero
-                sc1 = vload_4x4(scale, n0 + 4) if col_s else ones
-                bi1 = vload_4x4(bias, n0 + 4) if col_b else zero
-                sc2 = vload_4x4(scale, n0 + 8) if col_s else ones
-                bi2 = vload_4x4(bias, n0 + 8) if col_b else zero
-                sc3 = vload_4x4(scale, n0 + 12) if col_s else ones
-                bi3 = vload_4x4(bias, n0 + 12) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
-                    if act == 1:
-                        a0_1 = vmax_4x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-                    a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
-                    if act == 1:
-                        a0_2 = vmax_4x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-                    a0_3 = vadd_4x4(vmul_4x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a0_3 = vadd_4x4(a0_3, vload_4x4(res, r0 + 0 * ldr + 12))
-                    if act == 1:
-                        a0_3 = vmax_4x4(zero, a0_3)
-                    elif act == 3:
-                        a0_3 = vmin_4x4(vmax_4x4(a0_3, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
-                    if act == 1:
-                        a1_1 = vmax_4x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-                    a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
-                    if act == 1:
-                        a1_2 = vmax_4x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-                    a1_3 = vadd_4x4(vmul_4x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a1_3 = vadd_4x4(a1_3, vload_4x4(res, r0 + 1 * ldr + 12))
-                    if act == 1:
-                        a1_3 = vmax_4x4(zero, a1_3)
-                    elif act == 3:
-                        a1_3 = vmin_4x4(vmax_4x4(a1_3, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
-                    if act == 1:
-                        a2_1 = vmax_4x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-                    a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
-                    if act == 1:
-                        a2_2 = vmax_4x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-                    a2_3 = vadd_4x4(vmul_4x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a2_3 = vadd_4x4(a2_3, vload_4x4(res, r0 + 2 * ldr + 12))
-                    if act == 1:
-                        a2_3 = vmax_4x4(zero, a2_3)
-                    elif act == 3:
-                        a2_3 = vmin_4x4(vmax_4x4(a2_3, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
-                    if act == 1:
-                        a3_1 = vmax_4x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-                    a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
-                    if act == 1:
-                        a3_2 = vmax_4x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-                    a3_3 = vadd_4x4(vmul_4x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a3_3 = vadd_4x4(a3_3, vload_4x4(res, r0 + 3 * ldr + 12))
-                    if act == 1:
-                        a3_3 = vmax_4x4(zero, a3_3)
-                    elif act == 3:
-                        a3_3 = vmin_4x4(vmax_4x4(a3_3, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
-                    if act == 1:
-                        a4_1 = vmax_4x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-                    a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
-                    if act == 1:
-                        a4_2 = vmax_4x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-                    a4_3 = vadd_4x4(vmul_4x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a4_3 = vadd_4x4(a4_3, vload_4x4(res, r0 + 4 * ldr + 12))
-                    if act == 1:
-                        a4_3 = vmax_4x4(zero, a4_3)
-                    elif act == 3:
-                        a4_3 = vmin_4x4(vmax_4x4(a4_3, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
-                    if act == 1:
-                        a5_1 = vmax_4x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-                    a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
-                    if act == 1:
-                        a5_2 = vmax_4x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-                    a5_3 = vadd_4x4(vmul_4x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a5_3 = vadd_4x4(a5_3, vload_4x4(res, r0 + 5 * ldr + 12))
-                    if act == 1:
-                        a5_3 = vmax_4x4(zero, a5_3)
-                    elif act == 3:
-                        a5_3 = vmin_4x4(vmax_4x4(a5_3, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
-            else:
-                sc0 = vload_n_4x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_4x4(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_4x4(scale, n0 + 4, cols - 4) if col_s else ones
-                bi1 = vload_n_4x4(bias, n0 + 4, cols - 4) if col_b else zero
-                sc2 = vload_n_4x4(scale, n0 + 8, cols - 8) if col_s else ones
-                bi2 = vload_n_4x4(bias, n0 + 8, cols - 8) if col_b else zero
-                sc3 = vload_n_4x4(scale, n0 + 12, cols - 12) if col_s else ones
-                bi3 = vload_n_4x4(bias, n0 + 12, cols - 12) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_n_4x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x4(a0_1, vload_n_4x4(res, r0 + 0 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a0_1 = vmax_4x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-                    a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_4x4(a0_2, vload_n_4x4(res, r0 + 0 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a0_2 = vmax_4x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
-                    a0_3 = vadd_4x4(vmul_4x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a0_3 = vadd_4x4(a0_3, vload_n_4x4(res, r0 + 0 * ldr + 12, cols - 12))
-                    if act == 1:
-                        a0_3 = vmax_4x4(zero, a0_3)
-                    elif act == 3:
-                        a0_3 = vmin_4x4(vmax_4x4(a0_3, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 12, a0_3, cols - 12)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_n_4x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x4(a1_1, vload_n_4x4(res, r0 + 1 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a1_1 = vmax_4x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-                    a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_4x4(a1_2, vload_n_4x4(res, r0 + 1 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a1_2 = vmax_4x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
-                    a1_3 = vadd_4x4(vmul_4x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a1_3 = vadd_4x4(a1_3, vload_n_4x4(res, r0 + 1 * ldr + 12, cols - 12))
-                    if act == 1:
-                        a1_3 = vmax_4x4(zero, a1_3)
-                    elif act == 3:
-                        a1_3 = vmin_4x4(vmax_4x4(a1_3, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 12, a1_3, cols - 12)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_n_4x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x4(a2_1, vload_n_4x4(res, r0 + 2 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a2_1 = vmax_4x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-                    a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_4x4(a2_2, vload_n_4x4(res, r0 + 2 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a2_2 = vmax_4x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
-                    a2_3 = vadd_4x4(vmul_4x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a2_3 = vadd_4x4(a2_3, vload_n_4x4(res, r0 + 2 * ldr + 12, cols - 12))
-                    if act == 1:
-                        a2_3 = vmax_4x4(zero, a2_3)
-                    elif act == 3:
-                        a2_3 = vmin_4x4(vmax_4x4(a2_3, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 12, a2_3, cols - 12)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_n_4x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x4(a3_1, vload_n_4x4(res, r0 + 3 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a3_1 = vmax_4x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-                    a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_4x4(a3_2, vload_n_4x4(res, r0 + 3 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a3_2 = vmax_4x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
-                    a3_3 = vadd_4x4(vmul_4x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a3_3 = vadd_4x4(a3_3, vload_n_4x4(res, r0 + 3 * ldr + 12, cols - 12))
-                    if act == 1:
-                        a3_3 = vmax_4x4(zero, a3_3)
-                    elif act == 3:
-                        a3_3 = vmin_4x4(vmax_4x4(a3_3, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 12, a3_3, cols - 12)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_n_4x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x4(a4_1, vload_n_4x4(res, r0 + 4 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a4_1 = vmax_4x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-                    a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_4x4(a4_2, vload_n_4x4(res, r0 + 4 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a4_2 = vmax_4x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
-                    a4_3 = vadd_4x4(vmul_4x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a4_3 = vadd_4x4(a4_3, vload_n_4x4(res, r0 + 4 * ldr + 12, cols - 12))
-                    if act == 1:
-                        a4_3 = vmax_4x4(zero, a4_3)
-                    elif act == 3:
-                        a4_3 = vmin_4x4(vmax_4x4(a4_3, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 12, a4_3, cols - 12)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_n_4x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x4(a5_1, vload_n_4x4(res, r0 + 5 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a5_1 = vmax_4x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
-                    a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_4x4(a5_2, vload_n_4x4(res, r0 + 5 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a5_2 = vmax_4x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
-                    a5_3 = vadd_4x4(vmul_4x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
-                    if has_res:
-                        a5_3 = vadd_4x4(a5_3, vload_n_4x4(res, r0 + 5 * ldr + 12, cols - 12))
-                    if act == 1:
-                        a5_3 = vmax_4x4(zero, a5_3)
-                    elif act == 3:
-                        a5_3 = vmin_4x4(vmax_4x4(a5_3, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 12, a5_3, cols - 12)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+            sc3 = vload_4x4(scale, n0 + 12) if by_col and flags & HAS_SCALE else ones
+            bi3 = vload_4x4(bias, n0 + 12) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+                a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
+                if act == 1:
+                    a0_2 = vmax_4x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+                a0_3 = vadd_4x4(vmul_4x4(a0_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a0_3 = vadd_4x4(a0_3, vload_4x4(res, r0 + 0 * ldr + 12))
+                if act == 1:
+                    a0_3 = vmax_4x4(zero, a0_3)
+                elif act == 3:
+                    a0_3 = vmin_4x4(vmax_4x4(a0_3, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 12, a0_3)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+                a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
+                if act == 1:
+                    a1_2 = vmax_4x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+                a1_3 = vadd_4x4(vmul_4x4(a1_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a1_3 = vadd_4x4(a1_3, vload_4x4(res, r0 + 1 * ldr + 12))
+                if act == 1:
+                    a1_3 = vmax_4x4(zero, a1_3)
+                elif act == 3:
+                    a1_3 = vmin_4x4(vmax_4x4(a1_3, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 12, a1_3)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+                a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
+                if act == 1:
+                    a2_2 = vmax_4x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+                a2_3 = vadd_4x4(vmul_4x4(a2_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a2_3 = vadd_4x4(a2_3, vload_4x4(res, r0 + 2 * ldr + 12))
+                if act == 1:
+                    a2_3 = vmax_4x4(zero, a2_3)
+                elif act == 3:
+                    a2_3 = vmin_4x4(vmax_4x4(a2_3, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 12, a2_3)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+                a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
+                if act == 1:
+                    a3_2 = vmax_4x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+                a3_3 = vadd_4x4(vmul_4x4(a3_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a3_3 = vadd_4x4(a3_3, vload_4x4(res, r0 + 3 * ldr + 12))
+                if act == 1:
+                    a3_3 = vmax_4x4(zero, a3_3)
+                elif act == 3:
+                    a3_3 = vmin_4x4(vmax_4x4(a3_3, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 12, a3_3)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+                a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
+                if act == 1:
+                    a4_2 = vmax_4x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+                a4_3 = vadd_4x4(vmul_4x4(a4_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a4_3 = vadd_4x4(a4_3, vload_4x4(res, r0 + 4 * ldr + 12))
+                if act == 1:
+                    a4_3 = vmax_4x4(zero, a4_3)
+                elif act == 3:
+                    a4_3 = vmin_4x4(vmax_4x4(a4_3, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 12, a4_3)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+                a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
+                if act == 1:
+                    a5_2 = vmax_4x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
+                a5_3 = vadd_4x4(vmul_4x4(a5_3, sc3 if by_col else sv), bi3 if by_col else bv)
+                if has_res:
+                    a5_3 = vadd_4x4(a5_3, vload_4x4(res, r0 + 5 * ldr + 12))
+                if act == 1:
+                    a5_3 = vmax_4x4(zero, a5_3)
+                elif act == 3:
+                    a5_3 = vmin_4x4(vmax_4x4(a5_3, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 12, a5_3)
             continue
         if cols == 16:
             if rows > 0:
@@ -6020,10 +4668,9 @@ def tile1v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 4 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -6097,179 +4744,95 @@ def tile1v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 4 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_4x4()
             lo = vsplat_4x4(a)
             hi = vsplat_4x4(b)
             ones = vsplat_4x4(one)
-            if cols == 4:
-                sc0 = vload_4x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_4x4(bias, n0 + 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-            else:
-                sc0 = vload_n_4x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_4x4(bias, n0 + 0, cols - 0) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_n_4x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_n_4x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_n_4x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_n_4x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_n_4x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_n_4x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
             continue
         if cols == 4:
             if rows > 0:
@@ -6312,10 +4875,9 @@ def tile2v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 8 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -6414,279 +4976,145 @@ def tile2v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 8 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_4x4()
             lo = vsplat_4x4(a)
             hi = vsplat_4x4(b)
             ones = vsplat_4x4(one)
-            if cols == 8:
-                sc0 = vload_4x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_4x4(bias, n0 + 0) if col_b else zero
-                sc1 = vload_4x4(scale, n0 + 4) if col_s else ones
-                bi1 = vload_4x4(bias, n0 + 4) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
-                    if act == 1:
-                        a0_1 = vmax_4x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
-                    if act == 1:
-                        a1_1 = vmax_4x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
-                    if act == 1:
-                        a2_1 = vmax_4x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
-                    if act == 1:
-                        a3_1 = vmax_4x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
-                    if act == 1:
-                        a4_1 = vmax_4x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
-                    if act == 1:
-                        a5_1 = vmax_4x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-            else:
-                sc0 = vload_n_4x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_4x4(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_4x4(scale, n0 + 4, cols - 4) if col_s else ones
-                bi1 = vload_n_4x4(bias, n0 + 4, cols - 4) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_n_4x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x4(a0_1, vload_n_4x4(res, r0 + 0 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a0_1 = vmax_4x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_n_4x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x4(a1_1, vload_n_4x4(res, r0 + 1 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a1_1 = vmax_4x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_n_4x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x4(a2_1, vload_n_4x4(res, r0 + 2 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a2_1 = vmax_4x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_n_4x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x4(a3_1, vload_n_4x4(res, r0 + 3 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a3_1 = vmax_4x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_n_4x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x4(a4_1, vload_n_4x4(res, r0 + 4 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a4_1 = vmax_4x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_n_4x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x4(a5_1, vload_n_4x4(res, r0 + 5 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a5_1 = vmax_4x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
             continue
         if cols == 8:
             if rows > 0:
@@ -6741,10 +5169,9 @@ def tile3v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
     6 rows at a time: one call per block of rows, so its setup and the call
     itself (~100 ns, as long as 30 fma steps) are paid once per block.
     xq has 12 columns (zeros past cols); c is touched only in its cols columns.
-    With ``epi`` the tile (a partial one too, reading per-column vectors and the
-    residual with masks) takes the conv epilogue in registers before its one store
-    (relu/clip only; arguments as _epilogue's): for short reductions the separate
-    pass over the stored tile cost a quarter of the GEMM.
+    With ``epi`` a full tile takes the conv epilogue in registers before its one
+    store (relu/clip only; arguments as _epilogue's): for short reductions the
+    separate pass over the stored tile cost a quarter of the GEMM.
     Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte
     line a step): the next weight slab streams in while this one is in use. A
     prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.
@@ -6868,379 +5295,195 @@ def tile3v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
                 xo += ldx
                 ko += wsk
             ko += wjump
-        if epi:
+        if cols == 12 and epi:
             by_col = (flags & PER_COL) != 0
             has_res = (flags & HAS_RES) != 0
-            col_s = by_col and (flags & HAS_SCALE) != 0
-            col_b = by_col and (flags & HAS_BIAS) != 0
             one = np.float32(1)
             zero1 = np.float32(0)
             zero = vzero_4x4()
             lo = vsplat_4x4(a)
             hi = vsplat_4x4(b)
             ones = vsplat_4x4(one)
-            if cols == 12:
-                sc0 = vload_4x4(scale, n0 + 0) if col_s else ones
-                bi0 = vload_4x4(bias, n0 + 0) if col_b else zero
-                sc1 = vload_4x4(scale, n0 + 4) if col_s else ones
-                bi1 = vload_4x4(bias, n0 + 4) if col_b else zero
-                sc2 = vload_4x4(scale, n0 + 8) if col_s else ones
-                bi2 = vload_4x4(bias, n0 + 8) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
-                    a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
-                    if act == 1:
-                        a0_1 = vmax_4x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
-                    a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
-                    if act == 1:
-                        a0_2 = vmax_4x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
-                    vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
-                    a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
-                    if act == 1:
-                        a1_1 = vmax_4x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
-                    a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
-                    if act == 1:
-                        a1_2 = vmax_4x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
-                    vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
-                    a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
-                    if act == 1:
-                        a2_1 = vmax_4x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
-                    a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
-                    if act == 1:
-                        a2_2 = vmax_4x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
-                    vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
-                    a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
-                    if act == 1:
-                        a3_1 = vmax_4x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
-                    a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
-                    if act == 1:
-                        a3_2 = vmax_4x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
-                    vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
-                    a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
-                    if act == 1:
-                        a4_1 = vmax_4x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
-                    a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
-                    if act == 1:
-                        a4_2 = vmax_4x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
-                    vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
-                    a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
-                    if act == 1:
-                        a5_1 = vmax_4x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
-                    a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
-                    if act == 1:
-                        a5_2 = vmax_4x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
-                    vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
-            else:
-                sc0 = vload_n_4x4(scale, n0 + 0, cols - 0) if col_s else ones
-                bi0 = vload_n_4x4(bias, n0 + 0, cols - 0) if col_b else zero
-                sc1 = vload_n_4x4(scale, n0 + 4, cols - 4) if col_s else ones
-                bi1 = vload_n_4x4(bias, n0 + 4, cols - 4) if col_b else zero
-                sc2 = vload_n_4x4(scale, n0 + 8, cols - 8) if col_s else ones
-                bi2 = vload_n_4x4(bias, n0 + 8, cols - 8) if col_b else zero
-                if rows > 0:
-                    s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a0_0 = vadd_4x4(a0_0, vload_n_4x4(res, r0 + 0 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a0_0 = vmax_4x4(zero, a0_0)
-                    elif act == 3:
-                        a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 0, a0_0, cols - 0)
-                    a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a0_1 = vadd_4x4(a0_1, vload_n_4x4(res, r0 + 0 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a0_1 = vmax_4x4(zero, a0_1)
-                    elif act == 3:
-                        a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 4, a0_1, cols - 4)
-                    a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a0_2 = vadd_4x4(a0_2, vload_n_4x4(res, r0 + 0 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a0_2 = vmax_4x4(zero, a0_2)
-                    elif act == 3:
-                        a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 0 * ldc + 8, a0_2, cols - 8)
-                if rows > 1:
-                    s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a1_0 = vadd_4x4(a1_0, vload_n_4x4(res, r0 + 1 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a1_0 = vmax_4x4(zero, a1_0)
-                    elif act == 3:
-                        a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 0, a1_0, cols - 0)
-                    a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a1_1 = vadd_4x4(a1_1, vload_n_4x4(res, r0 + 1 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a1_1 = vmax_4x4(zero, a1_1)
-                    elif act == 3:
-                        a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 4, a1_1, cols - 4)
-                    a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a1_2 = vadd_4x4(a1_2, vload_n_4x4(res, r0 + 1 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a1_2 = vmax_4x4(zero, a1_2)
-                    elif act == 3:
-                        a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 1 * ldc + 8, a1_2, cols - 8)
-                if rows > 2:
-                    s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a2_0 = vadd_4x4(a2_0, vload_n_4x4(res, r0 + 2 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a2_0 = vmax_4x4(zero, a2_0)
-                    elif act == 3:
-                        a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 0, a2_0, cols - 0)
-                    a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a2_1 = vadd_4x4(a2_1, vload_n_4x4(res, r0 + 2 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a2_1 = vmax_4x4(zero, a2_1)
-                    elif act == 3:
-                        a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 4, a2_1, cols - 4)
-                    a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a2_2 = vadd_4x4(a2_2, vload_n_4x4(res, r0 + 2 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a2_2 = vmax_4x4(zero, a2_2)
-                    elif act == 3:
-                        a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 2 * ldc + 8, a2_2, cols - 8)
-                if rows > 3:
-                    s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a3_0 = vadd_4x4(a3_0, vload_n_4x4(res, r0 + 3 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a3_0 = vmax_4x4(zero, a3_0)
-                    elif act == 3:
-                        a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 0, a3_0, cols - 0)
-                    a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a3_1 = vadd_4x4(a3_1, vload_n_4x4(res, r0 + 3 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a3_1 = vmax_4x4(zero, a3_1)
-                    elif act == 3:
-                        a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 4, a3_1, cols - 4)
-                    a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a3_2 = vadd_4x4(a3_2, vload_n_4x4(res, r0 + 3 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a3_2 = vmax_4x4(zero, a3_2)
-                    elif act == 3:
-                        a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 3 * ldc + 8, a3_2, cols - 8)
-                if rows > 4:
-                    s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a4_0 = vadd_4x4(a4_0, vload_n_4x4(res, r0 + 4 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a4_0 = vmax_4x4(zero, a4_0)
-                    elif act == 3:
-                        a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 0, a4_0, cols - 0)
-                    a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a4_1 = vadd_4x4(a4_1, vload_n_4x4(res, r0 + 4 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a4_1 = vmax_4x4(zero, a4_1)
-                    elif act == 3:
-                        a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 4, a4_1, cols - 4)
-                    a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a4_2 = vadd_4x4(a4_2, vload_n_4x4(res, r0 + 4 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a4_2 = vmax_4x4(zero, a4_2)
-                    elif act == 3:
-                        a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 4 * ldc + 8, a4_2, cols - 8)
-                if rows > 5:
-                    s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
-                    b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
-                    sv = vsplat_4x4(s1)
-                    bv = vsplat_4x4(b1)
-                    a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
-                    if has_res:
-                        a5_0 = vadd_4x4(a5_0, vload_n_4x4(res, r0 + 5 * ldr + 0, cols - 0))
-                    if act == 1:
-                        a5_0 = vmax_4x4(zero, a5_0)
-                    elif act == 3:
-                        a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 0, a5_0, cols - 0)
-                    a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
-                    if has_res:
-                        a5_1 = vadd_4x4(a5_1, vload_n_4x4(res, r0 + 5 * ldr + 4, cols - 4))
-                    if act == 1:
-                        a5_1 = vmax_4x4(zero, a5_1)
-                    elif act == 3:
-                        a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 4, a5_1, cols - 4)
-                    a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
-                    if has_res:
-                        a5_2 = vadd_4x4(a5_2, vload_n_4x4(res, r0 + 5 * ldr + 8, cols - 8))
-                    if act == 1:
-                        a5_2 = vmax_4x4(zero, a5_2)
-                    elif act == 3:
-                        a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
-                    vstore_n_4x4(c, c0 + 5 * ldc + 8, a5_2, cols - 8)
+            sc0 = vload_4x4(scale, n0 + 0) if by_col and flags & HAS_SCALE else ones
+            bi0 = vload_4x4(bias, n0 + 0) if by_col and flags & HAS_BIAS else zero
+            sc1 = vload_4x4(scale, n0 + 4) if by_col and flags & HAS_SCALE else ones
+            bi1 = vload_4x4(bias, n0 + 4) if by_col and flags & HAS_BIAS else zero
+            sc2 = vload_4x4(scale, n0 + 8) if by_col and flags & HAS_SCALE else ones
+            bi2 = vload_4x4(bias, n0 + 8) if by_col and flags & HAS_BIAS else zero
+            if rows > 0:
+                s1 = scale[m0 + 0] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 0] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a0_0 = vadd_4x4(vmul_4x4(a0_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a0_0 = vadd_4x4(a0_0, vload_4x4(res, r0 + 0 * ldr + 0))
+                if act == 1:
+                    a0_0 = vmax_4x4(zero, a0_0)
+                elif act == 3:
+                    a0_0 = vmin_4x4(vmax_4x4(a0_0, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 0, a0_0)
+                a0_1 = vadd_4x4(vmul_4x4(a0_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a0_1 = vadd_4x4(a0_1, vload_4x4(res, r0 + 0 * ldr + 4))
+                if act == 1:
+                    a0_1 = vmax_4x4(zero, a0_1)
+                elif act == 3:
+                    a0_1 = vmin_4x4(vmax_4x4(a0_1, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 4, a0_1)
+                a0_2 = vadd_4x4(vmul_4x4(a0_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a0_2 = vadd_4x4(a0_2, vload_4x4(res, r0 + 0 * ldr + 8))
+                if act == 1:
+                    a0_2 = vmax_4x4(zero, a0_2)
+                elif act == 3:
+                    a0_2 = vmin_4x4(vmax_4x4(a0_2, lo), hi)
+                vstore_4x4(c, c0 + 0 * ldc + 8, a0_2)
+            if rows > 1:
+                s1 = scale[m0 + 1] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 1] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a1_0 = vadd_4x4(vmul_4x4(a1_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a1_0 = vadd_4x4(a1_0, vload_4x4(res, r0 + 1 * ldr + 0))
+                if act == 1:
+                    a1_0 = vmax_4x4(zero, a1_0)
+                elif act == 3:
+                    a1_0 = vmin_4x4(vmax_4x4(a1_0, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 0, a1_0)
+                a1_1 = vadd_4x4(vmul_4x4(a1_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a1_1 = vadd_4x4(a1_1, vload_4x4(res, r0 + 1 * ldr + 4))
+                if act == 1:
+                    a1_1 = vmax_4x4(zero, a1_1)
+                elif act == 3:
+                    a1_1 = vmin_4x4(vmax_4x4(a1_1, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 4, a1_1)
+                a1_2 = vadd_4x4(vmul_4x4(a1_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a1_2 = vadd_4x4(a1_2, vload_4x4(res, r0 + 1 * ldr + 8))
+                if act == 1:
+                    a1_2 = vmax_4x4(zero, a1_2)
+                elif act == 3:
+                    a1_2 = vmin_4x4(vmax_4x4(a1_2, lo), hi)
+                vstore_4x4(c, c0 + 1 * ldc + 8, a1_2)
+            if rows > 2:
+                s1 = scale[m0 + 2] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 2] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a2_0 = vadd_4x4(vmul_4x4(a2_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a2_0 = vadd_4x4(a2_0, vload_4x4(res, r0 + 2 * ldr + 0))
+                if act == 1:
+                    a2_0 = vmax_4x4(zero, a2_0)
+                elif act == 3:
+                    a2_0 = vmin_4x4(vmax_4x4(a2_0, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 0, a2_0)
+                a2_1 = vadd_4x4(vmul_4x4(a2_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a2_1 = vadd_4x4(a2_1, vload_4x4(res, r0 + 2 * ldr + 4))
+                if act == 1:
+                    a2_1 = vmax_4x4(zero, a2_1)
+                elif act == 3:
+                    a2_1 = vmin_4x4(vmax_4x4(a2_1, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 4, a2_1)
+                a2_2 = vadd_4x4(vmul_4x4(a2_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a2_2 = vadd_4x4(a2_2, vload_4x4(res, r0 + 2 * ldr + 8))
+                if act == 1:
+                    a2_2 = vmax_4x4(zero, a2_2)
+                elif act == 3:
+                    a2_2 = vmin_4x4(vmax_4x4(a2_2, lo), hi)
+                vstore_4x4(c, c0 + 2 * ldc + 8, a2_2)
+            if rows > 3:
+                s1 = scale[m0 + 3] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 3] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a3_0 = vadd_4x4(vmul_4x4(a3_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a3_0 = vadd_4x4(a3_0, vload_4x4(res, r0 + 3 * ldr + 0))
+                if act == 1:
+                    a3_0 = vmax_4x4(zero, a3_0)
+                elif act == 3:
+                    a3_0 = vmin_4x4(vmax_4x4(a3_0, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 0, a3_0)
+                a3_1 = vadd_4x4(vmul_4x4(a3_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a3_1 = vadd_4x4(a3_1, vload_4x4(res, r0 + 3 * ldr + 4))
+                if act == 1:
+                    a3_1 = vmax_4x4(zero, a3_1)
+                elif act == 3:
+                    a3_1 = vmin_4x4(vmax_4x4(a3_1, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 4, a3_1)
+                a3_2 = vadd_4x4(vmul_4x4(a3_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a3_2 = vadd_4x4(a3_2, vload_4x4(res, r0 + 3 * ldr + 8))
+                if act == 1:
+                    a3_2 = vmax_4x4(zero, a3_2)
+                elif act == 3:
+                    a3_2 = vmin_4x4(vmax_4x4(a3_2, lo), hi)
+                vstore_4x4(c, c0 + 3 * ldc + 8, a3_2)
+            if rows > 4:
+                s1 = scale[m0 + 4] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 4] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a4_0 = vadd_4x4(vmul_4x4(a4_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a4_0 = vadd_4x4(a4_0, vload_4x4(res, r0 + 4 * ldr + 0))
+                if act == 1:
+                    a4_0 = vmax_4x4(zero, a4_0)
+                elif act == 3:
+                    a4_0 = vmin_4x4(vmax_4x4(a4_0, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 0, a4_0)
+                a4_1 = vadd_4x4(vmul_4x4(a4_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a4_1 = vadd_4x4(a4_1, vload_4x4(res, r0 + 4 * ldr + 4))
+                if act == 1:
+                    a4_1 = vmax_4x4(zero, a4_1)
+                elif act == 3:
+                    a4_1 = vmin_4x4(vmax_4x4(a4_1, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 4, a4_1)
+                a4_2 = vadd_4x4(vmul_4x4(a4_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a4_2 = vadd_4x4(a4_2, vload_4x4(res, r0 + 4 * ldr + 8))
+                if act == 1:
+                    a4_2 = vmax_4x4(zero, a4_2)
+                elif act == 3:
+                    a4_2 = vmin_4x4(vmax_4x4(a4_2, lo), hi)
+                vstore_4x4(c, c0 + 4 * ldc + 8, a4_2)
+            if rows > 5:
+                s1 = scale[m0 + 5] if flags & HAS_SCALE and not by_col else one
+                b1 = bias[m0 + 5] if flags & HAS_BIAS and not by_col else zero1
+                sv = vsplat_4x4(s1)
+                bv = vsplat_4x4(b1)
+                a5_0 = vadd_4x4(vmul_4x4(a5_0, sc0 if by_col else sv), bi0 if by_col else bv)
+                if has_res:
+                    a5_0 = vadd_4x4(a5_0, vload_4x4(res, r0 + 5 * ldr + 0))
+                if act == 1:
+                    a5_0 = vmax_4x4(zero, a5_0)
+                elif act == 3:
+                    a5_0 = vmin_4x4(vmax_4x4(a5_0, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 0, a5_0)
+                a5_1 = vadd_4x4(vmul_4x4(a5_1, sc1 if by_col else sv), bi1 if by_col else bv)
+                if has_res:
+                    a5_1 = vadd_4x4(a5_1, vload_4x4(res, r0 + 5 * ldr + 4))
+                if act == 1:
+                    a5_1 = vmax_4x4(zero, a5_1)
+                elif act == 3:
+                    a5_1 = vmin_4x4(vmax_4x4(a5_1, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 4, a5_1)
+                a5_2 = vadd_4x4(vmul_4x4(a5_2, sc2 if by_col else sv), bi2 if by_col else bv)
+                if has_res:
+                    a5_2 = vadd_4x4(a5_2, vload_4x4(res, r0 + 5 * ldr + 8))
+                if act == 1:
+                    a5_2 = vmax_4x4(zero, a5_2)
+                elif act == 3:
+                    a5_2 = vmin_4x4(vmax_4x4(a5_2, lo), hi)
+                vstore_4x4(c, c0 + 5 * ldc + 8, a5_2)
             continue
         if cols == 12:
             if rows > 0:
@@ -7296,52 +5539,40 @@ def tile3v_4x4(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumu
 
 @njit(cache=True)
 def _epilogue_4x4(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
-    last cols % 4 columns one by one. Bias and scale per row m0.., or per column
-    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
+    """The conv epilogue on a just-stored tile, still in L1, a vector at a time; the
+    last, partial one (24 channels on 16 lanes) with masked loads and store. Bias and
+    scale per row m0.., or per column n0.. with PER_COL. Activations other than
+    relu/clip run after (act_row). Partial tiles take this pass rather than a masked
+    copy of the tile's in-register epilogue: that copy doubled numba's compile time
+    (the tiles' code size sets it) for 15-20% on the few GEMMs with partial tiles."""
     one = np.float32(1)
     zero = vzero_4x4()
     lo = vsplat_4x4(a)
     hi = vsplat_4x4(b)
     by_col = (flags & PER_COL) != 0
-    full = cols // 4 * 4
     for r in range(rows):
         s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
         b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
         sv = vsplat_4x4(s1)
         bv = vsplat_4x4(b1)
-        for v in range(0, full, 4):
+        for v in range(0, cols, 4):
             o = c0 + r * ldc + v
+            n = cols - v  # at least 4 (a whole vector) but for the last one
             if by_col:
-                y = vload_4x4(c, o)
+                y = vload_n_4x4(c, o, n)
                 if flags & HAS_SCALE:
-                    y = vmul_4x4(y, vload_4x4(scale, n0 + v))
+                    y = vmul_4x4(y, vload_n_4x4(scale, n0 + v, n))
                 if flags & HAS_BIAS:
-                    y = vadd_4x4(y, vload_4x4(bias, n0 + v))
+                    y = vadd_4x4(y, vload_n_4x4(bias, n0 + v, n))
             else:
-                y = vadd_4x4(vmul_4x4(vload_4x4(c, o), sv), bv)
+                y = vadd_4x4(vmul_4x4(vload_n_4x4(c, o, n), sv), bv)
             if flags & HAS_RES:
-                y = vadd_4x4(y, vload_4x4(res, r0 + r * ldr + v))
+                y = vadd_4x4(y, vload_n_4x4(res, r0 + r * ldr + v, n))
             if act == 1:
                 y = vmax_4x4(zero, y)
             elif act == 3:
                 y = vmin_4x4(vmax_4x4(y, lo), hi)
-            vstore_4x4(c, o, y)
-        for j in range(full, cols):
-            o = c0 + r * ldc + j
-            z = sload_4x4(c, o)
-            if by_col:
-                if flags & HAS_SCALE:
-                    z = z * scale[n0 + j]
-                if flags & HAS_BIAS:
-                    z = z + bias[n0 + j]
-            else:
-                z = z * s1 + b1
-            if flags & HAS_RES:
-                z = z + sload_4x4(res, r0 + r * ldr + j)
-            if act == 1 or act == 3:
-                z = act_scalar(z, act, a, b)
-            sstore_4x4(c, o, z)
+            vstore_n_4x4(c, o, y, n)
 
 
 
@@ -7391,7 +5622,7 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a 16-wide tile idle.
                 nvv = (cols + 3) // 4
-                fused = fuse  # in registers, a partial tile's too
+                fused = fuse and cols == nvv * 4  # whole vectors: in registers
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
                 if nvv == 1:
@@ -7492,7 +5723,7 @@ def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                     if cols <= 0:
                         break
                     nvv = (cols + 3) // 4
-                    fused = fuse  # in registers, a partial tile's too
+                    fused = fuse and cols == nvv * 4  # whole vectors: in registers
                     pfo = nxt + u * share
                     if nvv == 1:
                         tile1v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,

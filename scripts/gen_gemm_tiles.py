@@ -71,7 +71,6 @@ from numba import njit, prange
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
 from .cpu_numba import (
     act_row,
-    act_scalar,
     nhwc_fill_row,
     nhwc_out_row,
     nhwc_row,
@@ -90,62 +89,6 @@ KD = {KD}
 NOROWS = np.zeros(1, np.int64)
 
 '''
-
-
-def epilogue_lines(s: str, lanes: int, nv: int, mr: int, acc: list, full: bool) -> list[str]:
-    """A tile's conv epilogue in registers, then its one store per accumulator.
-
-    The same operations in the same order as _epilogue, so fused and separate give the
-    same bits (absent scale/bias multiply by 1 and add 0, as _epilogue's per-row path
-    does); selects rather than branches per accumulator: the tile's code size sets
-    numba's compile time, which CI pays on every cold cache. A partial tile (cols < NR:
-    24 output channels on 16 lanes) reads its per-column vectors and the residual and
-    stores with masks, nothing past cols: it ran its epilogue as a separate pass over
-    the stored tile, scalar past the last whole vector, 40% of a 336x96x24 GEMM. Full
-    tiles keep unmasked code: the checks cost short reductions 5-8%.
-    """
-    ld = (
-        (lambda arr, o, v: f"vload{s}({arr}, {o})")
-        if full
-        else (lambda arr, o, v: f"vload_n{s}({arr}, {o}, cols - {v * lanes})")
-    )
-    L = []
-    for v in range(nv):
-        for vec, arr, cond, dflt in (
-            ("sc", "scale", "col_s", "ones"),
-            ("bi", "bias", "col_b", "zero"),
-        ):
-            o = f"n0 + {v * lanes}"
-            L.append(f"            {vec}{v} = {ld(arr, o, v)} if {cond} else {dflt}")
-    for r in range(mr):
-        L.append(f"            if rows > {r}:")
-        for var, arr, bit, dflt in (
-            ("s1", "scale", "HAS_SCALE", "one"),
-            ("b1", "bias", "HAS_BIAS", "zero1"),
-        ):
-            L.append(
-                f"                {var} = {arr}[m0 + {r}]"
-                f" if flags & {bit} and not by_col else {dflt}"
-            )
-        L.append(f"                sv = vsplat{s}(s1)")
-        L.append(f"                bv = vsplat{s}(b1)")
-        for v in range(nv):
-            y = acc[r][v]
-            mul, add = f"sc{v} if by_col else sv", f"bi{v} if by_col else bv"
-            L.append(f"                {y} = vadd{s}(vmul{s}({y}, {mul}), {add})")
-            L.append("                if has_res:")
-            o = f"r0 + {r} * ldr + {v * lanes}"
-            L.append(f"                    {y} = vadd{s}({y}, {ld('res', o, v)})")
-            L.append("                if act == 1:")
-            L.append(f"                    {y} = vmax{s}(zero, {y})")
-            L.append("                elif act == 3:")
-            L.append(f"                    {y} = vmin{s}(vmax{s}({y}, lo), hi)")
-            o = f"c0 + {r} * ldc + {v * lanes}"
-            if full:
-                L.append(f"                vstore{s}(c, {o}, {y})")
-            else:
-                L.append(f"                vstore_n{s}(c, {o}, {y}, cols - {v * lanes})")
-    return L
 
 
 def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str = "") -> str:
@@ -169,10 +112,9 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
         f"    {MR} rows at a time: one call per block of rows, so its setup and the call",
         "    itself (~100 ns, as long as 30 fma steps) are paid once per block.",
         f"    xq has {nr} columns (zeros past cols); c is touched only in its cols columns.",
-        "    With ``epi`` the tile (a partial one too, reading per-column vectors and the",
-        "    residual with masks) takes the conv epilogue in registers before its one store",
-        "    (relu/clip only; arguments as _epilogue's): for short reductions the separate",
-        "    pass over the stored tile cost a quarter of the GEMM.",
+        "    With ``epi`` a full tile takes the conv epilogue in registers before its one",
+        "    store (relu/clip only; arguments as _epilogue's): for short reductions the",
+        "    separate pass over the stored tile cost a quarter of the GEMM.",
         "    Reduction step i also prefetches pf[pfo + i * pstep] (pstep = 16: a 64-byte",
         "    line a step): the next weight slab streams in while this one is in use. A",
         "    prefetch past pf's end is dropped, not a fault; pstep = 0 prefetches one line.",
@@ -221,21 +163,46 @@ def tile_source(lanes: int, nv: int, mr: int = MR, name: str = "tile", sfx: str 
     L.append("            xo += ldx")
     L.append("            ko += wsk")
     L.append("        ko += wjump")
-    L.append("    if epi:")
+    L.append(f"    if cols == {nr} and epi:")
+    # the same operations in the same order as _epilogue, so fused and separate give
+    # the same bits (absent scale/bias multiply by 1 and add 0, as _epilogue's per-row
+    # path does); selects rather than branches per accumulator: the tile's code size
+    # sets numba's compile time, which CI pays on every cold cache
     L.append("        by_col = (flags & PER_COL) != 0")
     L.append("        has_res = (flags & HAS_RES) != 0")
-    L.append("        col_s = by_col and (flags & HAS_SCALE) != 0")
-    L.append("        col_b = by_col and (flags & HAS_BIAS) != 0")
     L.append("        one = np.float32(1)")
     L.append("        zero1 = np.float32(0)")
     L.append(f"        zero = vzero{s}()")
     L.append(f"        lo = vsplat{s}(a)")
     L.append(f"        hi = vsplat{s}(b)")
     L.append(f"        ones = vsplat{s}(one)")
-    L.append(f"        if cols == {nr}:")
-    L += epilogue_lines(s, lanes, nv, MR, acc, full=True)
-    L.append("        else:")
-    L += epilogue_lines(s, lanes, nv, MR, acc, full=False)
+    for v in range(nv):
+        for vec, arr, bit, dflt in (
+            ("sc", "scale", "HAS_SCALE", "ones"),
+            ("bi", "bias", "HAS_BIAS", "zero"),
+        ):
+            L.append(
+                f"        {vec}{v} = vload{s}({arr}, n0 + {v * lanes}) if by_col and flags & {bit}"
+                f" else {dflt}"
+            )
+    for r in range(MR):
+        L.append(f"        if rows > {r}:")
+        L.append(f"            s1 = scale[m0 + {r}] if flags & HAS_SCALE and not by_col else one")
+        L.append(f"            b1 = bias[m0 + {r}] if flags & HAS_BIAS and not by_col else zero1")
+        L.append(f"            sv = vsplat{s}(s1)")
+        L.append(f"            bv = vsplat{s}(b1)")
+        for v in range(nv):
+            y = acc[r][v]
+            mul, add = f"sc{v} if by_col else sv", f"bi{v} if by_col else bv"
+            L.append(f"            {y} = vadd{s}(vmul{s}({y}, {mul}), {add})")
+            L.append("            if has_res:")
+            o = f"r0 + {r} * ldr + {v * lanes}"
+            L.append(f"                {y} = vadd{s}({y}, vload{s}(res, {o}))")
+            L.append("            if act == 1:")
+            L.append(f"                {y} = vmax{s}(zero, {y})")
+            L.append("            elif act == 3:")
+            L.append(f"                {y} = vmin{s}(vmax{s}({y}, lo), hi)")
+            L.append(f"            vstore{s}(c, c0 + {r} * ldc + {v * lanes}, {y})")
     L.append("        return")
     L.append(f"    if cols == {nr}:")
     for r in range(MR):
@@ -266,52 +233,40 @@ def epilogue_source(lanes: int, nv: int) -> str:
 
 @njit(cache=True)
 def _epilogue{s}(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, flags, act, a, b):
-    """The conv epilogue on a just-stored tile, still in L1: whole vectors, then the
-    last cols % {lanes} columns one by one. Bias and scale per row m0.., or per column
-    n0.. with PER_COL. Activations other than relu/clip run after (act_row)."""
+    """The conv epilogue on a just-stored tile, still in L1, a vector at a time; the
+    last, partial one (24 channels on 16 lanes) with masked loads and store. Bias and
+    scale per row m0.., or per column n0.. with PER_COL. Activations other than
+    relu/clip run after (act_row). Partial tiles take this pass rather than a masked
+    copy of the tile's in-register epilogue: that copy doubled numba's compile time
+    (the tiles' code size sets it) for 15-20% on the few GEMMs with partial tiles."""
     one = np.float32(1)
     zero = vzero{s}()
     lo = vsplat{s}(a)
     hi = vsplat{s}(b)
     by_col = (flags & PER_COL) != 0
-    full = cols // {lanes} * {lanes}
     for r in range(rows):
         s1 = scale[m0 + r] if flags & HAS_SCALE and not by_col else one
         b1 = bias[m0 + r] if flags & HAS_BIAS and not by_col else one - one
         sv = vsplat{s}(s1)
         bv = vsplat{s}(b1)
-        for v in range(0, full, {lanes}):
+        for v in range(0, cols, {lanes}):
             o = c0 + r * ldc + v
+            n = cols - v  # at least {lanes} (a whole vector) but for the last one
             if by_col:
-                y = vload{s}(c, o)
+                y = vload_n{s}(c, o, n)
                 if flags & HAS_SCALE:
-                    y = vmul{s}(y, vload{s}(scale, n0 + v))
+                    y = vmul{s}(y, vload_n{s}(scale, n0 + v, n))
                 if flags & HAS_BIAS:
-                    y = vadd{s}(y, vload{s}(bias, n0 + v))
+                    y = vadd{s}(y, vload_n{s}(bias, n0 + v, n))
             else:
-                y = vadd{s}(vmul{s}(vload{s}(c, o), sv), bv)
+                y = vadd{s}(vmul{s}(vload_n{s}(c, o, n), sv), bv)
             if flags & HAS_RES:
-                y = vadd{s}(y, vload{s}(res, r0 + r * ldr + v))
+                y = vadd{s}(y, vload_n{s}(res, r0 + r * ldr + v, n))
             if act == 1:
                 y = vmax{s}(zero, y)
             elif act == 3:
                 y = vmin{s}(vmax{s}(y, lo), hi)
-            vstore{s}(c, o, y)
-        for j in range(full, cols):
-            o = c0 + r * ldc + j
-            z = sload{s}(c, o)
-            if by_col:
-                if flags & HAS_SCALE:
-                    z = z * scale[n0 + j]
-                if flags & HAS_BIAS:
-                    z = z + bias[n0 + j]
-            else:
-                z = z * s1 + b1
-            if flags & HAS_RES:
-                z = z + sload{s}(res, r0 + r * ldr + j)
-            if act == 1 or act == 3:
-                z = act_scalar(z, act, a, b)
-            sstore{s}(c, o, z)
+            vstore_n{s}(c, o, y, n)
 '''
 
 
@@ -379,7 +334,7 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, x
                 # A partial last column tile runs on a tile of just the vectors it
                 # needs: a 16-channel output would leave most of a {nr}-wide tile idle.
                 nvv = (cols + {lanes - 1}) // {lanes}
-                fused = fuse  # in registers, a partial tile's too
+                fused = fuse and cols == nvv * {lanes}  # whole vectors: in registers
                 m0 = pm  # the block's MB row tiles in one call
                 rows = min(MB * MR, m_hi - m0)
 {narrow}
@@ -484,7 +439,7 @@ def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
                     if cols <= 0:
                         break
                     nvv = (cols + {lanes - 1}) // {lanes}
-                    fused = fuse  # in registers, a partial tile's too
+                    fused = fuse and cols == nvv * {lanes}  # whole vectors: in registers
                     pfo = nxt + u * share
 {narrow}
                     if final and epilogue and not fused:
