@@ -93,11 +93,13 @@ def _check(tmp_path, m: onnx.ModelProto, quant: str = "fp32", tol: float = 1e-4)
     return sess.manifest["graph"]["nodes"]
 
 
-@pytest.fixture
-def small_bands(monkeypatch):
-    """Fuse whatever qualifies, in bands of a few rows, as big images would run."""
+@pytest.fixture(params=[6000, 13000], ids=["1-row-bands", "4-row-bands"])
+def small_bands(monkeypatch, request):
+    """Fuse whatever qualifies, in bands of a few rows, as big images would run. Bands
+    of one row expand their depthwise halo again; from 3 rows (stride 1) the next band
+    carries those rows over (backend_cpu._bind_mbconv): both paths run."""
     monkeypatch.setattr(mbconv, "FUSE_MIN_BYTES", 0)
-    monkeypatch.setattr(mbconv, "BAND_BYTES", 6000)
+    monkeypatch.setattr(mbconv, "BAND_BYTES", request.param)
 
 
 def test_qualifying_chains_fuse_and_match_onnxruntime(tmp_path, small_bands):
