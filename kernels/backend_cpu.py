@@ -87,6 +87,12 @@ def _gemm_slots(scratch: np.ndarray, off: int) -> tuple[np.ndarray, int]:
     return _f32_slot(scratch, off, _gemm_xp_shape())[0], off + _gemm_scratch_bytes()
 
 
+def _bound(kern, args: tuple) -> tuple:
+    """(kern compiled for these arguments' types, the arguments): one kernel call of a
+    step, made with the same arguments every run (native.resolved)."""
+    return resolved(kern, args), args
+
+
 def _widened(w: np.ndarray, scratch: np.ndarray):
     """(float32 weights, decode step or None, next scratch offset): int8/fp16 conv
     weights are widened into the front of scratch once per call, in their stored shape
@@ -271,15 +277,12 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
                 rows = rows_flat[: nb * ow * kk].reshape(-1, kk)
                 fill = (K.im2row, (x[n], rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow))
                 product(fill, rows, _NOROWS, kk, 1, 0, n, oy0 * ow, nb * ow)
-    calls = [
-        (None if f is None else (resolved(f[0], f[1]), f[1]), resolved(K.gemmp, g), g)
-        for f, g in calls
-    ]
+    calls = [(fill and _bound(*fill), _bound(K.gemmp, args)) for fill, args in calls]
 
     def step() -> None:
         if decode is not None:
             decode()
-        for fill, gemmp, args in calls:
+        for fill, (gemmp, args) in calls:
             if fill is not None:
                 fill[0](*fill[1])
             gemmp(*args)
@@ -374,7 +377,7 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     calls = []
     for xn, yn, rn in items:
         args = (xn, xt, u, vb, mb, yt, tmp, xp, yn, m, pt, pl, tw, b_, s_, rn, *tail)
-        calls.append((resolved(K.wino_conv, args), args))
+        calls.append(_bound(K.wino_conv, args))
 
     def step() -> None:
         for conv, args in calls:
@@ -457,7 +460,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
     calls = []
     for xn, yn, rn in items:
         args = (xn, w, b_, s_, rn, yn, sh, sw, pt, pl, dh, dw, flags, act, a, b)
-        calls.append((resolved(kern, args), args))
+        calls.append(_bound(kern, args))
 
     def step() -> None:
         if decode is not None:
@@ -827,7 +830,7 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
             calls.append((carry, ex, dwa, pr))
     dw = _dw_kernel(dwin[1].shape)
     calls = [
-        (carry, ex and (resolved(K.gemmp, ex), ex), (resolved(dw, d), d), (resolved(K.gemmp, p), p))
+        (carry, ex and _bound(K.gemmp, ex), _bound(dw, d), _bound(K.gemmp, p))
         for carry, ex, d, p in calls
     ]
     copyto = np.copyto
