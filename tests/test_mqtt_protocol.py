@@ -81,8 +81,13 @@ def npy_header(descr: str, shape: tuple, body: bytes = b"") -> bytes:
 
 def zip_bomb() -> bytes:
     f = io.BytesIO()
+    # a fixed entry time: the bytes name the test, and xdist workers that collect
+    # them a second apart must agree on its id
+    entry = zipfile.ZipInfo("image.npy", date_time=(2020, 1, 1, 0, 0, 0))
     with zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("image.npy", npy_header("<f4", (4 << 20,)) + bytes(16 << 20))  # 16 MB
+        z.writestr(
+            entry, npy_header("<f4", (4 << 20,)) + bytes(16 << 20), zipfile.ZIP_DEFLATED
+        )  # 16 MB
     return f.getvalue()
 
 
