@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import __version__
+from .kernels.wtypes import DEFAULT_GROUP, GROUP_SIZES, QUANT_MODES
 from .packager.quantize import DEFAULT_MIN_WEIGHTS
 from .runtime.cli import ERRORS, add_runtime_commands, dispatch
 
@@ -20,6 +21,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         calib=a.calib,
         max_error=a.max_error,
         min_weights=a.quant_min_weights,
+        group_size=a.group_size,
         conv_algo=a.conv_algo,
         layout=a.layout,
     )
@@ -103,9 +105,17 @@ def make_parser() -> argparse.ArgumentParser:
                    "executable to write (default with --target: dist/<model>-<target>)")
     p.add_argument(
         "--quant",
-        choices=("fp32", "fp16", "int8"),
+        choices=QUANT_MODES,
         default=None,
-        help="weight storage (default fp32, or the target's default quantization)",
+        help="weight storage (default fp32, or the target's default quantization; "
+        "docs/quantization.md)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=DEFAULT_GROUP,
+        help=f"weights per fp16 scale with --quant int4 (default {DEFAULT_GROUP})",
     )
     p.add_argument("--target", help="make a device executable for this target (name or "
                    ".toml; see `edgepack targets`)")

@@ -15,13 +15,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import layout, mbconv, winograd
+from . import layout, mbconv, winograd, wtypes
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
 from .binding import optional_inputs as _opt
 from .binding import up64
 from .cpu_abi import GEMM_XP_FLOATS, PANEL, PER_COL
+from .decoded import decoded
 from .native import K, kernel_threads, resolved
 from .registry import Bound, Kernel, Spec, register
 
@@ -41,13 +42,20 @@ def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple
     return scratch[offset : offset + n].view(np.float32).reshape(shape), offset + n
 
 
+# Weight types the depthwise kernels and linear_q read in place (int8 widened in
+# registers); every other non-float32 weight is widened into scratch first.
+_READ_IN_PLACE = ("f32", "i8")
+
+
 def _decoder(w: np.ndarray, dst: np.ndarray):
-    """A step that widens int8 / fp16 weights into the float32 scratch ``dst``."""
+    """A step that widens weights of a type their numpy dtype names (int8, fp16, bf16)
+    into the float32 scratch ``dst``, with the decoder the weight-type table names."""
+    row = wtypes.get(wtypes.of_array(w))
+    kern = getattr(K, row.decoders["cpu"])
     src, out = w.reshape(-1), dst.reshape(-1)
-    if w.dtype == np.float16:
+    if row.storage.itemsize == 2:  # half formats: bit patterns in, float32 bits out
         src, out = src.view(np.uint16), out.view(np.uint32)
-        return lambda: K.decode_f16(src, out)
-    return lambda: K.decode_i8(src, out)
+    return lambda: kern(src, out)
 
 
 # --- conv (im2col + register-tiled GEMM) --------------------------------------------
@@ -421,7 +429,7 @@ def _dw_kernel(hwio_shape: Sequence[int]):
 
 def _dw_scratch(ins, outs, attrs) -> int:
     wshape, wdt = ins[1]
-    need = _nbytes(wshape) if wdt == "f16" else 0
+    need = 0 if wdt in _READ_IN_PLACE else _nbytes(wshape)
     if layout.is_nhwc(attrs):  # channels-last: vectors along channels, no planes
         return need
     special = _dw_planes(wshape, outs[0], attrs)
@@ -432,7 +440,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
     x, w, bias, scale, res = _opt(ins, 5)
     y = outs[0]
     decode, off = None, 0
-    if w.dtype == np.float16:  # numba has no CPU float16: decode into scratch
+    if wtypes.of_array(w) not in _READ_IN_PLACE:  # e.g. fp16: numba has no CPU float16
         wf, off = _f32_slot(scratch, 0, w.shape)
         decode = _decoder(w, wf)
         w = wf
@@ -476,7 +484,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 
 def _linear_scratch(ins, outs, attrs) -> int:
     wshape, wdt = ins[1]
-    return _nbytes(wshape) if wdt == "f16" else 0
+    return 0 if wdt in _READ_IN_PLACE else _nbytes(wshape)
 
 
 def _bind_linear(ins, outs, scratch, attrs) -> Bound:
@@ -497,7 +505,7 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
 
         return step_q
     decode = None
-    if w.dtype == np.float16:
+    if w.dtype != F32:
         wf = _f32_slot(scratch, 0, w.shape)[0]
         decode = _decoder(w, wf)
         w = wf
@@ -726,7 +734,11 @@ def _mbconv_slots(specs: Sequence[Spec | None], y_shape, attrs: dict) -> list:
     rows = min(int(attrs["band"]), oh)
     out = []
     for i, name in ((mbconv.WE, "we"), (mbconv.WD, "wd"), (mbconv.WP, "wp")):
-        if a[i] is not None and a[i][1] != "f32" and (name != "wd" or a[i][1] == "f16"):
+        if (
+            a[i] is not None
+            and a[i][1] != "f32"
+            and (name != "wd" or a[i][1] not in _READ_IN_PLACE)
+        ):
             out.append((name, tuple(a[i][0])))  # int8 depthwise weights widen in-kernel
     if a[mbconv.WE] is not None:
         out.append(("e", (min(h, mbconv.dw_rows_in(rows, attrs["dw"], kh)), w, ce)))
@@ -872,7 +884,9 @@ def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
     register(op, dtypes, "cpu", k)
 
 
-_ALL_W = ("f32", "f16", "i8")
+# Weight types every weight op takes through the binds above (float32 or a decoder);
+# int4 has kernels of its own (below).
+_ALL_W = tuple(r.name for r in wtypes.ROWS if r.decoders.get("cpu", "") != "own")
 
 
 def _conv_takes(attrs: dict) -> bool:
@@ -901,3 +915,63 @@ _cpu("reduce_mean", _bind_reduce_mean)
 # Pad: constant mode only on this backend; reflect/edge pads run on the reference
 # kernel (the packager records that choice in the bundle).
 _cpu("pad", _bind_pad, accepts=lambda a: a.get("mode", "constant") == "constant")
+
+
+# --- int4 weights (stored canonical, kernels/decoded.py) ----------------------------
+
+# Rows of x up to which an int4 linear runs the fused GEMV (gemm_tiles.gemv_q4: the
+# packed weights stream once per row, never widened); above, they are decoded once a
+# run into scratch and BLAS takes the product, as for fp16.
+Q4_GEMV_MAX_ROWS = 8
+
+
+def _q4_decode(w, scale, dst, rows, cols):
+    kern, args = _bound(
+        K.decode_q4, (w, _readonly(scale.view(np.uint16)), dst, _readonly(rows), _readonly(cols))
+    )
+    return lambda: kern(*args)
+
+
+def _slot(scratch, off, shape):
+    return _f32_slot(scratch, off, shape)
+
+
+_q4_conv = decoded(
+    "conv", Kernel("cpu.conv", _bind_conv, _conv_scratch), _q4_decode, _slot, "cpu.conv.i4"
+)
+_q4_linear_decoded = decoded(
+    "linear",
+    Kernel("cpu.linear", _bind_linear, _linear_scratch),
+    _q4_decode,
+    _slot,
+    "cpu.linear.i4",
+)
+
+
+def _q4_rows(x_shape: Sequence[int]) -> int:
+    return int(np.prod(x_shape[:-1], dtype=np.int64))
+
+
+def _q4_linear_scratch(ins, outs, attrs) -> int:
+    if _q4_rows(ins[0][0]) <= Q4_GEMV_MAX_ROWS:
+        return 0
+    return _q4_linear_decoded.scratch(ins, outs, attrs)
+
+
+def _bind_q4_linear(ins, outs, scratch, attrs) -> Bound:
+    x, w, bias, scale = _opt(ins, 4)
+    if _q4_rows(x.shape) > Q4_GEMV_MAX_ROWS:
+        return _q4_linear_decoded.bind(ins, outs, scratch, attrs)
+    y = outs[0]
+    x2 = _readonly(x.reshape(-1, x.shape[-1]))
+    y2 = y.reshape(-1, w.shape[0])
+    b_ = bias if bias is not None else _DUMMY1
+    flags = _flags(bias, None, None)
+    kern, args = _bound(
+        K.gemv_q4, (x2, w, _readonly(scale.view(np.uint16)), b_, y2, flags, *_act(attrs))
+    )
+    return lambda: kern(*args)
+
+
+_cpu("conv", _q4_conv.bind, ("i4",), _q4_conv.scratch, accepts=_conv_takes)
+_cpu("linear", _bind_q4_linear, ("i4",), _q4_linear_scratch)

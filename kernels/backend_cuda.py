@@ -31,11 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from . import layout, mbconv, winograd
+from . import layout, mbconv, winograd, wtypes
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
 from .binding import optional_inputs as _opt
+from .decoded import decoded
 from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -80,15 +81,15 @@ def _dummies(d) -> _Dummies:
 
 
 def _decoder(d, w: Any, dst: Any):
-    """A step that widens int8 / fp16 device weights into the float32 scratch ``dst``."""
-    K = _k()
+    """A step that widens device weights of a type their dtype names (int8, fp16, bf16)
+    into the float32 scratch ``dst``, with the decoder the weight-type table names.
+    Half formats decode as integers, bit-exact: no reliance on GPU fp16 units."""
+    row = wtypes.get(wtypes.of_array(w))
     src, out = w.reshape(-1), dst.reshape(-1)
-    if w.dtype == np.float16:  # bit-exact integer decode: no reliance on GPU fp16 units
-        kern = d.launch(K.decode_f16, src.size)
-        a, b = d.arg(src.view(np.uint16)), d.arg(out.view(np.uint32))
-    else:
-        kern = d.launch(K.decode_i8, src.size)
-        a, b = d.arg(src), d.arg(out)
+    kern = d.launch(getattr(_k(), row.decoders["cuda"]), src.size)
+    if row.storage.itemsize == 2:
+        src, out = src.view(np.uint16), out.view(np.uint32)
+    a, b = d.arg(src), d.arg(out)
     return lambda: kern(a, b)
 
 
@@ -235,9 +236,13 @@ def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
 # --- depthwise conv -------------------------------------------------------------------
 
 
+# Weight types the depthwise kernel reads as they are; others are widened into scratch.
+_DW_READS = ("f32", "i8")
+
+
 def _dw_scratch(ins, outs, attrs) -> int:
     wshape, wdt = ins[1]
-    return _nbytes(wshape) if wdt == "f16" else 0
+    return 0 if wdt in _DW_READS else _nbytes(wshape)
 
 
 def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
@@ -245,7 +250,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
     x, w, bias, scale, res = _opt(ins, 5)
     y = outs[0]
     decode = None
-    if w.dtype == np.float16:
+    if wtypes.of_array(w) not in _DW_READS:
         wf = _f32_slot(scratch, 0, w.shape)[0]
         decode = _decoder(d, w, wf)
         w = wf
@@ -515,7 +520,29 @@ def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
     register(op, dtypes, "cuda", k)
 
 
-_ALL_W = ("f32", "f16", "i8")
+def _q4_decode(w, scale, dst, rows, cols):
+    d = _d()
+    kern = d.launch(_k().decode_q4, w.size)
+    args = (
+        d.arg(w),
+        d.arg(scale.view(np.uint16)),
+        d.arg(dst),
+        d.arg(d.upload(rows)),
+        d.arg(d.upload(cols)),
+    )
+    return lambda: kern(*args)
+
+
+# Weight types the binds above take (float32 or a decoder); int4 decodes whole weights
+# into scratch in the channels-first layout, then runs the float32 kernel
+# (kernels/decoded.py).
+_ALL_W = tuple(r.name for r in wtypes.ROWS if r.decoders.get("cuda", "") != "own")
+for _op, _bind, _scr in (
+    ("conv", _bind_conv, _conv_scratch),
+    ("linear", _bind_linear, _linear_scratch),
+):
+    _k4 = decoded(_op, Kernel(f"cuda.{_op}", _bind, _scr), _q4_decode, _f32_slot, f"cuda.{_op}")
+    _cuda(_op, _k4.bind, ("i4",), _k4.scratch)
 _cuda("conv", _bind_conv, _ALL_W, _conv_scratch)
 _cuda("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 _cuda("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)

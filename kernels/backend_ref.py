@@ -10,11 +10,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .reference import REFERENCE
-from .registry import DTYPES, WEIGHT_OPS, Bound, Kernel, register
+from .reference import REFERENCE, node_weights
+from .registry import WEIGHT_OPS, Bound, Kernel, register
+from .wtypes import ROWS
 
 
-def _bind_ref(op: str):
+def _bind_ref(op: str, dt: str):
     fn = REFERENCE[op]
 
     def bind(ins: Sequence[np.ndarray | None], outs: Sequence[np.ndarray], scratch, attrs) -> Bound:
@@ -22,7 +23,8 @@ def _bind_ref(op: str):
         args = list(ins)
 
         def step() -> None:
-            out[...] = fn(args, attrs).reshape(out.shape)
+            feed = node_weights(dt, args, op, attrs) if dt != "f32" else args
+            out[...] = fn(feed, attrs).reshape(out.shape)
 
         return step
 
@@ -30,9 +32,6 @@ def _bind_ref(op: str):
 
 
 for _op in REFERENCE:
-    register(
-        _op,
-        list(DTYPES) if _op in WEIGHT_OPS else ["f32"],
-        "ref",
-        Kernel(f"ref.{_op}", _bind_ref(_op)),
-    )
+    for _row in ROWS:
+        if _row.name == "f32" or (_op in WEIGHT_OPS and _op in _row.ops):
+            register(_op, [_row.name], "ref", Kernel(f"ref.{_op}", _bind_ref(_op, _row.name)))

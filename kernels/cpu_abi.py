@@ -23,7 +23,7 @@ PANEL = 64
 AOT_MODULE = "edgepack_kernels"
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
 # builds export the target's shape under the plain name.
-GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv", "dw3")
+GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv", "dw3", "gemv_q4")
 
 
 def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
@@ -34,7 +34,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
     def arr(dt, nd, layout="C", ro=False):
         return T.Array(dt, nd, layout, readonly=ro)
 
-    f4, i8, i1, u2, u4 = T.float32, T.int64, T.int8, T.uint16, T.uint32
+    f4, i8, i1, u1, u2, u4 = T.float32, T.int64, T.int8, T.uint8, T.uint16, T.uint32
     w1 = arr(f4, 1, ro=True)  # bias / scale / shift vectors (weights are read-only maps)
     v = T.void
     sigs: dict[str, tuple[str, object]] = {
@@ -58,6 +58,12 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3))),
         "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),
         "decode_f16": ("decode_f16", v(arr(u2, 1, ro=True), arr(u4, 1))),
+        "decode_bf16": ("decode_bf16", v(arr(u2, 1, ro=True), arr(u4, 1))),
+        "decode_q4": (
+            "decode_q4",
+            v(arr(u1, 2, ro=True), arr(u2, 2, ro=True), arr(f4, 1), arr(i8, 1, ro=True),
+              arr(i8, 1, ro=True)),
+        ),
         "binary4": (
             "binary4",
             v(arr(f4, 4, "A", ro=True), arr(f4, 4, "A", ro=True), arr(f4, 4, "A"), i8, i8, f4, f4),
@@ -75,6 +81,8 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         ),
         "wino_conv": v(f3, f3, arr(f4, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4),
                        w1, w1, f3, i8, i8, f4, f4, i8),
+        "gemv_q4": v(arr(f4, 2, ro=True), arr(u1, 2, ro=True), arr(u2, 2, ro=True), w1,
+                     arr(f4, 2), i8, i8, f4, f4),
     }
     for name, sig in tiled.items():
         sigs[name] = (f"gemm_tiles.{name}_{gemm_shape}", sig)

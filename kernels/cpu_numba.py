@@ -730,6 +730,53 @@ def decode_f16(src, dst):
             dst[i] = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
 
 
+@njit(parallel=True, cache=True)
+def decode_bf16(src, dst):
+    """bfloat16 (as uint16 bits) -> float32 (as uint32 bits): the top half of the word."""
+    for i in prange(src.size):
+        dst[i] = np.uint32(src[i]) << np.uint32(16)
+
+
+# 2**(e - 25) for a half's exponent field e (e = 0: subnormal, the same step as e = 1)
+_HALF_STEP = np.array([2.0 ** (max(e, 1) - 25) for e in range(32)], np.float32)
+
+
+@njit(inline="always")
+def half_to_f32(h):
+    """One IEEE half (its uint16 bits) as float32, exactly (int4 group scales). A table
+    of powers, not 2.0 ** e: a pow call per group held the int4 GEMV to 3 GB/s."""
+    h = np.int64(h)
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 31:
+        v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
+    else:
+        v = np.float32(m + (1024 if e else 0)) * _HALF_STEP[e]
+    return -v if h & 0x8000 else v
+
+
+@njit(parallel=True, cache=True)
+def decode_q4(src, scale, dst, rows, cols):
+    """int4 weights (wtypes.py: packed [N, Kp/2], fp16 scales [N, Kp/G] as uint16) ->
+    float32 at dst[rows[n] + cols[k]] for k < K = cols.size (layout.weight_offsets: the
+    node's own layout, so panels and OIHW come out of the same loop)."""
+    n_, half = src.shape
+    k_ = cols.size
+    group = half * 2 // scale.shape[1]
+    for n in prange(n_):
+        r = rows[n]
+        for run in range((k_ + 31) // 32):
+            s = half_to_f32(scale[n, run * 32 // group])
+            b0 = run * 16
+            k0 = run * 32
+            for j in range(16):
+                byte = np.int64(src[n, b0 + j])
+                if k0 + j < k_:
+                    dst[r + cols[k0 + j]] = np.float32((byte & 15) - 8) * s
+                if k0 + 16 + j < k_:
+                    dst[r + cols[k0 + 16 + j]] = np.float32((byte >> 4) - 8) * s
+
+
 @njit(inline="always")
 def _binop(x, y, kind):
     if kind == 0:

@@ -97,6 +97,48 @@ def decode_f16(src, dst):
         dst[i] = bits
 
 
+@cuda.jit
+def decode_bf16(src, dst):
+    """bfloat16 bits (uint16) -> float32 bits (uint32): the top half of the word."""
+    for i in range(cuda.grid(1), src.size, cuda.gridsize(1)):
+        dst[i] = int64(src[i]) << 16
+
+
+@cuda.jit(device=True, inline=True)
+def half_to_f32(h):
+    """IEEE half bits -> float32 value, exactly (int4 group scales)."""
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 31:
+        v = f32(math.inf) if m == 0 else f32(math.nan)
+    elif e == 0:
+        v = f32(m) * f32(5.9604644775390625e-08)  # 2**-24
+    else:
+        v = f32(m + 1024) * f32(2.0 ** (e - 25))
+    return -v if h & 0x8000 else v
+
+
+@cuda.jit
+def decode_q4(src, scale, dst, rows, cols):
+    """int4 weights (wtypes.py) -> float32 at dst[rows[n] + cols[k]], k < cols.size: one
+    thread per stored byte, which holds weights j and j + 16 of its 32-weight run."""
+    n_, half = src.shape
+    k_ = cols.size
+    group = half * 2 // scale.shape[1]
+    for t in range(cuda.grid(1), n_ * half, cuda.gridsize(1)):
+        n = t // half
+        b = t - n * half
+        run = b // 16
+        j = b - run * 16
+        k0 = run * 32 + j
+        byte = int64(src[n, b])
+        s = half_to_f32(int64(scale[n, k0 // group]))
+        if k0 < k_:
+            dst[rows[n] + cols[k0]] = f32((byte & 15) - 8) * s
+        if k0 + 16 < k_:
+            dst[rows[n] + cols[k0 + 16]] = f32((byte >> 4) - 8) * s
+
+
 # --- conv pieces ----------------------------------------------------------------------
 
 

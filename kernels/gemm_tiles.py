@@ -23,6 +23,7 @@ worker (pass as many as there are threads), whose size sets the column blocks.
 
 ``wino_conv_<lanes>x<nv>`` runs a whole Winograd 3x3 conv on the same micro-kernel,
 vectorised along channels (its docstring; the scratch is planned by backend_cpu).
+``gemv_q4_<lanes>x<nv>`` is the int4 matrix-vector product (wtypes.py's layout).
 Tile shapes (lanes x vectors): 16x4, 8x2, 4x2, 4x4.
 """
 
@@ -32,13 +33,15 @@ from numba import njit, prange
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
 from .cpu_numba import (
     act_row,
+    act_scalar,
+    half_to_f32,
     nhwc_fill_row,
     nhwc_out_row,
     nhwc_row,
     nhwc_row_out,
     valid_cols,
 )
-from .simd import Ops, prefetch
+from .simd import Ops, half_bits_to_f32, prefetch
 
 MR = 6
 KC = 128
@@ -66,6 +69,9 @@ vmin_16x4 = _ops_16x4.vmin
 vload_n_16x4 = _ops_16x4.vload_n
 vstore_n_16x4 = _ops_16x4.vstore_n
 vloadw_n_16x4 = _ops_16x4.vloadw_n
+vnib_lo_16x4 = _ops_16x4.vnib_lo
+vnib_hi_16x4 = _ops_16x4.vnib_hi
+vsum_16x4 = _ops_16x4.vsum
 sload_16x4 = _ops_16x4.sload
 sstore_16x4 = _ops_16x4.sstore
 
@@ -84,6 +90,9 @@ vmin_8x2 = _ops_8x2.vmin
 vload_n_8x2 = _ops_8x2.vload_n
 vstore_n_8x2 = _ops_8x2.vstore_n
 vloadw_n_8x2 = _ops_8x2.vloadw_n
+vnib_lo_8x2 = _ops_8x2.vnib_lo
+vnib_hi_8x2 = _ops_8x2.vnib_hi
+vsum_8x2 = _ops_8x2.vsum
 sload_8x2 = _ops_8x2.sload
 sstore_8x2 = _ops_8x2.sstore
 
@@ -102,6 +111,9 @@ vmin_4x2 = _ops_4x2.vmin
 vload_n_4x2 = _ops_4x2.vload_n
 vstore_n_4x2 = _ops_4x2.vstore_n
 vloadw_n_4x2 = _ops_4x2.vloadw_n
+vnib_lo_4x2 = _ops_4x2.vnib_lo
+vnib_hi_4x2 = _ops_4x2.vnib_hi
+vsum_4x2 = _ops_4x2.vsum
 sload_4x2 = _ops_4x2.sload
 sstore_4x2 = _ops_4x2.sstore
 
@@ -120,6 +132,9 @@ vmin_4x4 = _ops_4x4.vmin
 vload_n_4x4 = _ops_4x4.vload_n
 vstore_n_4x4 = _ops_4x4.vstore_n
 vloadw_n_4x4 = _ops_4x4.vloadw_n
+vnib_lo_4x4 = _ops_4x4.vnib_lo
+vnib_hi_4x4 = _ops_4x4.vnib_hi
+vsum_4x4 = _ops_4x4.vsum
 sload_4x4 = _ops_4x4.sload
 sstore_4x4 = _ops_4x4.sstore
 
@@ -2059,6 +2074,107 @@ def dw3_16x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a,
 
 
 
+@njit(inline="always")
+def _q4rows4_16x4(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_16x4()
+    t1 = vzero_16x4()
+    t2 = vzero_16x4()
+    t3 = vzero_16x4()
+    for g in range(scale.shape[1]):
+        a0 = vzero_16x4()
+        a1 = vzero_16x4()
+        a2 = vzero_16x4()
+        a3 = vzero_16x4()
+        xs = vzero_16x4()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_16x4(x, xk + 0) if full else vload_n_16x4(x, xk + 0, nl - 0)
+            xh = vload_16x4(x, xk + 16) if full else vload_n_16x4(x, xk + 16, nl - 16)
+            xs = vadd_16x4(xs, vadd_16x4(xl, xh))
+            a0 = vfma_16x4(vnib_lo_16x4(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_16x4(vnib_hi_16x4(w, wo + b0 + 0), xh, a0)
+            a1 = vfma_16x4(vnib_lo_16x4(w, wo + 1 * half + b0 + 0), xl, a1)
+            a1 = vfma_16x4(vnib_hi_16x4(w, wo + 1 * half + b0 + 0), xh, a1)
+            a2 = vfma_16x4(vnib_lo_16x4(w, wo + 2 * half + b0 + 0), xl, a2)
+            a2 = vfma_16x4(vnib_hi_16x4(w, wo + 2 * half + b0 + 0), xh, a2)
+            a3 = vfma_16x4(vnib_lo_16x4(w, wo + 3 * half + b0 + 0), xl, a3)
+            a3 = vfma_16x4(vnib_hi_16x4(w, wo + 3 * half + b0 + 0), xh, a3)
+        xs8 = vmul_16x4(xs, vsplat_16x4(8.0))
+        t0 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_16x4(a0, xs8), t0)
+        t1 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 1, g])), vsub_16x4(a1, xs8), t1)
+        t2 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 2, g])), vsub_16x4(a2, xs8), t2)
+        t3 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 3, g])), vsub_16x4(a3, xs8), t3)
+    return vsum_16x4(t0), vsum_16x4(t1), vsum_16x4(t2), vsum_16x4(t3)
+
+
+@njit(inline="always")
+def _q4rows1_16x4(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_16x4()
+    for g in range(scale.shape[1]):
+        a0 = vzero_16x4()
+        xs = vzero_16x4()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_16x4(x, xk + 0) if full else vload_n_16x4(x, xk + 0, nl - 0)
+            xh = vload_16x4(x, xk + 16) if full else vload_n_16x4(x, xk + 16, nl - 16)
+            xs = vadd_16x4(xs, vadd_16x4(xl, xh))
+            a0 = vfma_16x4(vnib_lo_16x4(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_16x4(vnib_hi_16x4(w, wo + b0 + 0), xh, a0)
+        xs8 = vmul_16x4(xs, vsplat_16x4(8.0))
+        t0 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_16x4(a0, xs8), t0)
+    return vsum_16x4(t0)
+
+
+@njit(parallel=True, cache=True)
+def gemv_q4_16x4(x, w, scale, bias, y, flags, act, a, b):
+    """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
+    [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
+    4 rows share each load of x, so at M = 1 the weights stream once; each row's
+    sum runs in vector lanes and is reduced once, at the end (so other lane counts
+    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    m_, k_ = x.shape
+    n_ = w.shape[0]
+    group = w.shape[1] * 2 // scale.shape[1]
+    nb = (n_ + 3) // 4
+    for blk in prange(nb):
+        n0 = blk * 4
+        for m in range(m_):
+            xo = m * k_
+            if n0 + 4 <= n_:
+                d = _q4rows4_16x4(x, xo, w, scale, n0, k_, group)
+                for i in range(4):
+                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
+                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            else:
+                for n in range(n0, n_):
+                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
+                    d1 = _q4rows1_16x4(x, xo, w, scale, n, k_, group)
+                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+
+
+
 @njit(cache=True)
 def tile_8x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
         c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
@@ -3123,6 +3239,123 @@ def dw3_8x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
 
 
 
+@njit(inline="always")
+def _q4rows4_8x2(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_8x2()
+    t1 = vzero_8x2()
+    t2 = vzero_8x2()
+    t3 = vzero_8x2()
+    for g in range(scale.shape[1]):
+        a0 = vzero_8x2()
+        a1 = vzero_8x2()
+        a2 = vzero_8x2()
+        a3 = vzero_8x2()
+        xs = vzero_8x2()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_8x2(x, xk + 0) if full else vload_n_8x2(x, xk + 0, nl - 0)
+            xh = vload_8x2(x, xk + 16) if full else vload_n_8x2(x, xk + 16, nl - 16)
+            xs = vadd_8x2(xs, vadd_8x2(xl, xh))
+            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 0), xh, a0)
+            a1 = vfma_8x2(vnib_lo_8x2(w, wo + 1 * half + b0 + 0), xl, a1)
+            a1 = vfma_8x2(vnib_hi_8x2(w, wo + 1 * half + b0 + 0), xh, a1)
+            a2 = vfma_8x2(vnib_lo_8x2(w, wo + 2 * half + b0 + 0), xl, a2)
+            a2 = vfma_8x2(vnib_hi_8x2(w, wo + 2 * half + b0 + 0), xh, a2)
+            a3 = vfma_8x2(vnib_lo_8x2(w, wo + 3 * half + b0 + 0), xl, a3)
+            a3 = vfma_8x2(vnib_hi_8x2(w, wo + 3 * half + b0 + 0), xh, a3)
+            xl = vload_8x2(x, xk + 8) if full else vload_n_8x2(x, xk + 8, nl - 8)
+            xh = vload_8x2(x, xk + 24) if full else vload_n_8x2(x, xk + 24, nl - 24)
+            xs = vadd_8x2(xs, vadd_8x2(xl, xh))
+            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 8), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 8), xh, a0)
+            a1 = vfma_8x2(vnib_lo_8x2(w, wo + 1 * half + b0 + 8), xl, a1)
+            a1 = vfma_8x2(vnib_hi_8x2(w, wo + 1 * half + b0 + 8), xh, a1)
+            a2 = vfma_8x2(vnib_lo_8x2(w, wo + 2 * half + b0 + 8), xl, a2)
+            a2 = vfma_8x2(vnib_hi_8x2(w, wo + 2 * half + b0 + 8), xh, a2)
+            a3 = vfma_8x2(vnib_lo_8x2(w, wo + 3 * half + b0 + 8), xl, a3)
+            a3 = vfma_8x2(vnib_hi_8x2(w, wo + 3 * half + b0 + 8), xh, a3)
+        xs8 = vmul_8x2(xs, vsplat_8x2(8.0))
+        t0 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 0, g])), vsub_8x2(a0, xs8), t0)
+        t1 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 1, g])), vsub_8x2(a1, xs8), t1)
+        t2 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 2, g])), vsub_8x2(a2, xs8), t2)
+        t3 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 3, g])), vsub_8x2(a3, xs8), t3)
+    return vsum_8x2(t0), vsum_8x2(t1), vsum_8x2(t2), vsum_8x2(t3)
+
+
+@njit(inline="always")
+def _q4rows1_8x2(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_8x2()
+    for g in range(scale.shape[1]):
+        a0 = vzero_8x2()
+        xs = vzero_8x2()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_8x2(x, xk + 0) if full else vload_n_8x2(x, xk + 0, nl - 0)
+            xh = vload_8x2(x, xk + 16) if full else vload_n_8x2(x, xk + 16, nl - 16)
+            xs = vadd_8x2(xs, vadd_8x2(xl, xh))
+            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 0), xh, a0)
+            xl = vload_8x2(x, xk + 8) if full else vload_n_8x2(x, xk + 8, nl - 8)
+            xh = vload_8x2(x, xk + 24) if full else vload_n_8x2(x, xk + 24, nl - 24)
+            xs = vadd_8x2(xs, vadd_8x2(xl, xh))
+            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 8), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 8), xh, a0)
+        xs8 = vmul_8x2(xs, vsplat_8x2(8.0))
+        t0 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 0, g])), vsub_8x2(a0, xs8), t0)
+    return vsum_8x2(t0)
+
+
+@njit(parallel=True, cache=True)
+def gemv_q4_8x2(x, w, scale, bias, y, flags, act, a, b):
+    """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
+    [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
+    4 rows share each load of x, so at M = 1 the weights stream once; each row's
+    sum runs in vector lanes and is reduced once, at the end (so other lane counts
+    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    m_, k_ = x.shape
+    n_ = w.shape[0]
+    group = w.shape[1] * 2 // scale.shape[1]
+    nb = (n_ + 3) // 4
+    for blk in prange(nb):
+        n0 = blk * 4
+        for m in range(m_):
+            xo = m * k_
+            if n0 + 4 <= n_:
+                d = _q4rows4_8x2(x, xo, w, scale, n0, k_, group)
+                for i in range(4):
+                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
+                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            else:
+                for n in range(n0, n_):
+                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
+                    d1 = _q4rows1_8x2(x, xo, w, scale, n, k_, group)
+                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+
+
+
 @njit(cache=True)
 def tile_4x2(w, w00, wsr, wsk, rtab, nrows, xq, x0, ldx, kc, nky, wrow, accumulate,
         c, c00, ldc, cols, epi, bias, scale, res, r00, ldr, m00, n0, flags, act, a, b,
@@ -4184,6 +4417,155 @@ def dw3_4x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
                     scale, bias, lo_x, hi_x, lo, hi)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
+
+
+
+@njit(inline="always")
+def _q4rows4_4x2(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_4x2()
+    t1 = vzero_4x2()
+    t2 = vzero_4x2()
+    t3 = vzero_4x2()
+    for g in range(scale.shape[1]):
+        a0 = vzero_4x2()
+        a1 = vzero_4x2()
+        a2 = vzero_4x2()
+        a3 = vzero_4x2()
+        xs = vzero_4x2()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_4x2(x, xk + 0) if full else vload_n_4x2(x, xk + 0, nl - 0)
+            xh = vload_4x2(x, xk + 16) if full else vload_n_4x2(x, xk + 16, nl - 16)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 0), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 0), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 0), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 0), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 0), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 0), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 0), xh, a3)
+            xl = vload_4x2(x, xk + 4) if full else vload_n_4x2(x, xk + 4, nl - 4)
+            xh = vload_4x2(x, xk + 20) if full else vload_n_4x2(x, xk + 20, nl - 20)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 4), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 4), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 4), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 4), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 4), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 4), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 4), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 4), xh, a3)
+            xl = vload_4x2(x, xk + 8) if full else vload_n_4x2(x, xk + 8, nl - 8)
+            xh = vload_4x2(x, xk + 24) if full else vload_n_4x2(x, xk + 24, nl - 24)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 8), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 8), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 8), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 8), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 8), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 8), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 8), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 8), xh, a3)
+            xl = vload_4x2(x, xk + 12) if full else vload_n_4x2(x, xk + 12, nl - 12)
+            xh = vload_4x2(x, xk + 28) if full else vload_n_4x2(x, xk + 28, nl - 28)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 12), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 12), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 12), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 12), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 12), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 12), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 12), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 12), xh, a3)
+        xs8 = vmul_4x2(xs, vsplat_4x2(8.0))
+        t0 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 0, g])), vsub_4x2(a0, xs8), t0)
+        t1 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 1, g])), vsub_4x2(a1, xs8), t1)
+        t2 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 2, g])), vsub_4x2(a2, xs8), t2)
+        t3 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 3, g])), vsub_4x2(a3, xs8), t3)
+    return vsum_4x2(t0), vsum_4x2(t1), vsum_4x2(t2), vsum_4x2(t3)
+
+
+@njit(inline="always")
+def _q4rows1_4x2(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_4x2()
+    for g in range(scale.shape[1]):
+        a0 = vzero_4x2()
+        xs = vzero_4x2()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_4x2(x, xk + 0) if full else vload_n_4x2(x, xk + 0, nl - 0)
+            xh = vload_4x2(x, xk + 16) if full else vload_n_4x2(x, xk + 16, nl - 16)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 0), xh, a0)
+            xl = vload_4x2(x, xk + 4) if full else vload_n_4x2(x, xk + 4, nl - 4)
+            xh = vload_4x2(x, xk + 20) if full else vload_n_4x2(x, xk + 20, nl - 20)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 4), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 4), xh, a0)
+            xl = vload_4x2(x, xk + 8) if full else vload_n_4x2(x, xk + 8, nl - 8)
+            xh = vload_4x2(x, xk + 24) if full else vload_n_4x2(x, xk + 24, nl - 24)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 8), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 8), xh, a0)
+            xl = vload_4x2(x, xk + 12) if full else vload_n_4x2(x, xk + 12, nl - 12)
+            xh = vload_4x2(x, xk + 28) if full else vload_n_4x2(x, xk + 28, nl - 28)
+            xs = vadd_4x2(xs, vadd_4x2(xl, xh))
+            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 12), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 12), xh, a0)
+        xs8 = vmul_4x2(xs, vsplat_4x2(8.0))
+        t0 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 0, g])), vsub_4x2(a0, xs8), t0)
+    return vsum_4x2(t0)
+
+
+@njit(parallel=True, cache=True)
+def gemv_q4_4x2(x, w, scale, bias, y, flags, act, a, b):
+    """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
+    [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
+    4 rows share each load of x, so at M = 1 the weights stream once; each row's
+    sum runs in vector lanes and is reduced once, at the end (so other lane counts
+    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    m_, k_ = x.shape
+    n_ = w.shape[0]
+    group = w.shape[1] * 2 // scale.shape[1]
+    nb = (n_ + 3) // 4
+    for blk in prange(nb):
+        n0 = blk * 4
+        for m in range(m_):
+            xo = m * k_
+            if n0 + 4 <= n_:
+                d = _q4rows4_4x2(x, xo, w, scale, n0, k_, group)
+                for i in range(4):
+                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
+                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            else:
+                for n in range(n0, n_):
+                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
+                    d1 = _q4rows1_4x2(x, xo, w, scale, n, k_, group)
+                    y[m, n] = act_scalar(d1 + bb, act, a, b)
 
 
 
@@ -6119,3 +6501,152 @@ def dw3_4x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
                     scale, bias, lo_x, hi_x, lo, hi)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
+
+
+
+@njit(inline="always")
+def _q4rows4_4x4(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_4x4()
+    t1 = vzero_4x4()
+    t2 = vzero_4x4()
+    t3 = vzero_4x4()
+    for g in range(scale.shape[1]):
+        a0 = vzero_4x4()
+        a1 = vzero_4x4()
+        a2 = vzero_4x4()
+        a3 = vzero_4x4()
+        xs = vzero_4x4()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_4x4(x, xk + 0) if full else vload_n_4x4(x, xk + 0, nl - 0)
+            xh = vload_4x4(x, xk + 16) if full else vload_n_4x4(x, xk + 16, nl - 16)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 0), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 0), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 0), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 0), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 0), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 0), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 0), xh, a3)
+            xl = vload_4x4(x, xk + 4) if full else vload_n_4x4(x, xk + 4, nl - 4)
+            xh = vload_4x4(x, xk + 20) if full else vload_n_4x4(x, xk + 20, nl - 20)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 4), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 4), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 4), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 4), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 4), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 4), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 4), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 4), xh, a3)
+            xl = vload_4x4(x, xk + 8) if full else vload_n_4x4(x, xk + 8, nl - 8)
+            xh = vload_4x4(x, xk + 24) if full else vload_n_4x4(x, xk + 24, nl - 24)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 8), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 8), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 8), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 8), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 8), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 8), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 8), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 8), xh, a3)
+            xl = vload_4x4(x, xk + 12) if full else vload_n_4x4(x, xk + 12, nl - 12)
+            xh = vload_4x4(x, xk + 28) if full else vload_n_4x4(x, xk + 28, nl - 28)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 12), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 12), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 12), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 12), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 12), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 12), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 12), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 12), xh, a3)
+        xs8 = vmul_4x4(xs, vsplat_4x4(8.0))
+        t0 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_4x4(a0, xs8), t0)
+        t1 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 1, g])), vsub_4x4(a1, xs8), t1)
+        t2 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 2, g])), vsub_4x4(a2, xs8), t2)
+        t3 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 3, g])), vsub_4x4(a3, xs8), t3)
+    return vsum_4x4(t0), vsum_4x4(t1), vsum_4x4(t2), vsum_4x4(t3)
+
+
+@njit(inline="always")
+def _q4rows1_4x4(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+    t0 = vzero_4x4()
+    for g in range(scale.shape[1]):
+        a0 = vzero_4x4()
+        xs = vzero_4x4()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+            xl = vload_4x4(x, xk + 0) if full else vload_n_4x4(x, xk + 0, nl - 0)
+            xh = vload_4x4(x, xk + 16) if full else vload_n_4x4(x, xk + 16, nl - 16)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 0), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 0), xh, a0)
+            xl = vload_4x4(x, xk + 4) if full else vload_n_4x4(x, xk + 4, nl - 4)
+            xh = vload_4x4(x, xk + 20) if full else vload_n_4x4(x, xk + 20, nl - 20)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 4), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 4), xh, a0)
+            xl = vload_4x4(x, xk + 8) if full else vload_n_4x4(x, xk + 8, nl - 8)
+            xh = vload_4x4(x, xk + 24) if full else vload_n_4x4(x, xk + 24, nl - 24)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 8), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 8), xh, a0)
+            xl = vload_4x4(x, xk + 12) if full else vload_n_4x4(x, xk + 12, nl - 12)
+            xh = vload_4x4(x, xk + 28) if full else vload_n_4x4(x, xk + 28, nl - 28)
+            xs = vadd_4x4(xs, vadd_4x4(xl, xh))
+            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 12), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 12), xh, a0)
+        xs8 = vmul_4x4(xs, vsplat_4x4(8.0))
+        t0 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_4x4(a0, xs8), t0)
+    return vsum_4x4(t0)
+
+
+@njit(parallel=True, cache=True)
+def gemv_q4_4x4(x, w, scale, bias, y, flags, act, a, b):
+    """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
+    [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
+    4 rows share each load of x, so at M = 1 the weights stream once; each row's
+    sum runs in vector lanes and is reduced once, at the end (so other lane counts
+    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    m_, k_ = x.shape
+    n_ = w.shape[0]
+    group = w.shape[1] * 2 // scale.shape[1]
+    nb = (n_ + 3) // 4
+    for blk in prange(nb):
+        n0 = blk * 4
+        for m in range(m_):
+            xo = m * k_
+            if n0 + 4 <= n_:
+                d = _q4rows4_4x4(x, xo, w, scale, n0, k_, group)
+                for i in range(4):
+                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
+                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            else:
+                for n in range(n0, n_):
+                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
+                    d1 = _q4rows1_4x4(x, xo, w, scale, n, k_, group)
+                    y[m, n] = act_scalar(d1 + bb, act, a, b)

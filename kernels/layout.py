@@ -70,6 +70,37 @@ def hwio_weights(w, attrs: dict):
     return from_panels(w, attrs["out_channels"]) if attrs.get("panel") else w
 
 
+def node_weight_shape(op: str, wshape: Sequence[int], attrs: dict) -> tuple[int, ...]:
+    """The float32 weight shape a node of ``op`` computes with, for logical (OIHW, or
+    linear's [N, K]) weights ``wshape``: HWIO or panels when channels-last."""
+    wshape = tuple(int(d) for d in wshape)
+    if op not in WEIGHT_IN_HWIO or not is_nhwc(attrs):
+        return wshape
+    co, cg, kh, kw = wshape
+    if attrs.get("panel"):
+        return (-(-co // PANEL), kh, kw, cg, PANEL)
+    return (kh, kw, cg, co)
+
+
+def weight_offsets(op: str, wshape: Sequence[int], attrs: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(row[N], col[K]) int64: weight (n, k) of the canonical [N, K] matrix (row n an
+    output channel, k its reduction index in OIHW order) lives at flat offset
+    row[n] + col[k] of the node's float32 weights (``node_weight_shape``). Backends
+    decode weights stored canonical (int4) straight into the layout the node runs in."""
+    n = int(wshape[0])
+    k = int(np.prod(wshape[1:], dtype=np.int64))
+    rows, cols = np.arange(n, dtype=np.int64), np.arange(k, dtype=np.int64)
+    if op not in WEIGHT_IN_HWIO or not is_nhwc(attrs):
+        return rows * k, cols
+    _, cg, kh, kw = wshape
+    c, rest = np.divmod(cols, kh * kw)
+    tap = rest * cg + c  # (i * kw + j) * C + c: the HWIO row of reduction index k
+    if attrs.get("panel"):
+        panel = kh * kw * cg * PANEL
+        return (rows // PANEL) * panel + rows % PANEL, tap * PANEL
+    return rows, tap * n
+
+
 def hwio_shape(panels_shape: Sequence[int], co: int) -> tuple[int, ...]:
     _, kh, kw, c, _ = panels_shape
     return (kh, kw, c, co)
@@ -90,6 +121,12 @@ def activation_inputs(op: str, n_inputs: int) -> list[int]:
     if op in ("maxpool", "global_avgpool"):
         return [0]
     return [0] + ([RESIDUAL_INPUT] if n_inputs > RESIDUAL_INPUT else [])
+
+
+def canonical_weights(attrs: dict) -> bool:
+    """True when the node's weights are stored canonical whatever its layout (int4:
+    kernels/wtypes.py; ``wshape`` is their logical shape)."""
+    return "wshape" in attrs
 
 
 def channels_first_attrs(attrs: dict) -> dict:
@@ -118,7 +155,7 @@ def adapt(
         for i in activation_inputs(op, len(ins)):
             if i < len(ins2) and ins2[i] is not None:
                 ins2[i] = (nchw(ins2[i][0]), ins2[i][1])
-        if op in WEIGHT_IN_HWIO and ins2[1] is not None:
+        if op in WEIGHT_IN_HWIO and ins2[1] is not None and not canonical_weights(attrs):
             shape = ins2[1][0]
             if attrs.get("panel"):
                 shape = hwio_shape(shape, attrs["out_channels"])
@@ -153,7 +190,7 @@ def adapt(
             off = up64(nxt)
             pre.append(copier(view, ins[i].transpose(TO_NCHW)))
             ins2[i] = view
-        if op in WEIGHT_IN_HWIO:
+        if op in WEIGHT_IN_HWIO and not canonical_weights(attrs):
             ins2[1] = contiguous(hwio_weights(ins[1], attrs).transpose(OIHW_FROM_HWIO))
         out = outs[0]
         post = None

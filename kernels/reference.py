@@ -16,17 +16,46 @@ from . import layout
 from .activations import apply_act_ref
 from .mbconv import parts as mbconv_parts
 from .winograd import untransform_weights
+from .wtypes import DEQUANTIZE, bf16_to_f32, channel_scaled, of_array
 
 Array = np.ndarray
 RefFn = Callable[[Sequence[Array | None], dict], Array]
 
 
 def dequantize(w: Array, scale: Array | None) -> Array:
-    """int8 per-output-channel (axis 0) or fp16 weights back to float32."""
-    wf = w.astype(np.float32)
-    if scale is not None:
-        wf = wf * scale.reshape((-1,) + (1,) * (w.ndim - 1)).astype(np.float32)
-    return wf
+    """int8 per-output-channel (axis 0) or fp16 weights back to float32 (the table's
+    references for the rows a numpy dtype identifies; see ``node_weights``)."""
+    dt = np.dtype(w.dtype)
+    wide = dt.kind == "f" and dt.itemsize >= 4  # float32, or float64 from the references
+    return channel_scaled(w if wide else DEQUANTIZE[of_array(w)](w, None), scale)
+
+
+def _i4_in_node_layout(w: Array, scale: Array | None, op: str, attrs: dict):
+    wshape = attrs["wshape"]
+    flat = DEQUANTIZE["i4"](w, scale)  # [N, Kp], canonical
+    k = int(np.prod(wshape[1:], dtype=np.int64))
+    out = np.zeros(layout.node_weight_shape(op, wshape, attrs), np.float32)
+    rows, cols = layout.weight_offsets(op, wshape, attrs)
+    out.reshape(-1)[rows[:, None] + cols[None, :]] = flat[:, :k]
+    return out, None
+
+
+# Weight types whose stored arrays the op references cannot read as they are: decoded
+# here into float32 in the node's layout, consuming their scale input (int8's channel
+# scale and fp16 are dequantized inside the op references, in OIHW).
+_TO_NODE_WEIGHTS = {
+    "bf16": lambda w, s, op, attrs: (bf16_to_f32(w), s),
+    "i4": _i4_in_node_layout,
+}
+
+
+def node_weights(dt: str, inputs: Sequence[Array | None], op: str, attrs: dict) -> list:
+    """``inputs`` of a weight op whose weight is of type ``dt``, with the weight in a form
+    the reference reads (float32 for bf16 and int4)."""
+    args = list(inputs) + [None] * (4 - len(inputs))
+    if dt in _TO_NODE_WEIGHTS:
+        args[1], args[3] = _TO_NODE_WEIGHTS[dt](args[1], args[3], op, attrs)
+    return args[: max(len(inputs), 4)]
 
 
 def _act(y: Array, attrs: dict) -> Array:

@@ -1,10 +1,10 @@
 """The one dispatch table: ``(op, dtype, backend) -> Kernel`` (ggml's type-traits idea).
 
-``dtype`` is the storage dtype of the op's weight (``f32``, ``f16``, ``i8``) for ops
-that carry one, else ``f32``. A kernel is bound once, when the runtime loads a
-bundle, to fixed arena views; binding returns a zero-argument closure (or None when
-the op is a no-op, e.g. a reshape aliased in the memory plan). The steady-state loop
-is then just ``for step in steps: step()``.
+``dtype`` is the weight type of the op's weight (a row of wtypes.py: ``f32``, ``f16``,
+``bf16``, ``i8``, ``i4``) for ops that carry one, else ``f32``. A kernel is bound once,
+when the runtime loads a bundle, to fixed arena views; binding returns a zero-argument
+closure (or None when the op is a no-op, e.g. a reshape aliased in the memory plan).
+The steady-state loop is then just ``for step in steps: step()``.
 
 The packager asks the same table how much scratch each kernel needs so the memory
 plan reserves it in the arena ahead of time.
@@ -17,16 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .wtypes import ROWS
+
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 Bound = Callable[[], None] | None
 BindFn = Callable[[Sequence["np.ndarray | None"], Sequence[np.ndarray], np.ndarray, dict], Bound]
 ScratchFn = Callable[[Sequence["Spec | None"], Sequence[tuple[int, ...]], dict], int]
 
-DTYPES: dict[str, np.dtype] = {
-    "f32": np.dtype(np.float32),
-    "f16": np.dtype(np.float16),
-    "i8": np.dtype(np.int8),
-}
+# dtype key -> numpy storage dtype: the rows of the weight-type table.
+DTYPES: dict[str, np.dtype] = {r.name: r.storage for r in ROWS}
 WEIGHT_OPS = ("conv", "dwconv", "linear")
 BACKENDS = ("ref", "cpu", "cuda")
 

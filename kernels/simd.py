@@ -157,6 +157,43 @@ class Ops:
 
             return vt(arr, idx, n), codegen
 
+        i8v = ir.VectorType(ir.IntType(8), lanes)
+
+        def nibbles(shift: bool):
+            @intrinsic
+            def vnib(typingctx, arr, idx):
+                """The low (vnib_lo) or high (vnib_hi) nibbles of arr's bytes idx ..
+                idx+lanes-1 as float32 values 0..15 (int4 weights, wtypes.py): one byte
+                load feeds two vectors of consecutive weights."""
+
+                def codegen(context, builder, sig, args):
+                    p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                    raw = builder.load(builder.bitcast(p, i8v.as_pointer()), align=1)
+                    if shift:
+                        q = builder.lshr(raw, ir.Constant(i8v, [4] * lanes))
+                    else:
+                        q = builder.and_(raw, ir.Constant(i8v, [15] * lanes))
+                    return builder.uitofp(q, lvt)
+
+                return vt(arr, idx), codegen
+
+            return vnib
+
+        @intrinsic
+        def vsum(typingctx, v):
+            """The lanes of v added up in lane order (the same result at every width
+            only when the lanes hold the same partial sums: callers reduce once, last)."""
+
+            def codegen(context, builder, sig, args):
+                acc = builder.extract_element(args[0], ir.Constant(I32, 0))
+                for i in range(1, lanes):
+                    acc = builder.fadd(acc, builder.extract_element(args[0], ir.Constant(I32, i)))
+                return acc
+
+            return types.float32(vt), codegen
+
+        self.vnib_lo, self.vnib_hi, self.vsum = nibbles(False), nibbles(True), vsum
+
         @intrinsic
         def vbload(typingctx, arr, idx):
             """arr[idx] widened to float32 (float or int8 weights) in every lane."""
@@ -253,6 +290,20 @@ def prefetch(typingctx, arr, idx):
         return context.get_dummy_value()
 
     return types.void(arr, idx), codegen
+
+
+@intrinsic
+def half_bits_to_f32(typingctx, h):
+    """A uint16 holding an IEEE half, as float32: one vcvtph2ps with F16C (every AVX2
+    CPU), one fcvt on aarch64. CPUs without either (SSE-only x86) must not call it:
+    LLVM would call a runtime helper numba does not link (cpu_numba.half_to_f32 is the
+    portable form). A per-group table lookup held the int4 GEMV at 3 GB/s."""
+
+    def codegen(context, builder, sig, args):
+        bits = builder.trunc(args[0], ir.IntType(16)) if sig.args[0].bitwidth > 16 else args[0]
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
+
+    return types.float32(h), codegen
 
 
 def lanes_for(features: set[str] | frozenset[str], arch: str = "x86_64") -> tuple[int, int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..kernels.wtypes import DEFAULT_GROUP, by_quant
 from ..runtime.errortable import format_error_table
 from ..runtime.executor import Executor
 from .conv_algo import choose_conv_algorithms
@@ -26,10 +27,6 @@ from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
 from .writer import write_bundle
 
 DEFAULT_CALIB_SAMPLES = 8
-SCHEMES = {
-    "int8": "int8: symmetric per-output-channel weights, fp32 scales, fp32 activations",
-    "fp16": "fp16 weights, fp32 activations",
-}
 
 
 @dataclass
@@ -112,6 +109,7 @@ def build(
     calib: str | Path | None = None,
     max_error: float | None = None,
     min_weights: int = DEFAULT_MIN_WEIGHTS,
+    group_size: int = DEFAULT_GROUP,
     backends: Sequence[str] = ("cpu", "ref"),
     extra_manifest: dict | None = None,
     conv_algo: str = "auto",
@@ -136,12 +134,12 @@ def build(
         + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.items() if v)
     )
     stage(3, f"quantize weights ({quant})")
-    q = quantize_graph(g, quant, min_weights)
+    q = quantize_graph(g, quant, min_weights, group_size)
     if quant != "fp32":
         kept = [
             n.name
             for n in q.nodes
-            if n.op in ("conv", "dwconv", "linear") and q.consts[n.inputs[1]].dtype == np.float32
+            if n.op in ("conv", "dwconv", "linear") and q.wtype(n.inputs[1]) == "f32"
         ]
         if kept:
             log(f"      {len(kept)} layer(s) under {min_weights} weights stay fp32")
@@ -164,7 +162,8 @@ def build(
     extra = {
         "model": {"name": Path(model).stem, "source_file": Path(model).name, **g.meta},
         "build": build_info(),
-        "quantization": {"mode": quant, "min_weights": min_weights},
+        "quantization": {"mode": quant, "min_weights": min_weights}
+        | ({"group_size": group_size} if quant == "int4" else {}),
         **(extra_manifest or {}),
     }
     error = None
@@ -188,7 +187,7 @@ def build(
         log(format_error_table(error))
         extra["quantization"].update(
             {
-                "scheme": SCHEMES[quant],
+                "scheme": by_quant(quant).describe,
                 "error": error,
             }
         )

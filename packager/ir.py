@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..kernels.wtypes import of_array
+
+
+def of_array_or_none(a: np.ndarray) -> str | None:
+    try:
+        return of_array(a)
+    except ValueError:
+        return None
+
 
 class PackError(Exception):
     """The model cannot be packed (unsupported op, attribute or dtype...)."""
@@ -34,6 +43,22 @@ class Graph:
     shapes: dict[str, tuple[int, ...]]  # activation tensors
     consts: dict[str, np.ndarray]
     meta: dict = field(default_factory=dict)
+    # Weight type (kernels/wtypes.py) of constants whose numpy dtype does not say it:
+    # int4's packed uint8, bfloat16's uint16 bit patterns.
+    wtypes: dict[str, str] = field(default_factory=dict)
+
+    def wtype(self, name: str) -> str:
+        """The stored type of constant ``name`` (a row of kernels/wtypes.py, or a plain
+        tensor's short dtype name)."""
+        return self.wtypes.get(name) or of_array(self.consts[name])
+
+    def set_const(self, name: str, value: np.ndarray, wtype: str | None = None) -> None:
+        """Add or replace a constant, with its weight type when the dtype does not say it."""
+        self.consts[name] = value
+        if wtype is None or wtype == of_array_or_none(value):
+            self.wtypes.pop(name, None)
+        else:
+            self.wtypes[name] = wtype
 
     def consumers(self) -> dict[str, list[Node]]:
         out: dict[str, list[Node]] = {}
@@ -59,4 +84,5 @@ class Graph:
                 live.update(i for i in n.inputs if i)
         self.nodes = kept[::-1]
         self.consts = {k: v for k, v in self.consts.items() if k in live}
+        self.wtypes = {k: v for k, v in self.wtypes.items() if k in live}
         self.shapes = {k: v for k, v in self.shapes.items() if k in live or k in self.inputs}

@@ -90,11 +90,12 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
             t = node.inputs[i]
             if t and t not in last:
                 node.inputs[i] = convert(t, True)
-        if node.op in L.WEIGHT_IN_HWIO:
+        if node.op in L.WEIGHT_IN_HWIO and not L.canonical_weights(node.attrs):
             w = node.inputs[1]
             hw = w + ".hwio"
             if hw not in g.consts:
-                g.consts[hw] = np.ascontiguousarray(g.consts[w].transpose(L.HWIO_FROM_OIHW))
+                hwio = np.ascontiguousarray(g.consts[w].transpose(L.HWIO_FROM_OIHW))
+                g.set_const(hw, hwio, g.wtype(w))
             node.inputs[1] = hw
         if node.op not in AGNOSTIC:
             node.attrs = {**node.attrs, "layout": L.NHWC}
@@ -137,12 +138,16 @@ def pack_panels(g: Graph) -> int:
         if node.op != "conv" or not L.is_nhwc(node.attrs) or node.attrs.get("panel"):
             continue
         w = node.inputs[1]
-        hwio = g.consts[w]
-        name = w + ".panels"
-        if name not in g.consts:
-            g.consts[name] = L.to_panels(hwio)
-        node.inputs[1] = name
-        node.attrs = {**node.attrs, "panel": L.PANEL, "out_channels": int(hwio.shape[3])}
+        if L.canonical_weights(node.attrs):  # int4: decoded into panels by the kernels
+            co = int(node.attrs["wshape"][0])
+        else:
+            hwio = g.consts[w]
+            co = int(hwio.shape[3])
+            name = w + ".panels"
+            if name not in g.consts:
+                g.set_const(name, L.to_panels(hwio), g.wtype(w))
+            node.inputs[1] = name
+        node.attrs = {**node.attrs, "panel": L.PANEL, "out_channels": co}
         changed += 1
     if changed:
         g.remove_dead()

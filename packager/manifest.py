@@ -7,7 +7,7 @@ import numpy as np
 
 from ..runtime.bundle_format import FORMAT_VERSION
 from .ir import Graph
-from .plan import Plan, _short_dtype
+from .plan import Plan
 
 
 def _jsonable(v):
@@ -44,7 +44,7 @@ def make_manifest(g: Graph, plan: Plan, extra: dict | None = None) -> dict:
             "nodes": nodes,
         },
         "weights": {
-            k: {"shape": list(v.shape), "dtype": _short_dtype(v)} for k, v in g.consts.items()
+            k: {"shape": list(v.shape), "dtype": g.wtype(k)} for k, v in g.consts.items()
         },
         "plan": {
             "arena_bytes": plan.arena_bytes,

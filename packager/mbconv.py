@@ -37,6 +37,10 @@ BAND_BYTES = 768 * 1024
 def _pointwise(node: Node, g: Graph) -> bool:
     if node.op != "conv" or not L.is_nhwc(node.attrs) or node.attrs.get("group", 1) != 1:
         return False
+    if L.canonical_weights(node.attrs):
+        # int4 weights decode whole into scratch (kernels/decoded.py); a band's slots
+        # hold panels, so such convs stay unfused.
+        return False
     w = g.consts.get(node.inputs[1])
     return (
         w is not None

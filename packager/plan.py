@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kernels.registry import choose, node_dtype
+from ..kernels.registry import WEIGHT_OPS, choose, node_dtype
 from ..runtime.bundle_format import ALIGN, align_up
 from .ir import Graph, PackError
 
@@ -32,12 +32,6 @@ class Plan:
     storages: list = field(default_factory=list)
 
 
-def _short_dtype(a: np.ndarray) -> str:
-    return {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int8): "i8"}.get(
-        a.dtype, str(a.dtype)
-    )
-
-
 def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
     """Per node: the first backend in ``backends`` that takes it. A node given to cuda
     also records ``fallback``, the host kernel the runtime binds instead when the device
@@ -45,11 +39,7 @@ def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
     host = [b for b in backends if b != "cuda"]
     out = {}
     for node in g.nodes:
-        wdt = (
-            _short_dtype(g.consts[node.inputs[1]])
-            if node.op in ("conv", "dwconv", "linear")
-            else "f32"
-        )
+        wdt = g.wtype(node.inputs[1]) if node.op in WEIGHT_OPS else "f32"
         try:
             backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
         except KeyError as e:
@@ -81,7 +71,7 @@ def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
             None
             if not t
             else (
-                (tuple(g.consts[t].shape), _short_dtype(g.consts[t]))
+                (tuple(g.consts[t].shape), g.wtype(t))
                 if t in g.consts
                 else (g.shapes[t], "f32")
             )

@@ -1,9 +1,10 @@
 """Weight quantization and the fp32-vs-quantized error table.
 
-``int8``: symmetric, per output channel (axis 0), int8 in [-127, 127] with float32
-scales; the runtime keeps activations in float32 (see docs/quantization.md for the
-measurement behind that choice). ``fp16``: weights stored as IEEE half. Biases and
-any non-weight constants stay float32.
+Each ``--quant`` mode is a row of the weight-type table (kernels/wtypes.py), which
+holds its quantize and dequantize references: ``int8`` symmetric per output channel,
+``int4`` symmetric group-wise along the reduction axis with fp16 scales, ``fp16`` and
+``bf16``. The runtime keeps activations in float32 (see docs/quantization.md for the
+measurement behind that choice). Biases and any non-weight constants stay float32.
 """
 
 from __future__ import annotations
@@ -13,48 +14,58 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, QUANTIZE, by_quant
 from .ir import Graph
 
-MODES = ("fp32", "fp16", "int8")
+MODES = QUANT_MODES  # the --quant choices: one per row of kernels/wtypes.py
 WEIGHT_OPS = ("conv", "dwconv", "linear")
 # Layers with fewer weights than this stay fp32: they hold a sliver of the bytes but,
 # per weight, add the most error (measured on the rapidocr MobileNetV3 classifier:
 # int8 top-1 agreement with fp32 went from 191/200 to 196/200 for +28 KB).
 DEFAULT_MIN_WEIGHTS = 1024
+# The row a weight falls back to when its mode's row does not take its op: int4 keeps
+# depthwise convs in int8 (their reduction is kh*kw = 9 taps a channel, less than one
+# group of 32, so a group scale would be one scale per 9 weights).
+FALLBACK = {"i4": "i8"}
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-output-channel int8: w ~= q * scale[c]."""
-    flat = w.reshape(w.shape[0], -1).astype(np.float64)
-    amax = np.abs(flat).max(axis=1)
-    scale = np.where(amax > 0, amax / 127.0, 1.0)
-    q = np.clip(np.rint(flat / scale[:, None]), -127, 127).astype(np.int8)
-    return q.reshape(w.shape), scale.astype(np.float32)
+    return QUANTIZE["i8"](w, 0)
 
 
-def quantize_graph(g: Graph, mode: str, min_weights: int = DEFAULT_MIN_WEIGHTS) -> Graph:
+def quantize_graph(
+    g: Graph, mode: str, min_weights: int = DEFAULT_MIN_WEIGHTS, group: int = DEFAULT_GROUP
+) -> Graph:
     """A copy of ``g`` whose conv/linear weights (those with at least ``min_weights``
-    elements) are stored in ``mode``."""
-    if mode not in MODES:
-        raise ValueError(f"--quant {mode!r}; choose from {', '.join(MODES)}")
+    elements) are stored as ``mode``'s row of the weight-type table; ``group`` is the
+    int4 group size."""
+    row = by_quant(mode)
     q = copy.deepcopy(g)
-    if mode == "fp32":
+    if row.name == "f32":
         return q
+    done: dict[str, tuple] = {}  # weight -> (type, scale name, float32 shape)
     for node in q.nodes:
         if node.op not in WEIGHT_OPS:
             continue
         wname = node.inputs[1]
-        w = q.consts[wname]
-        if w.size < min_weights:
-            continue
-        if mode == "fp16":
-            q.consts[wname] = w.astype(np.float16)
-            continue
-        qw, scale = quantize_int8(w)
-        q.consts[wname] = qw
-        sname = wname + ".scale"
-        q.consts[sname] = scale
-        node.inputs = (node.inputs + [""] * 4)[:3] + [sname] + node.inputs[4:]
+        if wname not in done:
+            w = q.consts[wname]
+            if w.size < min_weights or q.wtype(wname) != "f32":
+                continue
+            t = row.name if node.op in row.ops else FALLBACK.get(row.name, row.name)
+            stored, scale = QUANTIZE[t](w, group)
+            q.set_const(wname, stored, t)
+            sname = None
+            if scale is not None:
+                sname = wname + ".scale"
+                q.set_const(sname, scale)
+            done[wname] = (t, sname, tuple(w.shape))
+        t, sname, wshape = done[wname]
+        if sname is not None:
+            node.inputs = (node.inputs + [""] * 4)[:3] + [sname] + node.inputs[4:]
+        if t == "i4":  # stored canonical [N, Kp/2]: the logical shape goes with the node
+            node.attrs = {**node.attrs, "wshape": list(wshape)}
     q.remove_dead()
     return q
 

@@ -17,20 +17,27 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels.wtypes import of_array, st_dtype
 from ..runtime.bundle_format import (
     ALIGN,
     FORMAT_VERSION,
     HEADER_SIZE,
     PAD_PREFIX,
-    ST_FROM_NUMPY,
+    ST_DTYPES,
     Header,
     align_up,
 )
 
 
-def weights_section(weights: Mapping[str, np.ndarray], section_offset: int) -> bytes:
+def weights_section(
+    weights: Mapping[str, np.ndarray],
+    section_offset: int,
+    types: Mapping[str, str] | None = None,
+) -> bytes:
     """safetensors bytes whose tensors are 64-aligned once placed at ``section_offset``
-    (itself 64-aligned) in the bundle."""
+    (itself 64-aligned) in the bundle. ``types``: the weight type of each tensor
+    (kernels/wtypes.py; by default what its numpy dtype says), which fixes its
+    safetensors dtype (bfloat16's uint16 bit patterns are ``BF16``)."""
     assert section_offset % ALIGN == 0
     entries: dict[str, dict] = {}
     chunks: list[bytes] = []
@@ -38,9 +45,13 @@ def weights_section(weights: Mapping[str, np.ndarray], section_offset: int) -> b
     for k, name in enumerate(sorted(weights)):
         a = np.asarray(weights[name])
         a = a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
-        dt = ST_FROM_NUMPY.get(a.dtype.str) or ST_FROM_NUMPY.get(a.dtype.str.replace("|", ""))
-        if dt is None:
-            raise ValueError(f"weight {name!r}: dtype {a.dtype} cannot be stored")
+        try:
+            t = (types or {}).get(name) or of_array(a)
+            dt = st_dtype(t)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"weight {name!r}: {e.args[0]}") from None
+        if np.dtype(ST_DTYPES[dt]) != a.dtype:
+            raise ValueError(f"weight {name!r}: a {a.dtype} array cannot be stored as {t}")
         gap = align_up(pos) - pos
         if gap:
             entries[f"{PAD_PREFIX}{k}"] = {
@@ -65,7 +76,8 @@ def bundle_bytes(manifest: dict, weights: Mapping[str, np.ndarray]) -> bytes:
     mbytes = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     moff = HEADER_SIZE
     woff = align_up(moff + len(mbytes))
-    wbytes = weights_section(weights, woff)
+    types = {k: v["dtype"] for k, v in manifest.get("weights", {}).items()}
+    wbytes = weights_section(weights, woff, types)
     total = woff + len(wbytes)
     h = Header(
         version=FORMAT_VERSION,

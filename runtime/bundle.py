@@ -26,7 +26,6 @@ from .bundle_format import (
     HEADER_STRUCT,
     MAGIC,
     PAD_PREFIX,
-    SHORT_TO_ST,
     ST_DTYPES,
     Header,
 )
@@ -163,6 +162,7 @@ def _shape_ok(shape: object) -> bool:
 
 def _check_manifest(m: object, weights: dict, path: str) -> None:
     """Structural checks, so the executor never meets a dangling name or range."""
+    from ..kernels import wtypes
     from ..kernels.reference import REFERENCE
     from ..kernels.registry import BACKENDS, DTYPES
 
@@ -209,6 +209,14 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
             for name in node["inputs"]:
                 if name and name not in tensors and name not in wspecs:
                     raise _fail(path, f"node {node['name']!r} reads unknown tensor {name!r}")
+            if k["dtype"] != "f32" and node["op"] in wtypes.WTYPES[k["dtype"]].ops:
+                ins = list(node["inputs"]) + [""] * 4
+                w, s = wspecs.get(ins[1]), wspecs.get(ins[3])
+                if w is None or w["dtype"] != k["dtype"]:
+                    raise _fail(path, f"node {node['name']!r}: its weight is not {k['dtype']}")
+                why = wtypes.check_scale(k["dtype"], w["shape"], s and s["shape"])
+                if why:
+                    raise _fail(path, f"node {node['name']!r}: {why}")
             for name in node["outputs"]:
                 if name not in tensors:
                     raise _fail(path, f"node {node['name']!r} writes unknown tensor {name!r}")
@@ -216,7 +224,10 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
             w = weights.get(name)
             if w is None or name.startswith(PAD_PREFIX):
                 raise _fail(path, f"weight {name!r} listed in the manifest is missing")
-            if list(w.shape) != list(spec["shape"]) or SHORT_TO_ST[spec["dtype"]] != w.dtype_st:
+            why = wtypes.check_stored(spec["dtype"], spec["shape"])
+            if why:
+                raise _fail(path, f"weight {name!r}: {why}")
+            if list(w.shape) != list(spec["shape"]) or wtypes.st_dtype(spec["dtype"]) != w.dtype_st:
                 raise _fail(path, f"weight {name!r}: manifest and weight header disagree")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise _fail(path, f"manifest is malformed ({type(e).__name__}: {e})") from None

@@ -20,11 +20,17 @@ HEADER_STRUCT = struct.Struct("<8sIIQQQQQ32s32sI")  # + u32 crc32 of everything 
 HEADER_SIZE = HEADER_STRUCT.size + 4
 assert HEADER_SIZE == 128, HEADER_SIZE  # layout pinned by tests/test_bundle_format.py
 
-# safetensors dtype names <-> numpy dtype strings for what bundles may hold.
-ST_DTYPES: dict[str, str] = {"F32": "<f4", "F16": "<f2", "I8": "i1", "U8": "u1", "I32": "<i4"}
-ST_FROM_NUMPY: dict[str, str] = {v: k for k, v in ST_DTYPES.items()}
-# Our short names used in the manifest.
-SHORT_TO_ST: dict[str, str] = {"f32": "F32", "f16": "F16", "i8": "I8", "u8": "U8", "i32": "I32"}
+# safetensors dtype names -> numpy dtype strings for what bundles may hold (BF16 is
+# mapped as its uint16 bit patterns). Which weight type each manifest entry is, and so
+# which of these it is stored as, is kernels/wtypes.py's table.
+ST_DTYPES: dict[str, str] = {
+    "F32": "<f4",
+    "F16": "<f2",
+    "BF16": "<u2",
+    "I8": "i1",
+    "U8": "u1",
+    "I32": "<i4",
+}
 PAD_PREFIX = "__pad__."  # filler entries that keep every tensor 64-byte aligned
 
 

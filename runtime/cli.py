@@ -112,11 +112,24 @@ def describe(bundle, file_size: int) -> str:
     out.append(
         f"ops:      {len(g['nodes'])} ({', '.join(f'{k} {v}' for k, v in ops.most_common())})"
     )
-    params = sum(int(np.prod(w.shape)) for w in bundle.weights.values())
+    from ..kernels.wtypes import WTYPES
+
+    def count(name: str, w: np.ndarray) -> int:  # packed int4 bytes hold two weights each
+        row = WTYPES.get(m["weights"][name]["dtype"])
+        return int(np.prod(w.shape)) * (row.per_element if row else 1)
+
+    params = sum(count(k, w) for k, w in bundle.weights.items())
+    wtypes_used = Counter(
+        m["weights"][n["inputs"][1]]["dtype"]
+        for n in g["nodes"]
+        if n["op"] in ("conv", "dwconv", "linear") and n["inputs"][1] in m["weights"]
+    )
     wbytes = sum(w.nbytes for w in bundle.weights.values())
     backends = Counter(n["kernel"]["backend"] for n in g["nodes"])
     out.append(f"kernels:  {', '.join(f'{k} {v}' for k, v in backends.items())}")
     out.append(f"params:   {params:,} in {len(bundle.weights)} tensors ({_fmt_bytes(wbytes)})")
+    if wtypes_used:
+        out.append(f"weights:  {', '.join(f'{k} {v}' for k, v in sorted(wtypes_used.items()))}")
     out.append(f"bundle:   {_fmt_bytes(file_size)} (format v{m['format_version']})")
     out.append(f"arena:    {_fmt_bytes(m['plan']['arena_bytes'])} planned at pack time")
     q = m.get("quantization", {})

@@ -63,6 +63,7 @@ class Executor:
             self.views[name] = (
                 self.arena[off : off + n].view(DTYPES[t["dtype"]]).reshape(t["shape"])
             )
+        wspecs = manifest.get("weights", {})
         self.bound: list[tuple[dict, object]] = []  # (node, step or None) in graph order
         for node in g["nodes"]:
             ins = [self._resolve(n, weights) for n in node["inputs"]]
@@ -72,7 +73,10 @@ class Executor:
             bname = node_backend(node, device, backend)
             kern = lookup(node["op"], node_dtype(node["op"], wdt), bname)
             off, planned = plan["scratch"].get(node["name"], (0, 0))
-            specs = [None if a is None else (tuple(a.shape), _short(a.dtype)) for a in ins]
+            specs = [
+                None if a is None else (tuple(a.shape), wspecs.get(n, {}).get("dtype", "f32"))
+                for n, a in zip(node["inputs"], ins)
+            ]
             need = kern.scratch(specs, [o.shape for o in outs], node["attrs"])
             if need > planned:
                 raise RuntimeError(
@@ -158,10 +162,3 @@ class Executor:
             for o in node["outputs"]:
                 trace[o] = dev.to_host(self.views[o])
         return trace
-
-
-def _short(dt: np.dtype) -> str:
-    for k, v in DTYPES.items():
-        if v == dt:
-            return k
-    return str(dt)

@@ -62,6 +62,7 @@ worker (pass as many as there are threads), whose size sets the column blocks.
 
 ``wino_conv_<lanes>x<nv>`` runs a whole Winograd 3x3 conv on the same micro-kernel,
 vectorised along channels (its docstring; the scratch is planned by backend_cpu).
+``gemv_q4_<lanes>x<nv>`` is the int4 matrix-vector product (wtypes.py's layout).
 Tile shapes (lanes x vectors): {", ".join(f"{lanes}x{nv}" for lanes, nv in CONFIGS)}.
 """
 
@@ -71,18 +72,20 @@ from numba import njit, prange
 from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
 from .cpu_numba import (
     act_row,
+    act_scalar,
+    half_to_f32,
     nhwc_fill_row,
     nhwc_out_row,
     nhwc_row,
     nhwc_row_out,
     valid_cols,
 )
-from .simd import Ops, prefetch
+from .simd import Ops, half_bits_to_f32, prefetch
 
 MR = {MR}
 KC = {KC}
 MB = {MB}
-WKC = 128
+WKC = {WKC}
 MC = {MC}
 KD = {KD}
 # rtab of a GEMM whose rows are evenly strided (tile docstring)
@@ -810,6 +813,99 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
 '''
 
 
+# Output rows of the int4 GEMV sharing each load of x (linear_q's choice for int8).
+Q4_ROWS = 4
+
+
+def gemv_q4_source(lanes: int, nv: int) -> str:
+    """y[M, N] = act(x[M, K] @ dequant(w).T + bias) for int4 weights, in vectors."""
+    s = f"_{lanes}x{nv}"
+    steps = 16 // lanes  # vectors per half of a 32-weight run (a run is 16 bytes)
+    # AVX-512, AVX2 and NEON convert halves in hardware; SSE-only x86 takes the table
+    h2f = "half_to_f32" if (lanes, nv) == (4, 2) else "half_bits_to_f32"
+
+    def rows_fn(r: int) -> str:
+        body = []
+        for t in range(steps):
+            o = t * lanes
+            for v, at in (("xl", o), ("xh", 16 + o)):
+                body.append(f"            {v} = vload{s}(x, xk + {at}) if full else "
+                            f"vload_n{s}(x, xk + {at}, nl - {at})")
+            body.append(f"            xs = vadd{s}(xs, vadd{s}(xl, xh))")
+            for i in range(r):
+                wo = f"wo + {i * 1} * half + b0 + {o}" if i else f"wo + b0 + {o}"
+                body.append(f"            a{i} = vfma{s}(vnib_lo{s}(w, {wo}), xl, a{i})")
+                body.append(f"            a{i} = vfma{s}(vnib_hi{s}(w, {wo}), xh, a{i})")
+        inner = "\n".join(body)
+        zeros = "\n".join(f"    t{i} = vzero{s}()" for i in range(r))
+        accz = "\n".join(f"        a{i} = vzero{s}()" for i in range(r))
+        fold = "\n".join(
+            f"        t{i} = vfma{s}(vsplat{s}({h2f}(scale[n0 + {i}, g])), "
+            f"vsub{s}(a{i}, xs8), t{i})"
+            for i in range(r)
+        )
+        out = ", ".join(f"vsum{s}(t{i})" for i in range(r))
+        return f'''
+
+@njit(inline="always")
+def _q4rows{r}{s}(x, xo, w, scale, n0, k_, group):
+    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+{r - 1}.
+    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
+    one subtraction a group instead of one a weight."""
+    half = w.shape[1]
+    wo = n0 * half
+    runs = (k_ + 31) // 32
+    per = group // 32
+{zeros}
+    for g in range(scale.shape[1]):
+{accz}
+        xs = vzero{s}()
+        for run in range(g * per, min(runs, (g + 1) * per)):
+            k0 = run * 32
+            b0 = run * 16
+            xk = xo + k0
+            nl = k_ - k0
+            full = nl >= 32
+{inner}
+        xs8 = vmul{s}(xs, vsplat{s}(8.0))
+{fold}
+    return {out}
+'''
+
+    return (
+        rows_fn(Q4_ROWS)
+        + rows_fn(1)
+        + f'''
+
+@njit(parallel=True, cache=True)
+def gemv_q4{s}(x, w, scale, bias, y, flags, act, a, b):
+    """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
+    [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
+    {Q4_ROWS} rows share each load of x, so at M = 1 the weights stream once; each row's
+    sum runs in vector lanes and is reduced once, at the end (so other lane counts
+    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    m_, k_ = x.shape
+    n_ = w.shape[0]
+    group = w.shape[1] * 2 // scale.shape[1]
+    nb = (n_ + {Q4_ROWS - 1}) // {Q4_ROWS}
+    for blk in prange(nb):
+        n0 = blk * {Q4_ROWS}
+        for m in range(m_):
+            xo = m * k_
+            if n0 + {Q4_ROWS} <= n_:
+                d = _q4rows{Q4_ROWS}{s}(x, xo, w, scale, n0, k_, group)
+                for i in range({Q4_ROWS}):
+                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
+                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            else:
+                for n in range(n0, n_):
+                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
+                    d1 = _q4rows1{s}(x, xo, w, scale, n, k_, group)
+                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+'''
+    )
+
+
 def source() -> str:
     parts = [HEADER]
     for lanes, nv in CONFIGS:
@@ -830,6 +926,9 @@ def source() -> str:
             "vload_n",
             "vstore_n",
             "vloadw_n",
+            "vnib_lo",
+            "vnib_hi",
+            "vsum",
             "sload",
             "sstore",
         ):
@@ -843,6 +942,7 @@ def source() -> str:
         parts.append(packed_source(lanes, nv))
         parts.append(wino_source(lanes, nv))
         parts.append(dw3_source(lanes, nv))
+        parts.append(gemv_q4_source(lanes, nv))
     return "\n".join(parts).rstrip() + "\n"
 
 

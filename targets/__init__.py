@@ -2,7 +2,8 @@
 
 The schema is documented in docs/targets.md. This module is imported by the packager
 and may be imported by the device runtime, so it uses only the standard library
-(plus ``tomli`` on Python 3.10, where ``tomllib`` does not exist yet).
+(plus ``tomli`` on Python 3.10, where ``tomllib`` does not exist yet) and the weight-type
+table (kernels/wtypes.py, numpy only) for the quantization modes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+from ..kernels.wtypes import QUANT_MODES
 
 __all__ = [
     "ARCHES",
@@ -36,7 +39,7 @@ ARCHES = ("x86_64", "aarch64")
 # The packager falls back along a target's list when a backend lacks a kernel; a node
 # planned for "cuda" also records its host fallback (docs/cuda.md).
 BACKENDS = ("cuda", "cpu", "ref")
-QUANTS = ("fp32", "fp16", "int8")
+QUANTS = QUANT_MODES  # the weight-type table's --quant modes (kernels/wtypes.py)
 
 # Feature names a target may list, per arch, and their LLVM spelling. A closed list so
 # that a typo fails here instead of LLVM printing "not a recognized feature (ignoring

@@ -21,17 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from edgepack.kernels import layout, registry
+from edgepack.kernels import layout, registry, wtypes
 from edgepack.kernels import reference as R
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import _pool_out
-from edgepack.packager.quantize import quantize_int8
 
 registry._load_backends()
 
 F32 = np.float32
-SHORT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int8): "i8"}
+# The int4 group size the kernel cases store their weights with (runs of 32 weights
+# whose last one is partial are in the cases' K = 9 .. 512).
+CASE_GROUP = 32
 GUARD = 64  # elements (outputs) / bytes (scratch) of sentinel on each side of a buffer
 OUT_SENTINEL = F32(-12345.0)
 SCRATCH_SENTINEL = 0xFF  # 0xFFFFFFFF read as float32 is a NaN
@@ -93,12 +94,32 @@ def _randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndar
 
 
 def _store_weight(w: np.ndarray, dt: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(stored weight, int8 scale or None) the way quantize_graph stores it."""
-    if dt == "i8":
-        return quantize_int8(w)
-    if dt == "f16":
-        return w.astype(np.float16), None
-    return w.astype(F32), None
+    """(stored weight, its scale input or None) the way quantize_graph stores it: the
+    weight-type table's quantize reference."""
+    return wtypes.QUANTIZE[dt](w, CASE_GROUP)
+
+
+def _wshape(w: np.ndarray, dt: str) -> dict:
+    """The node attribute of weights stored canonical (int4: their logical shape)."""
+    return {"wshape": list(w.shape)} if dt == "i4" else {}
+
+
+def _specs(op: str, dt: str, ins) -> list:
+    """(shape, type) of each input as the plan gives them: the node's weight type for
+    its weight, the type the dtype names for the rest."""
+    return [
+        None
+        if a is None
+        else (tuple(a.shape), dt if (i == 1 and op in registry.WEIGHT_OPS) else wtypes.of_array(a))
+        for i, a in enumerate(ins)
+    ]
+
+
+def _want(op: str, dt: str, ins, attrs) -> np.ndarray:
+    """The reference output (weights the op references do not read as stored decoded
+    first, as the ref backend does)."""
+    feed = R.node_weights(dt, ins, op, attrs) if op in registry.WEIGHT_OPS else ins
+    return np.ascontiguousarray(R.REFERENCE[op](feed, attrs)).astype(F32)
 
 
 # Weight values that stress decoders: half subnormals (smallest ~6e-8), the smallest
@@ -156,6 +177,7 @@ def conv_case(
             "group": g,
             "act": act,
             "act_args": list(ACT_ARGS[act]),
+            **_wshape(w, dt),
         }
         return [x, wq, b, scale, r], attrs
 
@@ -251,7 +273,7 @@ def linear_case(
         w = _randn(rng, n, k, scale=1.0 / np.sqrt(k))
         wq, scale = _store_weight(_with_specials(w) if special else w, dt)
         b = _randn(rng, n, scale=0.5) if bias else None
-        return [x, wq, b, scale], {"act": act, "act_args": list(ACT_ARGS[act])}
+        return [x, wq, b, scale], {"act": act, "act_args": list(ACT_ARGS[act]), **_wshape(w, dt)}
 
     return Case(name, make, const=(1, 2, 3))
 
@@ -370,11 +392,14 @@ def nhwc(op: str, base: Case) -> Case:
             if ins[i] is not None:
                 ins[i] = np.ascontiguousarray(ins[i].transpose(layout.TO_NHWC))
         extra = {}
-        if op in layout.WEIGHT_IN_HWIO:
+        canonical = layout.canonical_weights(attrs)  # int4: stored as is in any layout
+        if op in layout.WEIGHT_IN_HWIO and not canonical:
             ins[1] = np.ascontiguousarray(ins[1].transpose(layout.HWIO_FROM_OIHW))
         if op == "conv":  # group 1: the packager stores these weights as panels
-            extra = {"panel": layout.PANEL, "out_channels": ins[1].shape[3]}
-            ins[1] = layout.to_panels(ins[1])
+            co = attrs["wshape"][0] if canonical else ins[1].shape[3]
+            extra = {"panel": layout.PANEL, "out_channels": co}
+            if not canonical:
+                ins[1] = layout.to_panels(ins[1])
         return ins, {**attrs, "layout": layout.NHWC, **extra}
 
     return Case(f"nhwc_{base.name}", make, const=base.const, onnx=base.onnx)
@@ -471,6 +496,7 @@ CASES: dict[str, list[Case]] = {
         linear_case("x3d_n6", (2, 3, 20), 6),
         linear_case("x3d_n9_relu", (2, 3, 20), 9, act="relu"),
         linear_case("m4_k512_n13", (4, 512), 13),
+        linear_case("m12_k70_n9", (12, 70), 9),  # more rows than int4's GEMV takes
         linear_case("nobias", (3, 16), 5, bias=False),
         linear_case("nobias_m1", (1, 16), 4, bias=False),
         linear_case("special_weights", (2, 16), 5, special=True),
@@ -769,7 +795,7 @@ def test_cuda_conv_wino_scratch_fits_a_cpu_plan():
     # reserves the cpu kernel's scratch; --device cuda binds the cuda kernel there.
     for case in CASES["conv_wino"]:
         ins, attrs = _build("conv_wino", "f32", case)
-        specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+        specs = _specs("conv_wino", "f32", ins)
         out = R.REFERENCE["conv_wino"](ins, attrs).shape
         need = {
             b: registry.KERNELS[("conv_wino", "f32", b)].scratch(specs, [out], attrs)
@@ -795,10 +821,11 @@ def test_cuda_channels_last_scratch_fits_a_cpu_plan(op: str):
     cases = [c for c in CASES[op] if c.name.startswith("nhwc_")]
     assert cases
     for case in cases:
-        for dt in ("f32", "i8") if op in registry.WEIGHT_OPS else ("f32",):
+        dts = [d for (o, d, b) in CPU_KEYS if o == op]
+        for dt in dts:
             ins, attrs = _build(op, dt, case)
-            specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
-            out = R.REFERENCE[op](ins, attrs).shape
+            specs = _specs(op, dt, ins)
+            out = _want(op, dt, ins, attrs).shape
             need = {
                 b: registry.KERNELS[(op, dt, b)].scratch(specs, [out], attrs)
                 for b in ("cpu", "cuda")
@@ -863,9 +890,9 @@ def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2
     kernel = registry.KERNELS[(op, dt, backend)]
     ins, attrs = _build(op, dt, case)
     assert kernel.accepts(attrs), f"{kernel.name} refuses the case's attrs {attrs}"
-    want = np.ascontiguousarray(R.REFERENCE[op](ins, attrs)).astype(F32)
+    want = _want(op, dt, ins, attrs)
     originals = [None if a is None else a.copy() for a in ins]
-    specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+    specs = _specs(op, dt, ins)
     ins = [None if a is None else mem.put(a, i in case.const) for i, a in enumerate(ins)]
 
     buf, out = _guarded(mem, want.shape)
@@ -954,17 +981,22 @@ def test_cuda_kernel(op: str, dt: str, case: Case) -> None:
 
 
 def _all_stored_values(dt: str) -> np.ndarray:
-    """Every finite float16 (63488 = 64 * 992 values), or every int8 (256 = 64 * 4)."""
+    """Every finite float16 (63488 = 64 * 992 values), every finite bfloat16 as its bits
+    (65280 = 64 * 1020), or every int8 (256 = 64 * 4)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     if dt == "f16":
-        h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+        h = bits.view(np.float16)
         return h[np.isfinite(h)]
+    if dt == "bf16":
+        return bits[np.isfinite(wtypes.bf16_to_f32(bits))]
+    assert dt == "i8", dt
     return np.arange(-128, 128).astype(np.int8)
 
 
 _DECODE = [
     pytest.param(b, op, dt, marks=getattr(pytest.mark, b), id=f"{b}-{op}-{dt}")
     for (op, dt, b) in CPU_KEYS + CUDA_KEYS
-    if op in registry.WEIGHT_OPS and dt != "f32"
+    if op in registry.WEIGHT_OPS and dt != "f32" and wtypes.get(dt).per_element == 1
 ]
 
 
@@ -982,21 +1014,25 @@ def test_weight_decode_is_exact(backend: str, op: str, dt: str) -> None:
     n = vals.size // k
     none = {"act": "none", "act_args": [0.0, 0.0]}
     conv_attrs = {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1}
+    as_f32 = wtypes.DEQUANTIZE[dt]
     if op == "linear":  # y[m, n] = w[n, m]
         w, x, attrs = vals.reshape(n, k), np.eye(k, dtype=F32), none
-        want = w.astype(F32).T
+        want = as_f32(w, None).T
     elif op == "conv":  # 1x1 conv over an 8x8 image whose pixel p is one-hot in channel p
         w, x = vals.reshape(n, k, 1, 1), np.eye(k, dtype=F32).reshape(1, k, 8, 8)
         attrs = conv_attrs | none
-        want = w.astype(F32).reshape(1, n, 8, 8)
+        want = as_f32(w, None).reshape(1, n, 8, 8)
     else:  # depthwise 1x1 over ones: y[c] = w[c]
         w, x = vals.reshape(-1, 1, 1, 1), np.ones((1, vals.size, 1, 1), F32)
         attrs = conv_attrs | none | {"group": vals.size}
-        want = w.astype(F32).reshape(x.shape)
+        want = as_f32(w, None).reshape(x.shape)
     w.setflags(write=False)
     scale = np.ones(w.shape[0], F32) if dt == "i8" else None
-    ins = [x, w, None, scale]
-    specs = [None if a is None else (tuple(a.shape), SHORT[a.dtype]) for a in ins]
+    _run_exact(kernel, mem, op, dt, [x, w, None, scale], attrs, want)
+
+
+def _run_exact(kernel, mem, op: str, dt: str, ins: list, attrs: dict, want: np.ndarray) -> None:
+    specs = _specs(op, dt, ins)
     ins = [None if a is None else mem.put(a, i > 0) for i, a in enumerate(ins)]
     scratch = mem.full(kernel.scratch(specs, [want.shape], attrs), SCRATCH_SENTINEL, np.uint8)
     out = mem.full(want.size, np.nan, F32).reshape(want.shape)
@@ -1007,6 +1043,52 @@ def test_weight_decode_is_exact(backend: str, op: str, dt: str) -> None:
         f"{kernel.name}: {bad.size} decoded weights differ, e.g. stored "
         f"{want.reshape(-1)[bad[:5]]} came out {out.reshape(-1)[bad[:5]]}"
     )
+
+
+def _int4_every_value(step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packed, fp16 scales, their float32 weights): one 32-weight group per row, row r
+    scaled by the r-th of every ``step``-th finite half (subnormals, 65504, signed
+    zeros) and holding every code -8..7 twice, rotated by r."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    scales = h[np.isfinite(h)][::step].reshape(-1, 1)
+    n = scales.shape[0]
+    codes = (np.arange(32)[None, :] + np.arange(n)[:, None]) % 16 - 8
+    q = (codes + 8).reshape(n, 1, 2, 16)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8).reshape(n, 16)
+    want = codes.astype(F32) * scales.astype(F32)
+    assert np.array_equal(wtypes.DEQUANTIZE["i4"](packed, scales), want)  # the layout
+    return packed, scales, want
+
+
+_DECODE_I4 = [
+    pytest.param(b, op, marks=getattr(pytest.mark, b), id=f"{b}-{op}")
+    for (op, dt, b) in CPU_KEYS + CUDA_KEYS
+    if dt == "i4"
+]
+
+
+@pytest.mark.parametrize(("backend", "op"), _DECODE_I4)
+def test_int4_decode_is_exact(backend: str, op: str) -> None:
+    """int4 codes times every kind of fp16 scale come out exactly (one-hot inputs pick
+    single weights), through the fused GEMV (linear, a few rows) and the decoders."""
+    kernel = registry.KERNELS[(op, "i4", backend)]
+    mem = HostMem() if backend == "cpu" else DevMem()
+    packed, scales, want = _int4_every_value(1 if backend == "cpu" else 31)
+    packed.setflags(write=False)
+    n = packed.shape[0]
+    none = {"act": "none", "act_args": [0.0, 0.0], "wshape": [n, 32]}
+    if op == "linear":  # y[m, r] = w[r, j0 + m], 8 rows at a time
+        for j0 in range(0, 32, 8):
+            x = np.eye(32, dtype=F32)[j0 : j0 + 8]
+            _run_exact(
+                kernel, mem, op, "i4", [x, packed, None, scales], none, want[:, j0 : j0 + 8].T
+            )
+        return
+    # a 1x1 conv over a 32-channel image whose pixel p is one-hot in channel p
+    attrs = none | {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1}
+    attrs["wshape"] = [n, 32, 1, 1]
+    x = np.eye(32, dtype=F32).reshape(1, 32, 4, 8)
+    _run_exact(kernel, mem, op, "i4", [x, packed, None, scales], attrs, want.reshape(1, n, 4, 8))
 
 
 @pytest.mark.cpu

@@ -219,7 +219,7 @@ BAD = {
     ),
     "empty backends": (_set("backends", []), r"'backends' is empty"),
     "duplicate backend": (_set("backends", ["cpu", "cpu", "ref"]), r"lists cpu more than once"),
-    "bad quant": (_set("default_quant", "int4"), r"'default_quant' is 'int4'; expected one of"),
+    "bad quant": (_set("default_quant", "int3"), r"'default_quant' is 'int3'; expected one of"),
     "unknown feature": (
         _set("cpu_features", ["neon", "dotprd"]),
         r"unknown aarch64 feature 'dotprd'",
