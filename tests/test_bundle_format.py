@@ -166,7 +166,9 @@ def _rebundle(manifest: dict, section: bytes) -> bytes:
     return h.pack() + mbytes + b"\0" * (woff - HEADER_SIZE - len(mbytes)) + section
 
 
-@pytest.mark.parametrize("case", ["overlap", "dtype", "missing", "arena", "shape", "notjson"])
+@pytest.mark.parametrize(
+    "case", ["overlap", "dtype", "missing", "arena", "shape", "notjson", "wtype", "packed"]
+)
 def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
     manifest, weights = tiny_manifest()
     section = weights_section(weights, 0)
@@ -184,6 +186,11 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
         manifest["plan"]["tensors"]["y"] = 120
     elif case == "shape":
         manifest["weights"]["c"]["shape"] = [5]
+    elif case == "wtype":  # not a row of the weight-type table
+        manifest["weights"]["q"]["dtype"] = "i3"
+    elif case == "packed":  # int4 weights must hold whole runs of 32
+        manifest["weights"]["q"]["dtype"] = "i4"
+        head["q"]["dtype"] = "U8"
     if case != "notjson":
         hb = json.dumps(head).encode()
         hb += b" " * (-(8 + len(hb)) % ALIGN)

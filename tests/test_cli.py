@@ -152,3 +152,22 @@ def test_missing_files_give_clear_errors(tmp_path, digits_bundle):
     assert r.returncode == 1 and "no such file" in r.stderr
     r = ep("build", tmp_path / "nope.onnx", "-o", tmp_path / "o.epk", ok=False)
     assert r.returncode == 1 and "nope.onnx" in r.stderr
+
+
+def test_int4_build_records_group_size_and_its_weights(tmp_path, digits_onnx, digit_image):
+    out = tmp_path / "q4.epk"
+    r = ep("build", digits_onnx, "-o", out, "--quant", "int4", "--group-size", "64",
+           "--quant-min-weights", "0")
+    assert "end-to-end logits" in r.stdout
+    m = load(out).manifest
+    assert m["quantization"]["mode"] == "int4" and m["quantization"]["group_size"] == 64
+    nodes = {n["name"]: n for n in m["graph"]["nodes"]}
+    fc = nodes["fc10"]  # linear 32 -> 64: K = 32 padded to one group of 64
+    assert fc["kernel"]["dtype"] == "i4" and fc["attrs"]["wshape"] == [64, 32]
+    w, s = (m["weights"][fc["inputs"][i]] for i in (1, 3))
+    assert (w["dtype"], w["shape"], s["dtype"], s["shape"]) == ("i4", [64, 32], "f16", [64, 1])
+    assert "weights:  i4 " in ep("info", out).stdout
+    np.save(tmp_path / "x.npy", digit_image[0])
+    assert "prediction" in ep("run", out, "--input", tmp_path / "x.npy").stdout
+    r = ep("build", digits_onnx, "-o", tmp_path / "x.epk", "--quant", "int3", ok=False)
+    assert r.returncode == 2 and "int4" in r.stderr  # the choices come from the table

@@ -3,7 +3,11 @@
 Thresholds are the acceptance points of the core issue: digits fp32 within 1e-4 and
 int8 accuracy within 1 point; ResNet-18 / MobileNetV2 fp32 within 1e-3 relative and
 int8 cosine >= 0.99; the real rapidocr classifier fp32 equal and int8 top-1 agreement
->= 95 % on 200 seeded inputs.
+>= 95 % on 200 seeded inputs. int4 and bf16 (the weight-type table's new rows) take the
+same paths with thresholds a little under what was measured when they landed (int4:
+digits accuracy unchanged; random-weight ResNet-18 cosine 0.989, MobileNetV2 0.984 with
+its input-dependent part 0.85; the classifier's top-1 agreement 171/200 at group 32,
+its 1x1 convs reduce over 8-96 channels).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def test_digits_fp32_matches_ort(tmp_path, digits_onnx, digits_split):
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
 
 
-def test_digits_int8_accuracy_within_one_point(tmp_path, digits_onnx, digits_split):
+@pytest.mark.parametrize("quant", ["int8", "int4", "bf16"])
+def test_digits_quantized_accuracy_within_one_point(tmp_path, digits_onnx, digits_split, quant):
     x_train, x_test, _, y_test = digits_split
     shape = {"image": x_test.shape}
     np.savez(tmp_path / "calib.npz", image=x_train[:64])
@@ -50,7 +55,7 @@ def test_digits_int8_accuracy_within_one_point(tmp_path, digits_onnx, digits_spl
             digits_onnx,
             tmp_path / "q.epk",
             input_shapes=shape,
-            quant="int8",
+            quant=quant,
             calib=tmp_path / "calib.npz",
         )
     )
@@ -70,8 +75,13 @@ def test_cnn_fp32_matches_ort(tmp_path, model_dir, name):
     assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
+# (cosine, cosine of the input-dependent part) each mode must reach
+CNN_COSINE = {"int8": (0.99, 0.95), "fp16": (0.9999, 0.999), "bf16": (0.9995, 0.995),
+              "int4": (0.97, 0.8)}
+
+
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
-@pytest.mark.parametrize("quant", ["int8", "fp16"])
+@pytest.mark.parametrize("quant", list(CNN_COSINE))
 def test_cnn_quantized_close_to_ort(tmp_path, model_dir, name, quant):
     onnx_path = model_dir / f"{name}.onnx"
     x = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
@@ -79,9 +89,10 @@ def test_cnn_quantized_close_to_ort(tmp_path, model_dir, name, quant):
     (ref,) = ort_run(onnx_path, {"input": x})
     # The random-weight logits share a large input-independent part; compare the
     # input-dependent part too so the check cannot pass on that alone.
-    assert _cos(got, ref) >= (0.99 if quant == "int8" else 0.9999)
+    whole, varying = CNN_COSINE[quant]
+    assert _cos(got, ref) >= whole
     (ref_b,) = ort_run(onnx_path, {"input": np.zeros_like(x)})
-    assert _cos(got - ref_b, ref - ref_b) >= (0.95 if quant == "int8" else 0.999)
+    assert _cos(got - ref_b, ref - ref_b) >= varying
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +134,19 @@ def test_rapidocr_classifier_fp32_and_int8(tmp_path, rapidocr_cls):
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
         agree += int(q.run(feed)[out].argmax() == y.argmax())
     assert agree >= 190, f"int8 top-1 agrees with fp32 on {agree}/200"
+
+
+@pytest.mark.parametrize(("quant", "least"), [("int4", 160), ("bf16", 198)])
+def test_rapidocr_classifier_int4_and_bf16(tmp_path, rapidocr_cls, quant, least):
+    shape = {"x": (1, 3, 48, 192)}
+    fp = load(pack(rapidocr_cls, tmp_path / "f.epk", input_shapes=shape))
+    q = load(pack(rapidocr_cls, tmp_path / "q.epk", input_shapes=shape, quant=quant))
+    wanted = {"int4": "i4", "bf16": "bf16"}[quant]
+    assert wanted in {n["kernel"]["dtype"] for n in q.manifest["graph"]["nodes"]}
+    out = fp.outputs[0]["name"]
+    xs = _text_lines(200, seed=0)
+    agree = sum(
+        int(q.run({"x": xs[i : i + 1]})[out].argmax() == fp.run({"x": xs[i : i + 1]})[out].argmax())
+        for i in range(len(xs))
+    )
+    assert agree >= least, f"{quant} top-1 agrees with fp32 on {agree}/200"
