@@ -101,6 +101,12 @@ def weight_offsets(op: str, wshape: Sequence[int], attrs: dict) -> tuple[np.ndar
     return rows, tap * n
 
 
+def window(w_shape: Sequence[int], attrs: dict) -> tuple[int, int]:
+    """(kh, kw) of a channels-last conv's weights from their stored shape alone (HWIO
+    or panels): no need to unpack panels to look at them."""
+    return tuple(w_shape[1:3]) if attrs.get("panel") else tuple(w_shape[:2])
+
+
 def hwio_shape(panels_shape: Sequence[int], co: int) -> tuple[int, ...]:
     _, kh, kw, c, _ = panels_shape
     return (kh, kw, c, co)

@@ -44,7 +44,7 @@ def _pointwise(node: Node, g: Graph) -> bool:
     w = g.consts.get(node.inputs[1])
     return (
         w is not None
-        and L.hwio_weights(w, node.attrs).shape[:2] == (1, 1)
+        and L.window(w.shape, node.attrs) == (1, 1)
         and list(node.attrs["strides"]) == [1, 1]
         and not any(node.attrs["pads"])
     )

@@ -37,8 +37,8 @@ GUARD = 64  # elements (outputs) / bytes (scratch) of sentinel on each side of a
 OUT_SENTINEL = F32(-12345.0)
 SCRATCH_SENTINEL = 0xFF  # 0xFFFFFFFF read as float32 is a NaN
 
-# op -> (rtol, atol). Products accumulate in float32 (BLAS, fastmath numba) against a
-# float64 reference; data movement must be bit-exact.
+# op -> (rtol, atol). Products accumulate in float32 (BLAS, numba fma chains and vector
+# lanes) against a float64 reference; data movement must be bit-exact.
 TOL: dict[str, tuple[float, float]] = {
     "conv": (1e-4, 1e-4),
     "dwconv": (1e-4, 1e-4),
