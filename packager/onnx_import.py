@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..kernels.ops import OpError, output_shape
 from ..kernels.reference import REFERENCE
 from .ir import Graph, Node, PackError
 
@@ -61,11 +62,17 @@ class _Ctx:
         self.g.consts[name] = value if value.flags.c_contiguous else value.copy(order="C")
         return name
 
-    def emit(
-        self, op: str, inputs: list[str], out: str, shape: tuple[int, ...], attrs: dict
-    ) -> str:
-        """Add an IR node, or fold it when every input is a constant."""
-        shape = tuple(int(d) for d in shape)
+    def emit(self, op: str, inputs: list[str], out: str, attrs: dict) -> str:
+        """Add an IR node, or fold it when every input is a constant. Its output shape
+        is the op table's (kernels/ops.py) shape function's."""
+        in_shapes = [
+            None if not i else (self.g.consts[i].shape if i in self.g.consts else self.shape(i))
+            for i in inputs
+        ]
+        try:
+            shape = output_shape(op, in_shapes, attrs)
+        except OpError as e:
+            raise self.fail(str(e)) from None
         if all((not i) or i in self.g.consts for i in inputs):
             args = [self.g.consts[i].astype(np.float32) if i else None for i in inputs]
             val = np.asarray(REFERENCE[op](args, attrs), np.float32).reshape(shape)
@@ -88,13 +95,6 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 def _decode(v):
     return v.decode() if isinstance(v, bytes) else v
-
-
-def _bcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    try:
-        return tuple(np.broadcast_shapes(*shapes))
-    except ValueError as e:
-        raise PackError(f"shapes {shapes} do not broadcast: {e}") from None
 
 
 def _spatial_pads(ctx: _Ctx, a: dict, in_hw, k, s, d) -> list[int]:
@@ -137,7 +137,7 @@ def _act_node(act: str, args=(0.0, 0.0)):
             )
         else:
             args_ = args
-        ctx.emit("unary", [x], outs[0], ctx.shape(x), {"act": act, "act_args": list(args_)})
+        ctx.emit("unary", [x], outs[0], {"act": act, "act_args": list(args_)})
 
     return handler
 
@@ -155,8 +155,6 @@ def _conv(ctx: _Ctx, ins, outs, a):
     s = list(a.get("strides", [1, 1]))
     d = list(a.get("dilations", [1, 1]))
     pads = _spatial_pads(ctx, a, xs[2:], (kh, kw), s, d)
-    oh = (xs[2] + pads[0] + pads[2] - d[0] * (kh - 1) - 1) // s[0] + 1
-    ow = (xs[3] + pads[1] + pads[3] - d[1] * (kw - 1) - 1) // s[1] + 1
     b = ins[2] if len(ins) > 2 and ins[2] else ""
     if b:
         ctx.add_const(b, ctx.const(b, "bias").astype(np.float32).reshape(co))
@@ -170,11 +168,10 @@ def _conv(ctx: _Ctx, ins, outs, a):
         "act": "none",
         "act_args": [0.0, 0.0],
     }
-    ctx.emit(op, [x, wname, b], outs[0], (xs[0], co, oh, ow), attrs)
+    ctx.emit(op, [x, wname, b], outs[0], attrs)
 
 
 def _linear(ctx: _Ctx, x: str, w_nk: np.ndarray, bias: np.ndarray | None, out: str, base: str):
-    xs = ctx.shape(x)
     wn = ctx.add_const(ctx.fresh(base + ".weight"), w_nk.astype(np.float32))
     bn = (
         ctx.add_const(ctx.fresh(base + ".bias"), bias.astype(np.float32))
@@ -185,7 +182,6 @@ def _linear(ctx: _Ctx, x: str, w_nk: np.ndarray, bias: np.ndarray | None, out: s
         "linear",
         [x, wn, bn],
         out,
-        xs[:-1] + (w_nk.shape[0],),
         {"act": "none", "act_args": [0.0, 0.0]},
     )
 
@@ -195,14 +191,12 @@ def _gemm(ctx: _Ctx, ins, outs, a):
     alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
     ta, tb = int(a.get("transA", 0)), int(a.get("transB", 0))
     if ta:
-        sa = ctx.shape(A)
-        A = ctx.emit("transpose", [A], ctx.fresh(A + ".T"), (sa[1], sa[0]), {"perm": [1, 0]})
+        A = ctx.emit("transpose", [A], ctx.fresh(A + ".T"), {"perm": [1, 0]})
     if B not in ctx.g.consts:
         raise ctx.fail("B must be a constant (a weight) for Gemm")
     w = ctx.const(B).astype(np.float32)
     w = (w if tb else w.T) * np.float32(alpha)  # -> [N, K]
     n = w.shape[0]
-    m = ctx.shape(A)[0]
     c = ctx.opt_const(ins, 2)
     bias = None
     if c is not None:
@@ -219,7 +213,6 @@ def _gemm(ctx: _Ctx, ins, outs, a):
             "binary",
             [tmp, cn],
             outs[0],
-            _bcast((m, n), c.shape),
             {"kind": "add", "act": "none", "act_args": [0.0, 0.0]},
         )
 
@@ -232,12 +225,9 @@ def _matmul(ctx: _Ctx, ins, outs, a):
         return
     if len(sa) < 2 or len(sb) < 2:
         raise ctx.fail("1-D MatMul operands are supported only as a constant right-hand side")
-    batch = _bcast(sa[:-2], sb[:-2])
     if sa[-1] != sb[-2]:
         raise ctx.fail(f"inner dimensions differ: {sa} @ {sb}")
-    ctx.emit(
-        "matmul", [A, B], outs[0], batch + (sa[-2], sb[-1]), {"act": "none", "act_args": [0.0, 0.0]}
-    )
+    ctx.emit("matmul", [A, B], outs[0], {"act": "none", "act_args": [0.0, 0.0]})
 
 
 def _binary(kind: str):
@@ -253,7 +243,6 @@ def _binary(kind: str):
             "binary",
             [x, y],
             outs[0],
-            _bcast(ctx.shape(x), ctx.shape(y)),
             {"kind": kind, "act": "none", "act_args": [0.0, 0.0]},
         )
 
@@ -294,14 +283,13 @@ def _pool(kind: str):
             attrs["dilations"] = d
         else:
             attrs["count_include_pad"] = int(a.get("count_include_pad", 0))
-        ctx.emit(kind + "pool", [x], outs[0], (xs[0], xs[1], oh, ow), attrs)
+        ctx.emit(kind + "pool", [x], outs[0], attrs)
 
     return handler
 
 
 def _global_avg(ctx: _Ctx, ins, outs, a):
-    xs = ctx.shape(ins[0])
-    ctx.emit("global_avgpool", [ins[0]], outs[0], xs[:2] + (1,) * (len(xs) - 2), {})
+    ctx.emit("global_avgpool", [ins[0]], outs[0], {})
 
 
 def _batchnorm(ctx: _Ctx, ins, outs, a):
@@ -320,13 +308,12 @@ def _batchnorm(ctx: _Ctx, ins, outs, a):
         "channel_affine",
         [x, sn, tn],
         outs[0],
-        ctx.shape(x),
         {"act": "none", "act_args": [0.0, 0.0]},
     )
 
 
 def _reshape_to(ctx: _Ctx, x: str, out: str, shape) -> None:
-    ctx.emit("reshape", [x], out, tuple(shape), {"shape": [int(d) for d in shape]})
+    ctx.emit("reshape", [x], out, {"shape": [int(d) for d in shape]})
 
 
 def _reshape(ctx: _Ctx, ins, outs, a):
@@ -389,7 +376,7 @@ def _identity(ctx: _Ctx, ins, outs, a):
 def _transpose(ctx: _Ctx, ins, outs, a):
     xs = ctx.shape(ins[0])
     perm = [int(p) for p in a.get("perm", list(range(len(xs)))[::-1])]
-    ctx.emit("transpose", [ins[0]], outs[0], tuple(xs[p] for p in perm), {"perm": perm})
+    ctx.emit("transpose", [ins[0]], outs[0], {"perm": perm})
 
 
 def _concat(ctx: _Ctx, ins, outs, a):
@@ -397,12 +384,12 @@ def _concat(ctx: _Ctx, ins, outs, a):
     ax = int(a["axis"]) % len(shapes[0])
     out = list(shapes[0])
     out[ax] = sum(s[ax] for s in shapes)
-    ctx.emit("concat", [i for i in ins if i], outs[0], tuple(out), {"axis": ax})
+    ctx.emit("concat", [i for i in ins if i], outs[0], {"axis": ax})
 
 
 def _softmax(ctx: _Ctx, ins, outs, a):
     xs = ctx.shape(ins[0])
-    ctx.emit("softmax", [ins[0]], outs[0], xs, {"axis": int(a.get("axis", -1)) % len(xs)})
+    ctx.emit("softmax", [ins[0]], outs[0], {"axis": int(a.get("axis", -1)) % len(xs)})
 
 
 def _reduce_mean(ctx: _Ctx, ins, outs, a):
@@ -413,12 +400,7 @@ def _reduce_mean(ctx: _Ctx, ins, outs, a):
             return _identity(ctx, ins, outs, a)
         axes = list(range(len(xs)))
     kd = int(a.get("keepdims", 1))
-    shape = (
-        [1 if i in axes else d for i, d in enumerate(xs)]
-        if kd
-        else [d for i, d in enumerate(xs) if i not in axes]
-    )
-    ctx.emit("reduce_mean", [ins[0]], outs[0], tuple(shape), {"axes": axes, "keepdims": kd})
+    ctx.emit("reduce_mean", [ins[0]], outs[0], {"axes": axes, "keepdims": kd})
 
 
 def _pad(ctx: _Ctx, ins, outs, a):
@@ -438,12 +420,10 @@ def _pad(ctx: _Ctx, ins, outs, a):
         pads = full
     if min(pads) < 0:
         raise ctx.fail(f"negative pads {pads} are not supported")
-    shape = tuple(xs[i] + pads[i] + pads[i + r] for i in range(r))
     ctx.emit(
         "pad",
         [ins[0]],
         outs[0],
-        shape,
         {
             "pads": pads,
             "mode": mode,

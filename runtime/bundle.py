@@ -162,8 +162,7 @@ def _shape_ok(shape: object) -> bool:
 
 def _check_manifest(m: object, weights: dict, path: str) -> None:
     """Structural checks, so the executor never meets a dangling name or range."""
-    from ..kernels import wtypes
-    from ..kernels.reference import REFERENCE
+    from ..kernels import ops, wtypes
     from ..kernels.registry import BACKENDS, DTYPES
 
     if not isinstance(m, dict) or m.get("format") != "edgepack-bundle":
@@ -197,7 +196,7 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
             if io["name"] not in tensors:
                 raise _fail(path, f"graph input/output {io['name']!r} is not a tensor")
         for node in g["nodes"]:
-            if node["op"] not in REFERENCE:
+            if node["op"] not in ops.OPS:
                 raise _fail(
                     path,
                     f"node {node['name']!r}: unknown op {node['op']!r} "
@@ -220,6 +219,21 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
             for name in node["outputs"]:
                 if name not in tensors:
                     raise _fail(path, f"node {node['name']!r} writes unknown tensor {name!r}")
+            shapes = [
+                None if not t else tuple((tensors.get(t) or wspecs[t])["shape"])
+                for t in node["inputs"]
+            ]
+            try:
+                want = ops.output_shape(node["op"], shapes, node["attrs"])
+            except ops.OpError as e:
+                raise _fail(path, f"node {node['name']!r}: {e}") from None
+            got = tuple(tensors[node["outputs"][0]]["shape"])
+            if want != got:
+                raise _fail(
+                    path,
+                    f"node {node['name']!r} ({node['op']}) writes {list(got)}; its inputs "
+                    f"and attributes make {list(want)}",
+                )
         for name, spec in wspecs.items():
             w = weights.get(name)
             if w is None or name.startswith(PAD_PREFIX):

@@ -149,12 +149,13 @@ def _is_padding(data: bytearray, pos: int) -> bool:
     return HEADER_SIZE + msize <= pos < woff
 
 
-def _rebundle(manifest: dict, section: bytes) -> bytes:
-    """Assemble a bundle with valid checksums around arbitrary contents."""
-    mbytes = json.dumps(manifest).encode()
+def _rebundle(manifest: dict, section: bytes, mbytes: bytes | None = None) -> bytes:
+    """Assemble a bundle with valid checksums around arbitrary contents (``mbytes``: the
+    manifest's bytes as they are, JSON or not)."""
+    mbytes = json.dumps(manifest).encode() if mbytes is None else mbytes
     woff = -(-(HEADER_SIZE + len(mbytes)) // ALIGN) * ALIGN
     h = Header(
-        1,
+        FORMAT_VERSION,
         woff + len(section),
         HEADER_SIZE,
         len(mbytes),
@@ -167,7 +168,19 @@ def _rebundle(manifest: dict, section: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "case", ["overlap", "dtype", "missing", "arena", "shape", "notjson", "wtype", "packed"]
+    "case",
+    [
+        "overlap",
+        "dtype",
+        "missing",
+        "arena",
+        "shape",
+        "notjson",
+        "wtype",
+        "packed",
+        "outshape",
+        "role",
+    ],
 )
 def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
     manifest, weights = tiny_manifest()
@@ -176,8 +189,7 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
     head = json.loads(section[8 : 8 + n])
     data = section[8 + n :]
     if case == "overlap":
-        head["c"]["data_offsets"] = [0, 16]
-        head["q"]["data_offsets"] = [8, 11]
+        head["q"]["data_offsets"] = [0, 3]  # inside c's [0, 16)
     elif case == "dtype":
         head["c"]["dtype"] = "F64"
     elif case == "missing":
@@ -185,9 +197,14 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
     elif case == "arena":
         manifest["plan"]["tensors"]["y"] = 120
     elif case == "shape":
-        manifest["weights"]["c"]["shape"] = [5]
+        manifest["weights"]["q"]["shape"] = [4]
     elif case == "wtype":  # not a row of the weight-type table
         manifest["weights"]["q"]["dtype"] = "i3"
+    elif case == "outshape":  # the op table's shape function says [1, 4]
+        manifest["graph"]["tensors"]["y"]["shape"] = [1, 5]
+        manifest["graph"]["outputs"][0]["shape"] = [1, 5]
+    elif case == "role":  # binary's second operand is not optional
+        manifest["graph"]["nodes"][0]["inputs"] = ["x", ""]
     elif case == "packed":  # int4 weights must hold whole runs of 32
         manifest["weights"]["q"]["dtype"] = "i4"
         head["q"]["dtype"] = "U8"
@@ -197,23 +214,26 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
         section = struct.pack("<Q", len(hb)) + hb + data
     blob = _rebundle(manifest, section)
     if case == "notjson":
-        mb = b"{not json" + b" " * 10
-        h = Header(
-            1,
-            len(blob),
-            HEADER_SIZE,
-            len(mb),
-            0,
-            0,
-            hashlib.sha256(mb).digest(),
-            hashlib.sha256(b"").digest(),
-        )
-        blob = h.pack() + mb
+        blob = _rebundle(manifest, section, b"{not json" + b" " * 10)
     p = tmp_path / "bad.epk"
     p.write_bytes(blob)
     with pytest.raises(BundleError) as e:
         open_bundle(p)
     assert "not a valid edgepack bundle" in str(e.value)
+    # each case fails for its own reason (a header of another version would mask them all)
+    why = {
+        "overlap": "overlaps another or leaves a hole",
+        "dtype": "unsupported dtype 'F64'",
+        "missing": "weight 'nope' listed in the manifest is missing",
+        "arena": "planned outside the arena",
+        "shape": "manifest and weight header disagree",
+        "notjson": "manifest is not JSON",
+        "wtype": "unknown weight type 'i3'",
+        "packed": "int4 weights must be [N, K/2] with K a multiple of 32",
+        "outshape": "writes [1, 5]; its inputs and attributes make [1, 4]",
+        "role": "binary lacks its b input",
+    }
+    assert why[case] in str(e.value)
 
 
 def test_not_a_bundle(tmp_path):

@@ -1,0 +1,285 @@
+"""The op-definition table: one entry per IR op (docs/bundle-format.md, "IR op set").
+
+Each entry names the op's inputs by role (``x``, ``w``, ``bias``, ``scale``,
+``residual``...), which of them are optional and which are constants from the weight
+section, the attributes it requires, and its shape function: the output shape from
+the input shapes and attributes, in the layout the node runs in. Its reference is
+``kernels/reference.py``'s ``REFERENCE[op]`` (checked to exist for every entry).
+
+Who uses it: the importer (``packager/onnx_import.py`` emits a node and gets its output
+shape from here), the passes and the binds (inputs by role: ``args(op, ins).scale``,
+``role(op, "scale")`` for a slot), the bundle reader (every node's inputs and output
+shapes are checked against its entry before anything is mapped) and the kernel tests.
+
+Adding an op: an entry here, its reference in reference.py, its kernels registered per
+backend (each backend's module), cases in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Shape = tuple[int, ...]
+ShapeFn = Callable[[Sequence["Shape | None"], dict], Shape]
+
+NHWC = "nhwc"  # kernels/layout.py's value of attrs["layout"]
+
+
+class OpError(ValueError):
+    """A node does not fit its op's definition (inputs, attributes or shapes)."""
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    roles: tuple[str, ...]  # input roles in input order; ("*parts",) = any number
+    optional: frozenset[str]  # roles that may be absent ("")
+    consts: frozenset[str]  # roles that are weight-section constants
+    attrs: tuple[str, ...]  # attributes every node of the op carries
+    shape: ShapeFn
+    weight: str | None = None  # the role whose weight type keys the kernel registry
+
+    @property
+    def variadic(self) -> bool:
+        return self.roles[0].startswith("*")
+
+
+def _nhwc(attrs: dict) -> bool:
+    return attrs.get("layout") == NHWC
+
+
+def _window_out(hw: Sequence[int], k: Sequence[int], attrs: dict) -> tuple[int, int]:
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    pt, pl, pb, pr = attrs["pads"]
+    return (
+        (hw[0] + pt + pb - dh * (k[0] - 1) - 1) // sh + 1,
+        (hw[1] + pl + pr - dw * (k[1] - 1) - 1) // sw + 1,
+    )
+
+
+def _conv_weight(w: Shape, attrs: dict) -> tuple[int, tuple[int, int]]:
+    """(output channels, (kh, kw)) from a conv's stored weight shape and its layout:
+    OIHW, HWIO (channels-last), panels (``panel``) or canonical int4 (``wshape``)."""
+    if "wshape" in attrs:
+        co, _, kh, kw = attrs["wshape"]
+        return int(co), (int(kh), int(kw))
+    if not _nhwc(attrs):
+        return w[0], (w[2], w[3])
+    if attrs.get("panel"):
+        return int(attrs["out_channels"]), (w[1], w[2])
+    return w[3], (w[0], w[1])
+
+
+def _conv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, w = ins[0], ins[1]
+    co, k = _conv_weight(w, attrs)
+    if _nhwc(attrs):
+        return (x[0], *_window_out(x[1:3], k, attrs), co)
+    return (x[0], co, *_window_out(x[2:4], k, attrs))
+
+
+def _wino_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, u = ins[0], ins[1]  # U[a*a, Cin, Cout]: a 3x3 conv's weights, transformed
+    a = {**attrs, "strides": [1, 1], "dilations": [1, 1]}
+    if _nhwc(attrs):
+        return (x[0], *_window_out(x[1:3], (3, 3), a), u[2])
+    return (x[0], u[2], *_window_out(x[2:4], (3, 3), a))
+
+
+def _linear_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, w = ins[0], ins[1]
+    n = attrs["wshape"][0] if "wshape" in attrs else w[0]
+    return (*x[:-1], int(n))
+
+
+def _broadcast(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    try:
+        return tuple(np.broadcast_shapes(*[s for s in ins if s is not None]))
+    except ValueError as e:
+        raise OpError(f"shapes {list(ins)} do not broadcast") from e
+
+
+def _matmul_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    a, b = ins[0], ins[1]
+    if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
+        raise OpError(f"matmul of {list(a)} and {list(b)}")
+    return (*np.broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1])
+
+
+def _same(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    return tuple(ins[0])
+
+
+def _pool_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x = ins[0]
+    oh, ow = attrs["out_hw"]  # the importer's ceil_mode-aware figure
+    return (x[0], oh, ow, x[3]) if _nhwc(attrs) else (x[0], x[1], oh, ow)
+
+
+def _gap_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x = ins[0]
+    if _nhwc(attrs):  # [N, H, W, C] -> [N, C, 1, 1]: the same bytes in either layout
+        return (x[0], x[3], 1, 1)
+    return (*x[:2], *([1] * (len(x) - 2)))
+
+
+def _reshape_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    shape = tuple(int(d) for d in attrs["shape"])
+    if int(np.prod(shape)) != int(np.prod(ins[0])):
+        raise OpError(f"reshape of {list(ins[0])} to {list(shape)}")
+    return shape
+
+
+def _transpose_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    perm = attrs["perm"]
+    if sorted(perm) != list(range(len(ins[0]))):
+        raise OpError(f"perm {perm} for rank {len(ins[0])}")
+    return tuple(ins[0][p] for p in perm)
+
+
+def _concat_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    parts = [s for s in ins if s is not None]
+    ax = attrs["axis"] % len(parts[0])
+    for s in parts:
+        if len(s) != len(parts[0]) or any(
+            d != e for i, (d, e) in enumerate(zip(s, parts[0])) if i != ax
+        ):
+            raise OpError(f"concat of {parts} along axis {ax}")
+    out = list(parts[0])
+    out[ax] = sum(s[ax] for s in parts)
+    return tuple(out)
+
+
+def _reduce_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x = ins[0]
+    axes = {a % len(x) for a in attrs["axes"]}
+    if attrs["keepdims"]:
+        return tuple(1 if i in axes else d for i, d in enumerate(x))
+    return tuple(d for i, d in enumerate(x) if i not in axes)
+
+
+def _pad_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, p = ins[0], attrs["pads"]
+    return tuple(d + p[i] + p[i + len(x)] for i, d in enumerate(x))
+
+
+def _mbconv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, wd = ins[0], ins[4]  # channels-last input, depthwise weights HWIO [kh, kw, 1, C]
+    oh, ow = _window_out(x[1:3], wd[:2], attrs["dw"])
+    return (x[0], oh, ow, int(attrs["project"]["out_channels"]))
+
+
+_CONV_ATTRS = ("strides", "pads", "dilations", "group")
+_W = frozenset({"w", "bias", "scale"})
+
+
+def _op(name, roles, shape, optional=(), consts=(), attrs=(), weight=None) -> OpDef:
+    return OpDef(
+        name, tuple(roles), frozenset(optional), frozenset(consts), tuple(attrs), shape, weight
+    )
+
+
+_CONV_ROLES = ("x", "w", "bias", "scale", "residual")
+_OPT = ("bias", "scale", "residual")
+OPS: dict[str, OpDef] = {
+    d.name: d
+    for d in (
+        _op("conv", _CONV_ROLES, _conv_shape, _OPT, _W, _CONV_ATTRS, "w"),
+        _op("dwconv", _CONV_ROLES, _conv_shape, _OPT, _W, _CONV_ATTRS, "w"),
+        _op("conv_wino", _CONV_ROLES, _wino_shape, _OPT, _W, ("pads", "tile"), "w"),
+        _op("linear", ("x", "w", "bias", "scale"), _linear_shape, ("bias", "scale"), _W, (), "w"),
+        _op("matmul", ("a", "b"), _matmul_shape),
+        _op("binary", ("a", "b"), _broadcast, attrs=("kind",)),
+        _op("unary", ("x",), _same),
+        _op("softmax", ("x",), _same, attrs=("axis",)),
+        _op("maxpool", ("x",), _pool_shape, attrs=("kernel", "strides", "pads", "out_hw")),
+        _op("avgpool", ("x",), _pool_shape, attrs=("kernel", "strides", "pads", "out_hw")),
+        _op("global_avgpool", ("x",), _gap_shape),
+        _op("channel_affine", ("x", "scale", "shift"), _same, consts=("scale", "shift")),
+        _op("reshape", ("x",), _reshape_shape, attrs=("shape",)),
+        _op("transpose", ("x",), _transpose_shape, attrs=("perm",)),
+        _op("concat", ("*parts",), _concat_shape, attrs=("axis",)),
+        _op("reduce_mean", ("x",), _reduce_shape, attrs=("axes", "keepdims")),
+        _op("pad", ("x",), _pad_shape, attrs=("pads",)),
+        _op(
+            "mbconv",
+            ("x", "we", "be", "se", "wd", "bd", "sd", "wp", "bp", "sp", "residual"),
+            _mbconv_shape,
+            ("we", "be", "se", "bd", "sd", "bp", "sp", "residual"),
+            ("we", "be", "se", "wd", "bd", "sd", "wp", "bp", "sp"),
+            ("dw", "project", "band", "layout"),
+        ),
+    )
+}
+
+# The ops whose kernels are keyed by their weight's type (kernels/registry.py).
+WEIGHT_OPS: tuple[str, ...] = tuple(n for n, d in OPS.items() if d.weight and n != "conv_wino")
+
+
+def get(op: str) -> OpDef:
+    try:
+        return OPS[op]
+    except KeyError:
+        raise OpError(f"unknown op {op!r}; the IR has: {', '.join(OPS)}") from None
+
+
+def role(op: str, name: str) -> int:
+    """The input slot of role ``name`` of ``op``."""
+    return get(op).roles.index(name)
+
+
+class Args:
+    """A node's inputs by role (``a.x``, ``a.w``, ``a.scale``...), absent ones None."""
+
+    __slots__ = ("_op", "_vals")
+
+    def __init__(self, op: OpDef, vals: list) -> None:
+        self._op, self._vals = op, vals
+
+    def __getattr__(self, name: str):
+        try:
+            return self._vals[self._op.roles.index(name)]
+        except ValueError:
+            raise AttributeError(f"op {self._op.name!r} has no input {name!r}") from None
+
+    def __iter__(self):
+        return iter(self._vals)
+
+    def __len__(self) -> int:
+        return len(self._vals)
+
+
+def args(op: str, ins: Sequence) -> Args:
+    """``ins`` padded with None to every role of ``op`` (a bundle omits trailing
+    absent inputs), addressable by role."""
+    d = get(op)
+    vals = list(ins) + [None] * (len(d.roles) - len(ins))
+    return Args(d, vals if d.variadic else vals[: len(d.roles)])
+
+
+def output_shape(op: str, in_shapes: Sequence[Shape | None], attrs: dict) -> Shape:
+    """The output shape of a node of ``op``; OpError naming what does not fit."""
+    d = get(op)
+    missing = [a for a in d.attrs if a not in attrs]
+    if missing:
+        raise OpError(f"{op} needs attribute(s) {', '.join(missing)}")
+    if not d.variadic:
+        if len(in_shapes) > len(d.roles):
+            raise OpError(f"{op} takes {len(d.roles)} inputs, got {len(in_shapes)}")
+        padded = list(in_shapes) + [None] * (len(d.roles) - len(in_shapes))
+        absent = [r for r, s in zip(d.roles, padded) if s is None and r not in d.optional]
+        if absent:
+            raise OpError(f"{op} lacks its {', '.join(absent)} input")
+    elif not any(s is not None for s in in_shapes):
+        raise OpError(f"{op} has no inputs")
+    try:
+        return tuple(int(v) for v in d.shape(list(in_shapes), attrs))
+    except OpError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise OpError(
+            f"{op}: inputs {list(in_shapes)} do not fit ({type(e).__name__}: {e})"
+        ) from None
