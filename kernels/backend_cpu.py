@@ -19,11 +19,11 @@ from . import layout, mbconv, winograd, wtypes
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
-from .binding import optional_inputs as _opt
 from .binding import up64
 from .cpu_abi import GEMM_XP_FLOATS, PANEL, PER_COL
 from .decoded import decoded
 from .native import K, kernel_threads, resolved
+from .ops import args as _args
 from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -125,7 +125,7 @@ def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], a
     im2col columns; channels-last, the zero-padded image its taps are read from (none
     when the window never leaves the image), or with a dilated width a band of im2row
     rows."""
-    (wshape, wdt) = ins[1]
+    (wshape, wdt) = _args("conv", ins).w
     need = 0 if wdt == "f32" else up64(_nbytes(wshape))  # decoded weights, same shape
     if layout.is_nhwc(attrs):
         _, kh, kw, cg, _ = wshape
@@ -146,7 +146,8 @@ def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], a
 def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     if layout.is_nhwc(attrs):
         return _bind_conv_nhwc(ins, outs, scratch, attrs)
-    x, w, bias, scale, res = _opt(ins, 5)
+    io = _args("conv", ins)
+    x, w, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
     y = outs[0]
     n_, c_, h, wd = x.shape
     co, cg, kh, kw = w.shape
@@ -239,7 +240,8 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
             f"(packager/layout.py); got group {attrs.get('group', 1)}, "
             f"panel {attrs.get('panel')}"
         )
-    x, w, bias, scale, res = _opt(ins, 5)
+    io = _args("conv", ins)
+    x, w, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
     y = outs[0]
     n_, h, wd, c_ = x.shape
     _, kh, kw, cg, _ = w.shape
@@ -356,16 +358,17 @@ def _wino_layout(ushape, out_shape, attrs) -> tuple[list[tuple[str, tuple[int, .
 
 
 def _wino_scratch(ins, outs, attrs) -> int:
-    bufs, _ = _wino_layout(ins[1][0], outs[0], attrs)
+    bufs, _ = _wino_layout(_args("conv_wino", ins).w[0], outs[0], attrs)
     own = sum(up64(_nbytes(shape)) for _, shape in bufs)
     # A cpu-planned bundle also runs with --device cuda, whose kernel holds V and M of
     # the whole image: the plan reserves at least that (backend_cuda._wino_scratch).
-    m, a2, co, ci, th, tw = _wino_dims(ins[1][0], outs[0], attrs)
+    m, a2, co, ci, th, tw = _wino_dims(_args("conv_wino", ins).w[0], outs[0], attrs)
     return max(own, _nbytes((a2, ci, th * tw)) + _nbytes((a2, co, th * tw)))
 
 
 def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
-    x, u, bias, scale, res = _opt(ins, 5)
+    io = _args("conv_wino", ins)
+    x, u, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
     y = outs[0]
     bufs, dims = _wino_layout(u.shape, y.shape, attrs)
     views, off = {}, 0
@@ -428,7 +431,7 @@ def _dw_kernel(hwio_shape: Sequence[int]):
 
 
 def _dw_scratch(ins, outs, attrs) -> int:
-    wshape, wdt = ins[1]
+    wshape, wdt = _args("dwconv", ins).w
     need = 0 if wdt in _READ_IN_PLACE else _nbytes(wshape)
     if layout.is_nhwc(attrs):  # channels-last: vectors along channels, no planes
         return need
@@ -437,7 +440,8 @@ def _dw_scratch(ins, outs, attrs) -> int:
 
 
 def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
-    x, w, bias, scale, res = _opt(ins, 5)
+    io = _args("dwconv", ins)
+    x, w, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
     y = outs[0]
     decode, off = None, 0
     if wtypes.of_array(w) not in _READ_IN_PLACE:  # e.g. fp16: numba has no CPU float16
@@ -483,12 +487,13 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 
 
 def _linear_scratch(ins, outs, attrs) -> int:
-    wshape, wdt = ins[1]
+    wshape, wdt = _args("linear", ins).w
     return 0 if wdt in _READ_IN_PLACE else _nbytes(wshape)
 
 
 def _bind_linear(ins, outs, scratch, attrs) -> Bound:
-    x, w, bias, scale = _opt(ins, 4)
+    io = _args("linear", ins)
+    x, w, bias, scale = io.x, io.w, io.bias, io.scale
     y = outs[0]
     kdim = x.shape[-1]
     x2 = x.reshape(-1, kdim)
@@ -644,7 +649,8 @@ def _bind_global_avgpool(ins, outs, scratch, attrs) -> Bound:
 
 
 def _bind_channel_affine(ins, outs, scratch, attrs) -> Bound:
-    x, scale, shift, y = ins[0], ins[1], ins[2], outs[0]
+    io = _args("channel_affine", ins)
+    x, scale, shift, y = io.x, io.scale, io.shift, outs[0]
     n_, c_ = x.shape[0], x.shape[1]
     x3, y3 = x.reshape(n_, c_, -1), y.reshape(n_, c_, -1)
     act, a, b = _act(attrs)
@@ -727,20 +733,18 @@ def _mbconv_slots(specs: Sequence[Spec | None], y_shape, attrs: dict) -> list:
     """(name, float32 shape) of each scratch buffer, in order: widened weights, then one
     band of the expanded rows (E) and of the depthwise output (D). Scratch and bind
     both lay scratch out from this list."""
-    a = _opt(specs, mbconv.N_INPUTS)
-    _, h, w, _ = a[mbconv.X][0]
-    kh, _, _, ce = a[mbconv.WD][0]
+    a = _args("mbconv", specs)
+    _, h, w, _ = a.x[0]
+    kh, _, _, ce = a.wd[0]
     _, oh, ow, _ = y_shape
     rows = min(int(attrs["band"]), oh)
     out = []
-    for i, name in ((mbconv.WE, "we"), (mbconv.WD, "wd"), (mbconv.WP, "wp")):
-        if (
-            a[i] is not None
-            and a[i][1] != "f32"
-            and (name != "wd" or a[i][1] not in _READ_IN_PLACE)
-        ):
-            out.append((name, tuple(a[i][0])))  # int8 depthwise weights widen in-kernel
-    if a[mbconv.WE] is not None:
+    for name in ("we", "wd", "wp"):
+        spec = getattr(a, name)
+        if spec is None or spec[1] == "f32" or (name == "wd" and spec[1] in _READ_IN_PLACE):
+            continue  # int8 depthwise weights widen in-kernel
+        out.append((name, tuple(spec[0])))
+    if a.we is not None:
         out.append(("e", (min(h, mbconv.dw_rows_in(rows, attrs["dw"], kh)), w, ce)))
     out.append(("d", (rows, ow, ce)))
     return out
@@ -751,8 +755,8 @@ def _mbconv_scratch(ins, outs, attrs) -> int:
 
 
 def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
-    a = _opt(ins, mbconv.N_INPUTS)
-    x, y, res = a[mbconv.X], outs[0], a[mbconv.RES]
+    a = _args("mbconv", ins)
+    x, y, res = a.x, outs[0], a.residual
     specs = [None if t is None else (tuple(t.shape), layout.dtype_name(t.dtype)) for t in a]
     views, off = {}, 0
     for name, shape in _mbconv_slots(specs, y.shape, attrs):
@@ -870,7 +874,7 @@ def _with_cuda_room(op: str, scratch):
         own = scratch(ins, outs, attrs)
         if not layout.is_nhwc(attrs):
             return own
-        dt = ins[1][1] if op in ("conv", "dwconv") else "f32"
+        dt = _args(op, ins).w[1] if op in ("conv", "dwconv") else "f32"
         return max(own, KERNELS[(op, dt, "cuda")].scratch(ins, outs, attrs))
 
     return need
@@ -959,7 +963,8 @@ def _q4_linear_scratch(ins, outs, attrs) -> int:
 
 
 def _bind_q4_linear(ins, outs, scratch, attrs) -> Bound:
-    x, w, bias, scale = _opt(ins, 4)
+    io = _args("linear", ins)
+    x, w, bias, scale = io.x, io.w, io.bias, io.scale
     if _q4_rows(x.shape) > Q4_GEMV_MAX_ROWS:
         return _q4_linear_decoded.bind(ins, outs, scratch, attrs)
     y = outs[0]

@@ -35,8 +35,8 @@ from . import layout, mbconv, winograd, wtypes
 from .binding import act_args as _act
 from .binding import epilogue_flags as _flags
 from .binding import nbytes as _nbytes
-from .binding import optional_inputs as _opt
 from .decoded import decoded
+from .ops import args as _args
 from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -117,7 +117,7 @@ def _is_pointwise(wshape: Sequence[int], attrs: dict) -> bool:
 
 
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
-    (wshape, wdt) = ins[1]
+    (wshape, wdt) = _args("conv", ins).w
     co, cg, kh, kw = wshape
     oh, ow = outs[0][2], outs[0][3]
     need = 0 if wdt == "f32" else _nbytes((co, cg * kh * kw))
@@ -128,7 +128,8 @@ def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], a
 
 def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     d, K = _d(), _k()
-    x, w, bias, scale, res = _opt(ins, 5)
+    io = _args("conv", ins)
+    x, w, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
     y = outs[0]
     n_, _, h, wd = x.shape
     co, cg, kh, kw = w.shape
@@ -196,13 +197,14 @@ def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> 
 def _wino_scratch(ins, outs, attrs) -> int:
     # V and M of one image; no row buffers (each thread transforms one tile in
     # registers), so this is below the cpu kernel's need: a cpu-planned bundle fits.
-    m, a2, co, ci, t, _ = _wino_dims(ins[1][0], outs[0], attrs)
+    m, a2, co, ci, t, _ = _wino_dims(_args("conv_wino", ins).w[0], outs[0], attrs)
     return _nbytes((a2, ci, t)) + _nbytes((a2, co, t))
 
 
 def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     d, K = _d(), _k()
-    x, u, bias, scale, res = _opt(ins, 5)
+    io = _args("conv_wino", ins)
+    x, u, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
     y = outs[0]
     m, a2, co, ci, t, tw = _wino_dims(u.shape, y.shape, attrs)
     v, off = _f32_slot(scratch, 0, (a2, ci, t))
@@ -241,13 +243,14 @@ _DW_READS = ("f32", "i8")
 
 
 def _dw_scratch(ins, outs, attrs) -> int:
-    wshape, wdt = ins[1]
+    wshape, wdt = _args("dwconv", ins).w
     return 0 if wdt in _DW_READS else _nbytes(wshape)
 
 
 def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
     d, K = _d(), _k()
-    x, w, bias, scale, res = _opt(ins, 5)
+    io = _args("dwconv", ins)
+    x, w, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
     y = outs[0]
     decode = None
     if wtypes.of_array(w) not in _DW_READS:
@@ -281,13 +284,14 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 
 
 def _linear_scratch(ins, outs, attrs) -> int:
-    wshape, wdt = ins[1]
+    wshape, wdt = _args("linear", ins).w
     return 0 if wdt == "f32" else _nbytes(wshape)  # the GEMM reads float32 weights
 
 
 def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     d, K = _d(), _k()
-    x, w, bias, scale = _opt(ins, 4)
+    io = _args("linear", ins)
+    x, w, bias, scale = io.x, io.w, io.bias, io.scale
     y = outs[0]
     x2 = x.reshape(-1, x.shape[-1])
     y2 = y.reshape(-1, w.shape[0])
@@ -383,7 +387,8 @@ def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
 
 def _bind_channel_affine(ins, outs, scratch, attrs) -> Bound:
     d = _d()
-    x, scale, shift, y = ins[0], ins[1], ins[2], outs[0]
+    io = _args("channel_affine", ins)
+    x, scale, shift, y = io.x, io.scale, io.shift, outs[0]
     n_, c_ = x.shape[0], x.shape[1]
     args = (
         d.arg(x.reshape(n_, c_, -1)),

@@ -1,5 +1,6 @@
-"""Helpers every backend's bind functions share: a node's optional inputs, its fused
-epilogue (activation code and arguments, the flags of the optional inputs), sizes."""
+"""Helpers every backend's bind functions share: a node's fused epilogue (activation
+code and arguments, the flags of the optional inputs) and sizes. (A node's inputs by
+role are kernels/ops.py's ``args``.)"""
 
 from __future__ import annotations
 
@@ -15,11 +16,6 @@ def act_args(attrs: dict) -> tuple[int, np.float32, np.float32]:
     """(activation code, a, b) of a node's fused activation."""
     a, b = attrs.get("act_args", (0.0, 0.0))
     return act_code(attrs.get("act", "none")), np.float32(a), np.float32(b)
-
-
-def optional_inputs(ins: Sequence, n: int) -> list:
-    """The first ``n`` inputs, absent optional ones as None."""
-    return (list(ins) + [None] * n)[:n]
 
 
 def epilogue_flags(bias, scale, res) -> int:

@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .binding import nbytes, optional_inputs, up64
+from .binding import nbytes, up64
 from .layout import node_weight_shape, weight_offsets
+from .ops import args, role
 from .registry import Kernel
-
-WEIGHT, SCALE = 1, 3  # input slots of conv and linear (docs/bundle-format.md)
 
 # (packed weights, group scales, float32 destination (flat), rows, cols) -> step
 DecodeFn = Callable[[Any, Any, Any, np.ndarray, np.ndarray], Callable[[], None]]
@@ -33,9 +32,9 @@ SlotFn = Callable[[Any, int, tuple[int, ...]], tuple[Any, int]]
 
 def _inner_specs(op: str, specs: Sequence, attrs: dict) -> list:
     """The float32 kernel's input specs: the weight decoded, in the node's layout."""
-    a = optional_inputs(specs, max(len(specs), SCALE + 1))
-    a[WEIGHT] = (node_weight_shape(op, attrs["wshape"], attrs), "f32")
-    a[SCALE] = None
+    a = list(args(op, specs))
+    a[role(op, "w")] = (node_weight_shape(op, attrs["wshape"], attrs), "f32")
+    a[role(op, "scale")] = None  # the group scales: consumed by the decoder
     return a[: len(specs)]
 
 
@@ -56,9 +55,10 @@ def decoded(op: str, f32_kernel: Kernel, decode: DecodeFn, slot: SlotFn, name: s
         shape = node_weight_shape(op, attrs["wshape"], attrs)
         wf, _ = slot(scr, 0, shape)
         rows, cols = weight_offsets(op, attrs["wshape"], attrs)
-        a = optional_inputs(ins, max(len(ins), SCALE + 1))
-        step_decode = decode(a[WEIGHT], a[SCALE], wf.reshape(-1), rows, cols)
-        a[WEIGHT], a[SCALE] = wf, None
+        io = args(op, ins)
+        step_decode = decode(io.w, io.scale, wf.reshape(-1), rows, cols)
+        a = list(io)
+        a[role(op, "w")], a[role(op, "scale")] = wf, None
         inner = f32_kernel.bind(a[: len(ins)], outs, scr[decoded_scratch(op, attrs) :], attrs)
 
         def step() -> None:

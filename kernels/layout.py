@@ -32,6 +32,7 @@ import numpy as np
 
 from .binding import nbytes, up64
 from .cpu_abi import PANEL
+from .ops import role
 
 NHWC = "nhwc"
 TO_NCHW = (0, 3, 1, 2)
@@ -40,7 +41,6 @@ HWIO_FROM_OIHW = (2, 3, 1, 0)
 OIHW_FROM_HWIO = (3, 2, 0, 1)
 # Ops with a channels-last form, and which of their inputs are activations.
 LAYOUT_OPS = ("conv", "dwconv", "conv_wino", "maxpool", "global_avgpool")
-RESIDUAL_INPUT = 4  # of conv, dwconv and conv_wino
 WEIGHT_IN_HWIO = ("conv", "dwconv")
 
 
@@ -126,7 +126,8 @@ def activation_inputs(op: str, n_inputs: int) -> list[int]:
     """Indices of a channels-last node's inputs held in ``[N, H, W, C]``."""
     if op in ("maxpool", "global_avgpool"):
         return [0]
-    return [0] + ([RESIDUAL_INPUT] if n_inputs > RESIDUAL_INPUT else [])
+    res = role(op, "residual")  # conv, dwconv, conv_wino
+    return [0] + ([res] if n_inputs > res else [])
 
 
 def canonical_weights(attrs: dict) -> bool:

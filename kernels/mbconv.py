@@ -25,20 +25,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .binding import nbytes, optional_inputs, up64
+from .binding import nbytes, up64
 from .layout import dtype_name
-
-N_INPUTS = 11
-X, WE, WD, WP, RES = 0, 1, 4, 7, 10
+from .ops import args
 
 
 def parts(ins: Sequence) -> tuple[list | None, list, list]:
-    """(expand, depthwise, projection) inputs of each conv, with ``None`` standing for
-    the activation each takes from the one before; expand is None without one."""
-    a = optional_inputs(ins, N_INPUTS)
-    expand = None if a[WE] is None else [a[X], *a[WE : WE + 3]]
-    first = a[X] if expand is None else None
-    return expand, [first, *a[WD : WD + 3]], [None, *a[WP : WP + 3], a[RES]]
+    """(expand, depthwise, projection) inputs of each conv (its x, w, bias, scale and,
+    for the projection, the residual), with ``None`` standing for the activation each
+    takes from the one before; expand is None without one."""
+    a = args("mbconv", ins)
+    expand = None if a.we is None else [a.x, a.we, a.be, a.se]
+    first = a.x if expand is None else None
+    return expand, [first, a.wd, a.bd, a.sd], [None, a.wp, a.bp, a.sp, a.residual]
 
 
 def dw_rows_in(rows_out: int, attrs: dict, kh: int) -> int:
@@ -74,11 +73,11 @@ def composed(
         return [(KERNELS[(op, dtype(i[1]), backend)], i, o, key) for op, i, o, key in out]
 
     def shapes(specs: Sequence, y_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        a = optional_inputs(specs, N_INPUTS)
-        return intermediate_shapes(a[X][0], a[WD][0], y_shape)
+        a = args("mbconv", specs)
+        return intermediate_shapes(a.x[0], a.wd[0], y_shape)
 
     def has_expand(ins: Sequence) -> bool:
-        return optional_inputs(ins, N_INPUTS)[WE] is not None
+        return args("mbconv", ins).we is not None
 
     def scratch(specs, outs, attrs: dict) -> int:
         e, d = shapes(specs, outs[0])

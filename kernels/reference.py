@@ -15,6 +15,7 @@ import numpy as np
 from . import layout
 from .activations import apply_act_ref
 from .mbconv import parts as mbconv_parts
+from .ops import args, role
 from .winograd import untransform_weights
 from .wtypes import DEQUANTIZE, bf16_to_f32, channel_scaled, of_array
 
@@ -52,10 +53,12 @@ _TO_NODE_WEIGHTS = {
 def node_weights(dt: str, inputs: Sequence[Array | None], op: str, attrs: dict) -> list:
     """``inputs`` of a weight op whose weight is of type ``dt``, with the weight in a form
     the reference reads (float32 for bf16 and int4)."""
-    args = list(inputs) + [None] * (4 - len(inputs))
+    io = args(op, inputs)
+    out = list(io)
     if dt in _TO_NODE_WEIGHTS:
-        args[1], args[3] = _TO_NODE_WEIGHTS[dt](args[1], args[3], op, attrs)
-    return args[: max(len(inputs), 4)]
+        w, s = role(op, "w"), role(op, "scale")
+        out[w], out[s] = _TO_NODE_WEIGHTS[dt](io.w, io.scale, op, attrs)
+    return out
 
 
 def _act(y: Array, attrs: dict) -> Array:
@@ -64,8 +67,9 @@ def _act(y: Array, attrs: dict) -> Array:
 
 def conv(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """inputs: x[N,C,H,W], w[Co,C/g,kh,kw], bias[Co]?, scale[Co]?, residual[N,Co,OH,OW]?"""
-    x, w, bias, scale, residual = (list(inputs) + [None] * 5)[:5]
-    w = dequantize(w, scale)
+    io = args("conv", inputs)
+    x, bias, residual = io.x, io.bias, io.residual
+    w = dequantize(io.w, io.scale)
     sh, sw = attrs["strides"]
     pt, pl, pb, pr = attrs["pads"]
     dh, dw = attrs["dilations"]
@@ -100,15 +104,16 @@ def conv_wino(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """A 3x3 stride-1 conv whose weights the packager stored Winograd-transformed:
     inputs as ``conv`` with U[a*a, Co, C] for w. The weights are transformed back and
     the direct reference runs, so this checks the transform as well as the kernel."""
-    x, u, *rest = list(inputs) + [None] * 3
-    w = untransform_weights(u, int(attrs["tile"]))
-    return conv([x, w, *rest[:3]], attrs)
+    io = args("conv_wino", inputs)
+    w = untransform_weights(io.w, int(attrs["tile"]))
+    return conv([io.x, w, io.bias, io.scale, io.residual], attrs)
 
 
 def linear(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """y = x @ w.T + bias. inputs: x[..., K], w[N, K], bias[N]?, scale[N]?"""
-    x, w, bias, scale = (list(inputs) + [None] * 4)[:4]
-    w = dequantize(w, scale)
+    io = args("linear", inputs)
+    x, bias = io.x, io.bias
+    w = dequantize(io.w, io.scale)
     y = x.astype(np.float64) @ w.astype(np.float64).T
     if bias is not None:
         y = y + bias
@@ -185,7 +190,8 @@ def global_avgpool(inputs: Sequence[Array | None], attrs: dict) -> Array:
 
 def channel_affine(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """Unfolded BatchNormalization: y = x * scale[c] + shift[c] (channel axis 1)."""
-    x, scale, shift = inputs[0], inputs[1], inputs[2]
+    io = args("channel_affine", inputs)
+    x, scale, shift = io.x, io.scale, io.shift
     shp = (1, -1) + (1,) * (x.ndim - 2)
     return _act((x * scale.reshape(shp) + shift.reshape(shp)).astype(np.float32), attrs)
 
@@ -225,13 +231,14 @@ def _any_layout(op: str, fn: RefFn) -> RefFn:
     def run(inputs: Sequence[Array | None], attrs: dict) -> Array:
         if not layout.is_nhwc(attrs):
             return fn(inputs, attrs)
-        args = list(inputs)
-        for i in layout.activation_inputs(op, len(args)):
-            if args[i] is not None:
-                args[i] = args[i].transpose(layout.TO_NCHW)
+        feed = list(inputs)
+        for i in layout.activation_inputs(op, len(feed)):
+            if feed[i] is not None:
+                feed[i] = feed[i].transpose(layout.TO_NCHW)
         if op in layout.WEIGHT_IN_HWIO:
-            args[1] = layout.hwio_weights(args[1], attrs).transpose(layout.OIHW_FROM_HWIO)
-        y = fn(args, layout.channels_first_attrs(attrs))
+            w = role(op, "w")
+            feed[w] = layout.hwio_weights(feed[w], attrs).transpose(layout.OIHW_FROM_HWIO)
+        y = fn(feed, layout.channels_first_attrs(attrs))
         return np.ascontiguousarray(y.transpose(layout.TO_NHWC)) if layout.output_is_nhwc(op) else y
 
     return run

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import ops
 from .wtypes import ROWS
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
@@ -26,7 +27,7 @@ ScratchFn = Callable[[Sequence["Spec | None"], Sequence[tuple[int, ...]], dict],
 
 # dtype key -> numpy storage dtype: the rows of the weight-type table.
 DTYPES: dict[str, np.dtype] = {r.name: r.storage for r in ROWS}
-WEIGHT_OPS = ("conv", "dwconv", "linear")
+WEIGHT_OPS = ops.WEIGHT_OPS  # ops whose kernels are keyed by their weight's type
 BACKENDS = ("ref", "cpu", "cuda")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..kernels.ops import WEIGHT_OPS
 from ..kernels.wtypes import DEFAULT_GROUP, by_quant
 from ..runtime.errortable import format_error_table
 from ..runtime.executor import Executor
@@ -136,11 +137,7 @@ def build(
     stage(3, f"quantize weights ({quant})")
     q = quantize_graph(g, quant, min_weights, group_size)
     if quant != "fp32":
-        kept = [
-            n.name
-            for n in q.nodes
-            if n.op in ("conv", "dwconv", "linear") and q.wtype(n.inputs[1]) == "f32"
-        ]
+        kept = [n.name for n in q.nodes if n.op in WEIGHT_OPS and q.wtype(n.input("w")) == "f32"]
         if kept:
             log(f"      {len(kept)} layer(s) under {min_weights} weights stay fp32")
     n_wino = choose_conv_algorithms(q, backends, conv_algo)

@@ -34,7 +34,7 @@ def winograd_tile(node: Node, g: Graph) -> int | None:
     """The Winograd tile size m for this node, or None to keep the direct conv."""
     if node.op != "conv":
         return None
-    w = g.consts.get(node.inputs[1])
+    w = g.consts.get(node.input("w"))
     if w is None or w.dtype != np.float32 or w.shape[2:] != (3, 3):
         return None
     a = node.attrs
@@ -66,10 +66,10 @@ def choose_conv_algorithms(g: Graph, backends: Sequence[str], algo: str = "auto"
         m = winograd_tile(node, g)
         if m is None:
             continue
-        wname = node.inputs[1]
+        wname = node.input("w")
         uname = f"{wname}.wino{m}"
         g.consts[uname] = transform_weights(g.consts[wname], m)
-        node.inputs[1] = uname
+        node.set_input("w", uname)
         node.op = "conv_wino"
         node.attrs = {**node.attrs, "tile": m}
         n += 1

@@ -63,20 +63,21 @@ def fold_batchnorm(g: Graph) -> int:
                 continue
             if p.attrs.get("act", "none") != "none":
                 continue
-            if p.op in CONV_OPS and not (len(p.inputs) > 4 and p.inputs[4]):
+            if p.op in CONV_OPS and not p.input("residual"):
                 axis_shape = (-1, 1, 1, 1)
             elif p.op == "linear" and len(g.shapes[bn.inputs[0]]) == 2:
                 axis_shape = (-1, 1)
             else:
                 continue
-            scale, shift = g.consts[bn.inputs[1]], g.consts[bn.inputs[2]]
-            w = g.consts[p.inputs[1]]
-            b = g.consts[p.inputs[2]] if len(p.inputs) > 2 and p.inputs[2] else 0.0
+            scale, shift = g.consts[bn.input("scale")], g.consts[bn.input("shift")]
+            w = g.consts[p.input("w")]
+            b = g.consts[p.input("bias")] if p.input("bias") else 0.0
             wn = _const_name(g, p.name + ".weight")
             bname = _const_name(g, p.name + ".bias")
             g.consts[wn] = (w * scale.reshape(axis_shape)).astype(np.float32)
             g.consts[bname] = (np.asarray(b) * scale + shift).astype(np.float32)
-            p.inputs = [p.inputs[0], wn, bname] + p.inputs[3:]
+            p.set_input("w", wn)
+            p.set_input("bias", bname)
             _merge(g, p, bn)
             n_folded += 1
             changed = True
@@ -100,13 +101,13 @@ def fuse_linear_bias(g: Graph) -> int:
         if not _single_use(g, acts[0], cons):
             continue
         c = g.consts[consts[0]]
-        nout = g.consts[p.inputs[1]].shape[0]
+        nout = g.consts[p.input("w")].shape[0]
         if c.size != nout or c.shape[-1] != nout:
             continue
-        old = g.consts[p.inputs[2]] if len(p.inputs) > 2 and p.inputs[2] else 0.0
+        old = g.consts[p.input("bias")] if p.input("bias") else 0.0
         bname = _const_name(g, p.name + ".bias")
         g.consts[bname] = (np.asarray(old) + c.reshape(nout)).astype(np.float32)
-        p.inputs = [p.inputs[0], p.inputs[1], bname] + p.inputs[3:]
+        p.set_input("bias", bname)
         _merge(g, p, add)
         prod, cons = g.producer(), g.consumers()
         n += 1
@@ -149,13 +150,13 @@ def fuse_residual(g: Graph) -> int:
             p = prod.get(conv_out)
             if p is None or p.op not in CONV_OPS or p.attrs["act"] != "none":
                 continue
-            if len(p.inputs) > 4 and p.inputs[4]:
+            if p.input("residual"):
                 continue
             if g.shapes[conv_out] != out_shape or g.shapes.get(other) != out_shape:
                 continue
             if other == conv_out or not _single_use(g, conv_out, cons):
                 continue
-            p.inputs = (p.inputs + [""] * 5)[:4] + [other]
+            p.set_input("residual", other)
             _merge(g, p, add, at_consumer=True)  # `other` may be computed after the conv
             prod, cons = g.producer(), g.consumers()
             n += 1

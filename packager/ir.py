@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..kernels import ops
 from ..kernels.wtypes import of_array
 
 
@@ -33,6 +34,17 @@ class Node:
     outputs: list[str]
     attrs: dict = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)  # ONNX nodes folded into this one
+
+    def input(self, role: str) -> str:
+        """The tensor in input role ``role`` (kernels/ops.py), "" when absent."""
+        i = ops.role(self.op, role)
+        return self.inputs[i] if i < len(self.inputs) else ""
+
+    def set_input(self, role: str, name: str) -> None:
+        """Put ``name`` in input role ``role``, padding absent ones before it with ""."""
+        i = ops.role(self.op, role)
+        self.inputs += [""] * (i + 1 - len(self.inputs))
+        self.inputs[i] = name
 
 
 @dataclass

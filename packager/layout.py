@@ -91,12 +91,12 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
             if t and t not in last:
                 node.inputs[i] = convert(t, True)
         if node.op in L.WEIGHT_IN_HWIO and not L.canonical_weights(node.attrs):
-            w = node.inputs[1]
+            w = node.input("w")
             hw = w + ".hwio"
             if hw not in g.consts:
                 hwio = np.ascontiguousarray(g.consts[w].transpose(L.HWIO_FROM_OIHW))
                 g.set_const(hw, hwio, g.wtype(w))
-            node.inputs[1] = hw
+            node.set_input("w", hw)
         if node.op not in AGNOSTIC:
             node.attrs = {**node.attrs, "layout": L.NHWC}
         if node.op in AGNOSTIC or L.output_is_nhwc(node.op):
@@ -137,7 +137,7 @@ def pack_panels(g: Graph) -> int:
     for node in g.nodes:
         if node.op != "conv" or not L.is_nhwc(node.attrs) or node.attrs.get("panel"):
             continue
-        w = node.inputs[1]
+        w = node.input("w")
         if L.canonical_weights(node.attrs):  # int4: decoded into panels by the kernels
             co = int(node.attrs["wshape"][0])
         else:
@@ -146,7 +146,7 @@ def pack_panels(g: Graph) -> int:
             name = w + ".panels"
             if name not in g.consts:
                 g.set_const(name, L.to_panels(hwio), g.wtype(w))
-            node.inputs[1] = name
+            node.set_input("w", name)
         node.attrs = {**node.attrs, "panel": L.PANEL, "out_channels": co}
         changed += 1
     if changed:

@@ -43,9 +43,7 @@ def make_manifest(g: Graph, plan: Plan, extra: dict | None = None) -> dict:
             "tensors": tensors,
             "nodes": nodes,
         },
-        "weights": {
-            k: {"shape": list(v.shape), "dtype": g.wtype(k)} for k, v in g.consts.items()
-        },
+        "weights": {k: {"shape": list(v.shape), "dtype": g.wtype(k)} for k, v in g.consts.items()},
         "plan": {
             "arena_bytes": plan.arena_bytes,
             "alignment": 64,

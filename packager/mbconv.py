@@ -41,7 +41,7 @@ def _pointwise(node: Node, g: Graph) -> bool:
         # int4 weights decode whole into scratch (kernels/decoded.py); a band's slots
         # hold panels, so such convs stay unfused.
         return False
-    w = g.consts.get(node.inputs[1])
+    w = g.consts.get(node.input("w"))
     return (
         w is not None
         and L.window(w.shape, node.attrs) == (1, 1)
@@ -51,7 +51,7 @@ def _pointwise(node: Node, g: Graph) -> bool:
 
 
 def _has_residual(node: Node) -> bool:
-    return len(node.inputs) > L.RESIDUAL_INPUT and bool(node.inputs[L.RESIDUAL_INPUT])
+    return bool(node.input("residual"))
 
 
 def band_rows(e_shape: Sequence[int], d_shape: Sequence[int], attrs: dict, kh: int) -> int:
@@ -103,7 +103,7 @@ def fuse_mbconv(g: Graph, backends: Sequence[str]) -> int:
         kept = e_shape if exp is not None else d_shape  # what stays out of memory
         if int(np.prod(kept)) * 4 < FUSE_MIN_BYTES:
             continue
-        kh = g.consts[dw.inputs[1]].shape[0]
+        kh = g.consts[dw.input("w")].shape[0]
         attrs = {
             "layout": L.NHWC,
             "dw": dict(dw.attrs),

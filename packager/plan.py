@@ -39,7 +39,7 @@ def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
     host = [b for b in backends if b != "cuda"]
     out = {}
     for node in g.nodes:
-        wdt = g.wtype(node.inputs[1]) if node.op in WEIGHT_OPS else "f32"
+        wdt = g.wtype(node.input("w")) if node.op in WEIGHT_OPS else "f32"
         try:
             backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
         except KeyError as e:
@@ -70,11 +70,7 @@ def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
         specs = [
             None
             if not t
-            else (
-                (tuple(g.consts[t].shape), g.wtype(t))
-                if t in g.consts
-                else (g.shapes[t], "f32")
-            )
+            else ((tuple(g.consts[t].shape), g.wtype(t)) if t in g.consts else (g.shapes[t], "f32"))
             for t in node.inputs
         ]
         outs = [g.shapes[o] for o in node.outputs]

@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..kernels.ops import WEIGHT_OPS
 from ..kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, QUANTIZE, by_quant
 from .ir import Graph
 
 MODES = QUANT_MODES  # the --quant choices: one per row of kernels/wtypes.py
-WEIGHT_OPS = ("conv", "dwconv", "linear")
 # Layers with fewer weights than this stay fp32: they hold a sliver of the bytes but,
 # per weight, add the most error (measured on the rapidocr MobileNetV3 classifier:
 # int8 top-1 agreement with fp32 went from 191/200 to 196/200 for +28 KB).
@@ -48,7 +48,7 @@ def quantize_graph(
     for node in q.nodes:
         if node.op not in WEIGHT_OPS:
             continue
-        wname = node.inputs[1]
+        wname = node.input("w")
         if wname not in done:
             w = q.consts[wname]
             if w.size < min_weights or q.wtype(wname) != "f32":
@@ -63,7 +63,7 @@ def quantize_graph(
             done[wname] = (t, sname, tuple(w.shape))
         t, sname, wshape = done[wname]
         if sname is not None:
-            node.inputs = (node.inputs + [""] * 4)[:3] + [sname] + node.inputs[4:]
+            node.set_input("scale", sname)
         if t == "i4":  # stored canonical [N, Kp/2]: the logical shape goes with the node
             node.attrs = {**node.attrs, "wshape": list(wshape)}
     q.remove_dead()

@@ -93,9 +93,8 @@ def _ort_int4(w: np.ndarray, threads: int, block: int = 32):
     """MatMulNBits with ORT's layout: per row n, blocks of ``block`` weights, two per
     byte (element 2i in the low nibble), q = round(w / s) + 8 with s = max|w| / -8 of
     the block as in wtypes' int4 (same codes, only the byte order differs)."""
-    from onnx import TensorProto, helper, numpy_helper
-
     from edgepack.kernels import wtypes
+    from onnx import TensorProto, helper, numpy_helper
 
     n, k = w.shape
     assert k % block == 0
@@ -168,8 +167,13 @@ def measure(n: int, k: int, rounds: int, per_round: int, threads: int, group: in
         med = float(np.median(times[name]))
         p99 = float(np.percentile(times[name], 99))
         rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        rows[name] = {"median_ms": med * 1e3, "p99_ms": p99 * 1e3, "bytes": nbytes,
-                      "gbs": nbytes / med / 1e9, "rel_l2": rel}
+        rows[name] = {
+            "median_ms": med * 1e3,
+            "p99_ms": p99 * 1e3,
+            "bytes": nbytes,
+            "gbs": nbytes / med / 1e9,
+            "rel_l2": rel,
+        }
     return rows
 
 
@@ -187,8 +191,10 @@ def machine() -> str:
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isa = [f for f in ("avx512f", "avx512_vnni", "avx2", "fma") if f" {f}" in flags]
-    return (f"{cpu} ({', '.join(isa)}), numba {numba.__version__}, "
-            f"onnxruntime {onnxruntime.__version__}, numpy {np.__version__}")
+    return (
+        f"{cpu} ({', '.join(isa)}), numba {numba.__version__}, "
+        f"onnxruntime {onnxruntime.__version__}, numpy {np.__version__}"
+    )
 
 
 def write_report(results: dict, args, out: Path) -> None:
@@ -226,8 +232,12 @@ def write_report(results: dict, args, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        ax.bar([j + i * width for j in range(len(shapes))],
-               [results[s][name]["gbs"] for s in shapes], width, label=name)
+        ax.bar(
+            [j + i * width for j in range(len(shapes))],
+            [results[s][name]["gbs"] for s in shapes],
+            width,
+            label=name,
+        )
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
     ax.set_ylabel("weight GB/s (median)")
     ax.set_title(f"batch-1 linear, {args.threads} thread(s)")
@@ -254,8 +264,11 @@ def main() -> None:
         rows = measure(n, k, args.rounds, args.per_round, args.threads, args.group)
         results[f"{n}x{k}"] = rows
         for name, r in rows.items():
-            print(f"{n}x{k:<6} {name:<15} {r['median_ms']:8.3f} ms  p99 {r['p99_ms']:8.3f}  "
-                  f"{r['gbs']:6.1f} GB/s  rel {r['rel_l2']:.1e}", flush=True)
+            print(
+                f"{n}x{k:<6} {name:<15} {r['median_ms']:8.3f} ms  p99 {r['p99_ms']:8.3f}  "
+                f"{r['gbs']:6.1f} GB/s  rel {r['rel_l2']:.1e}",
+                flush=True,
+            )
     write_report(results, args, args.out)
     print(f"wrote {args.out}")
 
