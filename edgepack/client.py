@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .runtime.agent_codec import (
+from .runtime.serve.codec import (
     CT_JSON,
     CodecError,
     encode_binary,
@@ -38,8 +38,8 @@ from .runtime.agent_codec import (
 )
 
 if TYPE_CHECKING:
-    from .runtime.agent_conn import BrokerConfig
-from .runtime.protocol import (
+    from .runtime.serve.conn import BrokerConfig
+from .runtime.serve.protocol import (
     DEFAULT_PREFIX,
     NAME_RE,
     UP_ACCEPT,
@@ -209,7 +209,7 @@ class Client:
         (whose settings then win). ``max_message``: send inputs larger than this by
         reference (default: the broker's maximum packet size from its CONNACK, if it
         announces one)."""
-        from .runtime.agent_conn import BrokerConfig, Connection
+        from .runtime.serve.conn import BrokerConfig, Connection
 
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}")
@@ -519,7 +519,7 @@ class Client:
     # --- replies (paho network thread) ------------------------------------------------------
 
     def _on_message(self, msg) -> None:
-        from .runtime.agent_conn import props_of
+        from .runtime.serve.conn import props_of
 
         w = self._watch.get(msg.topic)
         if w is not None:
@@ -593,7 +593,7 @@ def _rows(inputs) -> int:
 
 
 def add_submit_arguments(p) -> None:
-    from .runtime.agent_cli import add_broker_arguments
+    from .runtime.serve.cli import add_broker_arguments
 
     to = p.add_mutually_exclusive_group(required=True)
     to.add_argument("--device", help="send to this device's job topic")
@@ -631,8 +631,8 @@ def cmd_submit(a) -> int:
     import os
     import sys
 
-    from .runtime.agent_conn import ConnectError
-    from .runtime.cli import emit_outputs
+    from .runtime.cli_io import emit_outputs
+    from .runtime.serve.conn import ConnectError
 
     if not os.path.exists(a.input):
         raise FileNotFoundError(f"--input {a.input}: no such file")
@@ -646,7 +646,7 @@ def cmd_submit(a) -> int:
     encoding = a.encoding
     if isinstance(inputs, np.ndarray) and encoding in ("safetensors", "npz", "b64"):
         encoding = "npy"  # one unnamed array: the agent maps it to the model's one input
-    from .runtime.agent_cli import broker_config
+    from .runtime.serve.cli import broker_config
 
     cfg = broker_config(a)  # validates the options before connecting
     try:

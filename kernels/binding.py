@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .activations import act_code
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
+from .flags import HAS_BIAS, HAS_RES, HAS_SCALE
 
 
 def act_args(attrs: dict) -> tuple[int, np.float32, np.float32]:

@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 
 from .binding import nbytes, up64
-from .cpu_abi import PANEL
 from .ops import role
 
+# Columns per panel of pre-packed GEMM weights (kernels/layout.py to_panels): a
+# multiple of every tile shape's width (64 for AVX-512, 16 for AVX2 and NEON, 8 for SSE).
+PANEL = 64
 NHWC = "nhwc"
 TO_NCHW = (0, 3, 1, 2)
 TO_NHWC = (0, 2, 3, 1)

@@ -4,7 +4,7 @@ Each entry names the op's inputs by role (``x``, ``w``, ``bias``, ``scale``,
 ``residual``...), which of them are optional and which are constants from the weight
 section, the attributes it requires, and its shape function: the output shape from
 the input shapes and attributes, in the layout the node runs in. Its reference is
-``kernels/reference.py``'s ``REFERENCE[op]`` (checked to exist for every entry).
+``kernels/ref/reference.py``'s ``REFERENCE[op]`` (checked to exist for every entry).
 
 Who uses it: the importer (``packager/onnx_import.py`` emits a node and gets its output
 shape from here), the passes and the binds (inputs by role: ``args(op, ins).scale``,

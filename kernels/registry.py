@@ -12,6 +12,7 @@ plan reserves it in the arena ahead of time.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,10 @@ ScratchFn = Callable[[Sequence["Spec | None"], Sequence[tuple[int, ...]], dict],
 # dtype key -> numpy storage dtype: the rows of the weight-type table.
 DTYPES: dict[str, np.dtype] = {r.name: r.storage for r in ROWS}
 WEIGHT_OPS = ops.WEIGHT_OPS  # ops whose kernels are keyed by their weight's type
-BACKENDS = ("ref", "cpu", "cuda")
+# Backend -> the module that registers its kernels on import (relative to this package):
+# a table, so the registry imports no backend and no backend knows another.
+BACKEND_MODULES = {"ref": ".ref.backend", "cpu": ".cpu.backend", "cuda": ".cuda.backend"}
+BACKENDS = tuple(BACKEND_MODULES)
 
 
 def _no_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
@@ -94,4 +98,5 @@ def _load_backends() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import backend_cpu, backend_cuda, backend_ref  # noqa: F401
+        for module in BACKEND_MODULES.values():
+            importlib.import_module(module, __package__)

@@ -9,7 +9,7 @@ fewer for m = 2, 4x fewer for m = 4. In matrix form, per tile and channel pair::
 The packager transforms the weights once (``transform_weights``: U = G g GT, stored in
 the bundle as U[a*a, Cin, Cout]); at run time the input transform, a*a independent
 GEMMs V[e] @ U[e] (V[e]: tiles x Cin) and the output transform run per image
-(kernels/gemm_tiles.py, vectorised along channels, so U[e]'s rows are output channels).
+(kernels/cpu/gemm_tiles.py, vectorised along channels, so U[e]'s rows are output channels).
 
 Numerics: the m = 4 transforms have coefficients up to 8 (AT) and 1/24 (G); in
 float32 the output error is ~1e-6 relative on ResNet-sized layers (measured in

@@ -12,7 +12,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..kernels.cpu_abi import AOT_MODULE, aot_signatures
+from ..kernels.cpu.abi import AOT_MODULE, aot_signatures
 
 
 def compile_kernels(
@@ -27,8 +27,8 @@ def compile_kernels(
 
     import importlib
 
-    from ..kernels import cpu_numba
-    from ..kernels.native import gemm_shape as host_gemm_shape
+    from ..kernels.cpu import kernels as cpu_numba
+    from ..kernels.cpu.native import gemm_shape as host_gemm_shape
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..kernels.ops import OpError, output_shape
-from ..kernels.reference import REFERENCE
+from ..kernels.ref.reference import REFERENCE
 from .ir import Graph, Node, PackError
 
 MIN_OPSET, MAX_OPSET = 13, 21

@@ -132,15 +132,15 @@ def stub_modules(target: Target) -> tuple[list[str], list[str]]:
     hidden = [
         "edgepack_kernels",
         "edgepack_stub_info",
-        "edgepack.kernels.backend_cpu",
-        "edgepack.kernels.backend_ref",
-        "edgepack.kernels.backend_cuda",  # registers names only; safe without a GPU
+        "edgepack.kernels.cpu.backend",
+        "edgepack.kernels.ref.backend",
+        "edgepack.kernels.cuda.backend",  # registers names only; safe without a GPU
     ]
     excludes = list(EXCLUDES)
     if cuda_packages(target):
         hidden += [
-            "edgepack.kernels.cuda_dev",
-            "edgepack.kernels.cuda_kernels",
+            "edgepack.kernels.cuda.device",
+            "edgepack.kernels.cuda.kernels",
             "numba.cuda",
             "cupy",
             "cupyx",
@@ -407,7 +407,7 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
     with tempfile.TemporaryDirectory(prefix="edgepack-stub-") as tmp:
         work = Path(tmp)
         aot = work / "aot"
-        from ..kernels.native import gemm_shape
+        from ..kernels.cpu.native import gemm_shape
         from .aot import compile_kernels
 
         log(f"[1/4] compile kernels for {target.cpu} ({target.arch})")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import Counter
@@ -11,73 +10,14 @@ from collections import Counter
 import numpy as np
 
 from .bundle import BundleError
+from .cli_io import emit_outputs, load_inputs, open_session, pubkey
 from .device import DEVICES, GPU_WEIGHTS, DeviceError
 from .executor import RunError
 
 
-def _load_inputs(path: str, inputs: list[dict]) -> dict[str, np.ndarray]:
-    if not os.path.exists(path):
-        raise RunError(f"--input {path}: no such file")
-    if path.endswith(".npz"):
-        with np.load(path) as z:
-            return {k: z[k] for k in z.files}
-    if path.endswith(".npy"):
-        if len(inputs) != 1:
-            names = ", ".join(i["name"] for i in inputs)
-            raise RunError(
-                f"this model has {len(inputs)} inputs ({names}); pass an .npz keyed by input name"
-            )
-        return {inputs[0]["name"]: np.load(path)}
-    raise RunError(f"--input {path}: expected a .npy or .npz file")
-
-
-def _summary(name: str, y: np.ndarray) -> str:
-    lines = [
-        f"{name}: {y.dtype}[{'x'.join(map(str, y.shape))}] "
-        f"min {y.min():.4g} max {y.max():.4g} mean {y.mean():.4g}"
-    ]
-    if y.ndim == 2 and 1 < y.shape[1] <= 100_000:
-        for i, row in enumerate(y[:8]):
-            top = np.argsort(row)[::-1][:3]
-            best = ", ".join(f"{int(k)} ({row[k]:.4g})" for k in top)
-            lines.append(f"  [{i}] prediction: class {int(top[0])}   top-3: {best}")
-    return "\n".join(lines)
-
-
-def _pubkey(a: argparse.Namespace) -> bytes | None:
-    from .payload import read_key
-
-    return read_key(a.require_signature) if a.require_signature else None
-
-
-def _session(a: argparse.Namespace):
-    """The session for ``a.bundle``: a path, or the payload of this executable."""
-    from .session import Session
-
-    return Session(
-        a.bundle,
-        threads=a.threads,
-        require_signature=_pubkey(a),
-        verify_weights=getattr(a, "verify_weights", True),
-        device=getattr(a, "compute_device", None),
-        require_gpu=getattr(a, "require_gpu", False),
-        gpu_weights=getattr(a, "gpu_weights", "upload"),
-    )
-
-
-def emit_outputs(outs: dict[str, np.ndarray], path: str | None) -> None:
-    """Outputs to an .npz keyed by output name, or a readable summary on stdout."""
-    if path:
-        np.savez(path, **outs)
-        print(f"wrote {len(outs)} output(s) to {path}")
-    else:
-        for k, v in outs.items():
-            print(_summary(k, v))
-
-
 def cmd_run(a: argparse.Namespace) -> int:
-    s = _session(a)
-    emit_outputs(s.run(_load_inputs(a.input, s.inputs)), a.output)
+    s = open_session(a)
+    emit_outputs(s.run(load_inputs(a.input, s.inputs)), a.output)
     return 0
 
 
@@ -147,7 +87,7 @@ def describe(bundle, file_size: int) -> str:
 def cmd_info(a: argparse.Namespace) -> int:
     from .session import open_located
 
-    bundle = open_located(a.bundle, _pubkey(a), getattr(a, "verify_weights", True))
+    bundle = open_located(a.bundle, pubkey(a), getattr(a, "verify_weights", True))
     print(describe(bundle, bundle.header.bundle_size))
     return 0
 
@@ -170,7 +110,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    s = _session(a)
+    s = open_session(a)
     rng = np.random.default_rng(0)
     feeds = {i["name"]: rng.standard_normal(i["shape"]).astype(np.float32) for i in s.inputs}
     ex = s.executor
@@ -283,7 +223,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
     )
     p.set_defaults(func=cmd_bench)
 
-    from .agent_cli import add_serve_arguments, cmd_serve  # argparse only; paho loads on use
+    from .serve.cli import add_serve_arguments, cmd_serve  # argparse only; paho loads on use
 
     p = sub.add_parser(
         "serve",

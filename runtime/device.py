@@ -4,7 +4,7 @@ A ``Device`` is chosen once per Session (``select_device``) and handed to the
 Executor, which then never asks which device it has: it allocates the arena through
 the device, passes weights through it (the GPU uploads them once), copies inputs in
 and outputs out through it. ``HostDevice`` is the NumPy arena the cpu and ref
-backends use; ``CudaDevice`` (kernels/cuda_dev.py, imported only when chosen) puts the
+backends use; ``CudaDevice`` (kernels/cuda/device.py, imported only when chosen) puts the
 arena on the GPU.
 
 Selection: a bundle whose nodes were planned for cuda runs on the GPU when one is
@@ -109,7 +109,7 @@ def select_device(
     want = device or ("cuda" if require_gpu else planned_device(manifest))
     if want == "cpu":
         return HostDevice()
-    from ..kernels import cuda_dev  # numba.cuda/cupy themselves load only if usable
+    from ..kernels.cuda import device as cuda_dev  # numba.cuda/cupy themselves load only if usable
 
     ok, why = cuda_dev.probe()
     if ok:

@@ -12,7 +12,7 @@ _limiter = None
 
 def set_threads(n: int | None) -> int | None:
     """Use ``n`` threads (None: leave the defaults). Returns the count in force, if known."""
-    from ..kernels.native import K
+    from ..kernels.cpu.native import K
 
     global _limiter
     if K.build == "jit":
@@ -22,7 +22,7 @@ def set_threads(n: int | None) -> int | None:
             return numba.get_num_threads()
         n = min(n, numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(n)
-        from ..kernels.native import note_threads
+        from ..kernels.cpu.native import note_threads
 
         note_threads(n)
     if n is None:

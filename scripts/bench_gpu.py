@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "gpu.md")
     a = p.parse_args(argv)
 
-    from edgepack.kernels.cuda_dev import probe
+    from edgepack.kernels.cuda.device import probe
 
     ok, why = probe()
     if not ok:

@@ -14,7 +14,7 @@ import time
 
 import numba
 import numpy as np
-from edgepack.kernels import cpu_numba as K
+from edgepack.kernels.cpu import kernels as K
 from edgepack.packager.quantize import quantize_int8
 from numba import njit, prange
 

@@ -41,7 +41,7 @@ SHAPES = [
 
 def _planar_choice(c: int, oh: int, ow: int, s: int):
     """(kernel name, planes shape or None), as the CPU backend binds the layer."""
-    from edgepack.kernels import backend_cpu
+    from edgepack.kernels.cpu import backend as backend_cpu
 
     attrs = {"strides": [s, s], "pads": [1, 1, 1, 1], "dilations": [1, 1]}
     return backend_cpu._dw_planes((c, 1, 3, 3), (1, c, oh, ow), attrs) or ("dwconv", None)
@@ -50,9 +50,9 @@ def _planar_choice(c: int, oh: int, ow: int, s: int):
 def make_layer(c: int, side: int, s: int, int8: bool, rng: np.random.Generator):
     """(planar step, nhwc step, planar out, nhwc out, planar kernel name, planar input,
     nhwc input)."""
-    from edgepack.kernels import cpu_nhwc as N
-    from edgepack.kernels import cpu_numba as K
-    from edgepack.kernels.cpu_abi import HAS_BIAS, HAS_SCALE
+    from edgepack.kernels.cpu import kernels as K
+    from edgepack.kernels.cpu import nhwc as N
+    from edgepack.kernels.flags import HAS_BIAS, HAS_SCALE
 
     oh = ow = (side + 2 - 3) // s + 1
     x = rng.standard_normal((c, side, side)).astype(np.float32)

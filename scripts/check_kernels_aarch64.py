@@ -294,7 +294,7 @@ def _shard_keys(keys: list[tuple[str, str, str]], shard: int, n: int) -> list:
 def _specialisations() -> int:
     from numba.core.registry import CPUDispatcher
 
-    mod = sys.modules.get("edgepack.kernels.cpu_numba")
+    mod = sys.modules.get("edgepack.kernels.cpu.kernels")
     if mod is None:
         return 0
     return sum(len(d.signatures) for d in vars(mod).values() if isinstance(d, CPUDispatcher))
@@ -314,7 +314,8 @@ def inner_main(args: argparse.Namespace) -> int:
     from edgepack.kernels import registry
     from numba.core.registry import cpu_target
 
-    kbuild = getattr(getattr(sys.modules.get("edgepack.kernels.native"), "K", None), "build", "jit")
+    native = sys.modules.get("edgepack.kernels.cpu.native")
+    kbuild = getattr(getattr(native, "K", None), "build", "jit")
     cg = cpu_target.target_context.codegen()
     tm_cpu, tm_features = cg._get_host_cpu_name(), cg._get_host_cpu_features()
     if shard == 0:

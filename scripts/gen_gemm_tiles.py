@@ -1,4 +1,4 @@
-"""Write kernels/gemm_tiles.py: the register-tiled GEMM kernels, one set per tile shape.
+"""Write kernels/cpu/gemm_tiles.py: the register-tiled GEMM kernels, one set per tile shape.
 
 A micro-kernel keeps MR x NV accumulator vectors in registers for the whole reduction,
 so each one must be a separate named variable: numba has no register arrays. Writing
@@ -6,7 +6,7 @@ so each one must be a separate named variable: numba has no register arrays. Wri
 is committed (the AOT build and numba's cache need a real source file), and
 tests/test_gemm_tiles.py checks that it matches this script.
 
-    python scripts/gen_gemm_tiles.py          # rewrite kernels/gemm_tiles.py
+    python scripts/gen_gemm_tiles.py          # rewrite kernels/cpu/gemm_tiles.py
     python scripts/gen_gemm_tiles.py --check  # exit 1 if it is out of date
 """
 
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "kernels" / "gemm_tiles.py"
+OUT = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "gemm_tiles.py"
 
 MR = 6  # rows of the output tile (output channels): 6 broadcasts per reduction step
 # (lanes, vectors across): the shapes simd.lanes_for picks per ISA
@@ -69,8 +69,9 @@ Tile shapes (lanes x vectors): {", ".join(f"{lanes}x{nv}" for lanes, nv in CONFI
 import numpy as np
 from numba import njit, prange
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
-from .cpu_numba import (
+from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
+from ..layout import PANEL
+from .kernels import (
     act_row,
     act_scalar,
     half_to_f32,

@@ -1,4 +1,4 @@
-"""Channels-last CPU kernels (kernels/cpu_nhwc.py) against the NumPy reference.
+"""Channels-last CPU kernels (kernels/cpu/nhwc.py) against the NumPy reference.
 
 The reference runs on NCHW data; inputs are transposed to NHWC for the kernel and
 its output transposed back. Each buffer the kernel sees sits inside a larger one
@@ -13,14 +13,14 @@ import zlib
 
 import numpy as np
 import pytest
-from edgepack.kernels import reference as R
 from edgepack.kernels.activations import ACTIVATIONS
-from edgepack.kernels.cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
-from edgepack.kernels.native import gemm_shape
+from edgepack.kernels.cpu.native import gemm_shape
+from edgepack.kernels.flags import HAS_BIAS, HAS_RES, HAS_SCALE
+from edgepack.kernels.ref import reference as R
 
 pytestmark = pytest.mark.cpu
 
-N = pytest.importorskip("edgepack.kernels.cpu_nhwc")
+N = pytest.importorskip("edgepack.kernels.cpu.nhwc")
 
 F32 = np.float32
 GUARD = 64  # elements of guard band on each side of a buffer
@@ -164,7 +164,7 @@ def _dw_inputs(cfg: dict, rng: np.random.Generator):
 
 
 def _dw3(shape: str):
-    from edgepack.kernels import gemm_tiles
+    from edgepack.kernels.cpu import gemm_tiles
 
     return getattr(gemm_tiles, f"dw3_{shape}")
 
@@ -311,7 +311,7 @@ def test_global_avgpool_nhwc(c: int, hw: tuple[int, int]) -> None:
     _check_guards(out)
     np.testing.assert_allclose(out.reshape(want.shape), want, rtol=1e-5, atol=1e-6)
     # the same sums in the same order as the planar kernel: the same bits
-    from edgepack.kernels import cpu_numba as K
+    from edgepack.kernels.cpu import kernels as K
 
     planar = np.empty(c, F32)
     K.global_avgpool(np.ascontiguousarray(x.reshape(c, -1)), planar)

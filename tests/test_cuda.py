@@ -298,11 +298,11 @@ def test_cuda_stub_carries_cupy_for_the_device_cuda():
     assert cuda_packages(load_target("jetson-xavier-nx"))[0] == "cupy-cuda11x"
     assert cuda_packages(load_target("rpi5")) == []
     hidden, excludes = stub_modules(load_target("jetson-orin-nano"))
-    assert {"cupy", "numba.cuda", "edgepack.kernels.cuda_kernels"} <= set(hidden)
+    assert {"cupy", "numba.cuda", "edgepack.kernels.cuda.kernels"} <= set(hidden)
     assert "numba" not in excludes and "llvmlite" not in excludes
     hidden, excludes = stub_modules(load_target("rpi5"))
     assert "cupy" not in hidden and excludes == EXCLUDES
-    assert "edgepack.kernels.backend_cuda" in hidden  # registration only, no GPU code
+    assert "edgepack.kernels.cuda.backend" in hidden  # registration only, no GPU code
 
 
 def test_gpu_scripts_exit_cleanly_without_a_gpu(tmp_path):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from edgepack.kernels import layout, registry, wtypes
-from edgepack.kernels import reference as R
 from edgepack.kernels.activations import ACTIVATIONS
+from edgepack.kernels.ref import reference as R
 from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import _pool_out
 
@@ -851,7 +851,7 @@ class DevMem:
     ``dev`` (NumPy under the simulator, cupy on a GPU); weights uploaded once."""
 
     def __init__(self) -> None:
-        from edgepack.kernels.cuda_dev import dev
+        from edgepack.kernels.cuda.device import dev
 
         self.d = dev()
 
@@ -964,7 +964,7 @@ _BAND_CASES = [
 def test_cpu_conv_in_bands_of_rows(monkeypatch, dt: str, case: Case) -> None:
     """im2col + GEMM in bands of output rows (as big images run), the last band shorter:
     small band limits split the test images into bands of a few rows."""
-    from edgepack.kernels import backend_cpu
+    from edgepack.kernels.cpu import backend as backend_cpu
 
     monkeypatch.setattr(backend_cpu, "BAND_BYTES", 2600)
     monkeypatch.setattr(backend_cpu, "MIN_BAND_COLS", 4)

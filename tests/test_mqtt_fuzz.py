@@ -115,7 +115,7 @@ def fuzz_cases(n: int, seed: int, x: np.ndarray) -> list[dict]:
 
 
 def codec_dtype(short: str):
-    from edgepack.runtime.agent_codec import DTYPES
+    from edgepack.runtime.serve.codec import DTYPES
 
     return DTYPES[short]
 

@@ -13,10 +13,8 @@ import zipfile
 import numpy as np
 import pytest
 from conftest import DATA, pack
-from edgepack.runtime import agent_codec as codec
-from edgepack.runtime.agent_sched import Job, Scheduler
-from edgepack.runtime.agent_store import ReplyStore
-from edgepack.runtime.protocol import (
+from edgepack.runtime.serve import codec
+from edgepack.runtime.serve.protocol import (
     Props,
     ProtocolError,
     Reply,
@@ -27,6 +25,8 @@ from edgepack.runtime.protocol import (
     parse_reply,
     render,
 )
+from edgepack.runtime.serve.sched import Job, Scheduler
+from edgepack.runtime.serve.store import ReplyStore
 
 F32 = {"image": np.dtype("<f4")}
 LIMIT = 1 << 20
@@ -283,7 +283,7 @@ def test_batched_scheduler_matches_session_row_by_row(digits_b4):
 
 
 def test_scheduler_rejects_bad_shapes(digits_b4):
-    from edgepack.runtime.agent_sched import BadInput
+    from edgepack.runtime.serve.sched import BadInput
     from edgepack.runtime.session import Session
 
     h = Harness(Session(digits_b4, threads=1))
@@ -333,7 +333,7 @@ def test_reply_store_dedups_and_forgets_transient_errors():
 
 
 def test_packed_properties_read_back_by_paho():
-    from edgepack.runtime.agent_conn import PackedProps
+    from edgepack.runtime.serve.conn import PackedProps
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 

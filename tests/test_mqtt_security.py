@@ -17,7 +17,7 @@ import mqtt_broker as mb
 import numpy as np
 import pytest
 from conftest import load
-from edgepack.runtime.agent_conn import ConnectError
+from edgepack.runtime.serve.conn import ConnectError
 
 from edgepack.client import Client
 

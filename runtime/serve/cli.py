@@ -70,7 +70,7 @@ def add_broker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def broker_config(a: argparse.Namespace):
-    from .agent_conn import BrokerConfig
+    from .conn import BrokerConfig
 
     return BrokerConfig.from_url(
         a.broker,
@@ -186,13 +186,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         level=getattr(logging, a.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from ..cli_io import open_session  # the bundle resolution of run/info/bench
     from .agent import Agent, AgentConfig, default_device_id
-    from .agent_conn import ConnectError
+    from .conn import ConnectError
     from .protocol import NAME_RE
 
     broker = broker_config(a)
     device = a.device or default_device_id()
-    session = _open_session(a)
+    session = open_session(a)
     model = a.model or _model_name(session, a.bundle)
     for value, what in ((device, "--device"), (model, "--model"), (a.group, "--group")):
         if not NAME_RE.match(value):
@@ -243,14 +244,3 @@ def cmd_serve(a: argparse.Namespace) -> int:
     agent.serve_forever(stop)
     agent.shutdown()
     return 0
-
-
-def _open_session(a: argparse.Namespace):
-    """The same bundle resolution as run/info/bench (paths, executables, signatures)."""
-    from . import cli
-
-    if hasattr(cli, "_session"):
-        return cli._session(a)
-    from .session import Session
-
-    return Session(a.bundle, threads=a.threads)

@@ -12,12 +12,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import layout
-from .activations import apply_act_ref
-from .mbconv import parts as mbconv_parts
-from .ops import args, role
-from .winograd import untransform_weights
-from .wtypes import DEQUANTIZE, bf16_to_f32, channel_scaled, of_array
+from .. import layout
+from ..activations import apply_act_ref
+from ..mbconv import parts as mbconv_parts
+from ..ops import args, role
+from ..winograd import untransform_weights
+from ..wtypes import DEQUANTIZE, bf16_to_f32, channel_scaled, of_array
 
 Array = np.ndarray
 RefFn = Callable[[Sequence[Array | None], dict], Array]

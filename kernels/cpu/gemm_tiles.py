@@ -30,8 +30,9 @@ Tile shapes (lanes x vectors): 16x4, 8x2, 4x2, 4x4.
 import numpy as np
 from numba import njit, prange
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE, PANEL, PER_COL
-from .cpu_numba import (
+from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
+from ..layout import PANEL
+from .kernels import (
     act_row,
     act_scalar,
     half_to_f32,

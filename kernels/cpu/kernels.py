@@ -2,7 +2,7 @@
 
 Conventions: activations are float32 and C-contiguous; optional inputs are passed as
 1-element (or 1x1) dummy arrays plus a bit in ``flags`` so that every call has one
-type signature (cpu_abi.py lists them for the ahead-of-time build).
+type signature (kernels/cpu/abi.py lists them for the ahead-of-time build).
 
 No ``fastmath``: without reassociation or FMA contraction every element is computed
 in the same order whatever the vector width, so the JIT build, the AOT build shipped
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
+from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 
 
 @njit(inline="always")

@@ -1,6 +1,6 @@
 """The edgepack MQTT job protocol, version 1 (specified in docs/protocol.md).
 
-Shared by the agent (``runtime/agent.py``) and the client (``edgepack/client.py``):
+Shared by the agent (``runtime/serve/agent.py``) and the client (``edgepack/client.py``):
 topic names, error codes, MQTT v5 user-property names, parsing a job message into a
 ``JobRequest`` and rendering/parsing replies. No paho import here: properties arrive as
 a plain ``Props`` so this module is testable without a broker.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .agent_codec import (
+from .codec import (
     BINARY_TYPES,
     CT_JSON,
     CT_NPY,

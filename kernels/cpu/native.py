@@ -2,7 +2,7 @@
 
 ``EDGEPACK_KERNELS`` = ``auto`` (default: the AOT module when it can be imported,
 as in frozen device executables, else JIT), ``aot`` (require it) or ``jit``.
-Both builds come from the same source (cpu_numba.py) and give bit-identical results.
+Both builds come from the same source (kernels/cpu/kernels.py) and give bit-identical results.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .cpu_abi import AOT_MODULE, GEMM_TILE_KERNELS, HAS_BIAS, HAS_RES, HAS_SCALE
+from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
+from .abi import AOT_MODULE, GEMM_TILE_KERNELS
 
 
 def _aot_namespace(mod) -> SimpleNamespace:
@@ -50,7 +51,9 @@ def load_kernels() -> SimpleNamespace:
     # each made ResNet-18 take 188 ms instead of 60 (scripts/bench_cnn.py, 2 threads):
     # idle OpenMP threads must sleep. Read when numba first loads its OpenMP pool.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from . import cpu_nhwc, cpu_numba, gemm_tiles
+    from . import gemm_tiles
+    from . import kernels as cpu_numba
+    from . import nhwc as cpu_nhwc
 
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
     names.update({k: getattr(cpu_nhwc, k) for k in dir(cpu_nhwc) if k.endswith("_nhwc")})

@@ -15,16 +15,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import layout, mbconv, winograd, wtypes
-from .binding import act_args as _act
-from .binding import epilogue_flags as _flags
-from .binding import nbytes as _nbytes
-from .binding import up64
-from .cpu_abi import GEMM_XP_FLOATS, PANEL, PER_COL
-from .decoded import decoded
+from .. import layout, mbconv, winograd, wtypes
+from ..binding import act_args as _act
+from ..binding import epilogue_flags as _flags
+from ..binding import nbytes as _nbytes
+from ..binding import up64
+from ..decoded import decoded
+from ..flags import PER_COL
+from ..layout import PANEL
+from ..ops import args as _args
+from ..registry import Bound, Kernel, Spec, register
+from .abi import GEMM_XP_FLOATS
 from .native import K, kernel_threads, resolved
-from .ops import args as _args
-from .registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
 # An absent bias or scale, read-only like the bundle's own: one more array type per
@@ -868,7 +870,7 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
 def _with_cuda_room(op: str, scratch):
     """A channels-last node's scratch, at least what the cuda kernel takes for it: a
     cpu-planned bundle also runs with --device cuda (kernels/layout.adapt there)."""
-    from .registry import KERNELS
+    from ..registry import KERNELS
 
     def need(ins, outs, attrs) -> int:
         own = scratch(ins, outs, attrs)

@@ -3,7 +3,7 @@
 Arguments are per image and C-contiguous: x[H, W, C], out[OH, OW, C]. The channel
 axis is the contiguous one, so every inner loop runs over channels with unit stride
 and LLVM vectorises it whatever the stride or dilation of the window (the planar
-kernels need de-interleaving planes at stride 2). As in cpu_numba.py there is no
+kernels need de-interleaving planes at stride 2). As in kernels/cpu/kernels.py there is no
 ``fastmath``: channels are independent, so nothing is reassociated and the results do
 not depend on the vector width.
 
@@ -32,8 +32,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
-from .cpu_numba import act_row, valid_cols
+from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
+from .kernels import act_row, valid_cols
 
 _INF = np.float32(np.inf)
 

@@ -2,7 +2,7 @@
 
 Bind functions receive device arrays (``xp`` arrays: cupy on a GPU, NumPy under the
 numba CUDA simulator), already in the device arena; weights were uploaded once by the
-executor's device (kernels/cuda_dev.py). Binding wraps every argument for numba and
+executor's device (kernels/cuda/device.py). Binding wraps every argument for numba and
 configures every launch, so a step is a few kernel calls and nothing else.
 
 Design per op (same split as the cpu backend, so scratch sizes line up):
@@ -31,26 +31,26 @@ from typing import Any
 
 import numpy as np
 
-from . import layout, mbconv, winograd, wtypes
-from .binding import act_args as _act
-from .binding import epilogue_flags as _flags
-from .binding import nbytes as _nbytes
-from .decoded import decoded
-from .ops import args as _args
-from .registry import Bound, Kernel, Spec, register
+from .. import layout, mbconv, winograd, wtypes
+from ..binding import act_args as _act
+from ..binding import epilogue_flags as _flags
+from ..binding import nbytes as _nbytes
+from ..decoded import decoded
+from ..ops import args as _args
+from ..registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
 MAX_RANK = 6  # the strided kernels index 6-D views
 
 
 def _k():
-    from . import cuda_kernels
+    from . import kernels as cuda_kernels
 
     return cuda_kernels
 
 
 def _d():
-    from .cuda_dev import dev
+    from .device import dev
 
     return dev()
 

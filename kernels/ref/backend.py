@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..registry import WEIGHT_OPS, Bound, Kernel, register
+from ..wtypes import ROWS
 from .reference import REFERENCE, node_weights
-from .registry import WEIGHT_OPS, Bound, Kernel, register
-from .wtypes import ROWS
 
 
 def _bind_ref(op: str, dt: str):

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kernels.registry import DTYPES
-from .executor import Executor
+from ...kernels.registry import DTYPES
+from ..executor import Executor
 
 log = logging.getLogger("edgepack.agent")
 

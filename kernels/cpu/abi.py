@@ -1,6 +1,6 @@
 """The calling convention of the CPU kernels, shared by the JIT and AOT builds.
 
-The same kernel source (cpu_numba.py) runs two ways: JIT-compiled by numba in a
+The same kernel source (kernels/cpu/kernels.py) runs two ways: JIT-compiled by numba in a
 development install, or compiled ahead of time into a plain extension module
 (``edgepack_kernels``) that frozen device executables ship, so a device never
 needs numba or LLVM. AOT exports have exactly one signature each, listed here;
@@ -9,16 +9,9 @@ kernels taking weights of several dtypes get one export per dtype.
 
 from __future__ import annotations
 
-HAS_BIAS, HAS_SCALE, HAS_RES = 1, 2, 4
-# The GEMM's bias and scale run along its columns (channels-last convs: rows are
-# pixels, columns output channels) instead of its rows.
-PER_COL = 8
 # Floats per worker slot of the GEMM's packed-column buffer (gemm_tiles.py): 256 KB,
 # half an L2. Here, not in gemm_tiles, because planning scratch must not import numba.
 GEMM_XP_FLOATS = 65536
-# Columns per panel of pre-packed GEMM weights (kernels/layout.py to_panels): a
-# multiple of every tile shape's width (64 for AVX-512, 16 for AVX2 and NEON, 8 for SSE).
-PANEL = 64
 
 AOT_MODULE = "edgepack_kernels"
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
@@ -51,9 +44,9 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "maxpool": ("maxpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "avgpool": ("avgpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 9))),
         "global_avgpool": ("global_avgpool", v(arr(f4, 2), arr(f4, 1))),
-        "maxpool_nhwc": ("cpu_nhwc.maxpool_nhwc", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
-        "global_avgpool_nhwc": ("cpu_nhwc.global_avgpool_nhwc", v(arr(f4, 2), arr(f4, 1))),
-        "pad_nhwc": ("cpu_nhwc.pad_nhwc", v(arr(f4, 3), arr(f4, 3), i8, i8)),
+        "maxpool_nhwc": ("nhwc.maxpool_nhwc", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
+        "global_avgpool_nhwc": ("nhwc.global_avgpool_nhwc", v(arr(f4, 2), arr(f4, 1))),
+        "pad_nhwc": ("nhwc.pad_nhwc", v(arr(f4, 3), arr(f4, 3), i8, i8)),
         "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3))),
         "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),
@@ -95,7 +88,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         dwconv_sig = v(
             arr(f4, 3), arr(wdt, 4, ro=True), w1, w1, arr(f4, 3), arr(f4, 3), *([i8] * 8), f4, f4
         )
-        for kern in ("dwconv", "cpu_nhwc.dwconv_nhwc"):  # planar, channels-last
+        for kern in ("dwconv", "nhwc.dwconv_nhwc"):  # planar, channels-last
             sigs[f"{kern.rpartition('.')[2]}_{name}"] = (kern, dwconv_sig)
         sigs[f"dw3_{name}"] = (f"gemm_tiles.dw3_{gemm_shape}", dwconv_sig)  # 3x3, vectors
     # every per-shape kernel is exported (dw3 once per weight dtype)

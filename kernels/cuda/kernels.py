@@ -10,7 +10,7 @@ Arithmetic is float32 (literals wrapped in ``f32``) because Jetson GPUs run floa
 1/32 of the float32 rate; reductions whose length is data-dependent (softmax, means)
 accumulate in float64, which costs nothing measurable at their sizes.
 
-Epilogue flag bits match ``kernels/native.py``'s ``K.HAS_*`` (bias 1, scale 2, residual 4).
+Epilogue flag bits match ``kernels/cpu/native.py``'s ``K.HAS_*`` (bias 1, scale 2, residual 4).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 
 from numba import cuda, float32, float64, int64
 
-from .cpu_abi import HAS_BIAS, HAS_RES, HAS_SCALE
+from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 
 f32 = float32
 

@@ -30,14 +30,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .. import __version__
-from .agent_blobs import BlobFetcher
-from .agent_codec import CodecError
-from .agent_conn import BrokerConfig, Connection, props_of
-from .agent_metrics import Metrics
-from .agent_sched import BadInput, Job, Scheduler
-from .agent_store import ReplyStore
-from .executor import Executor
+from ... import __version__
+from ..executor import Executor
+from ..threads import set_threads
+from .blobs import BlobFetcher
+from .codec import CodecError
+from .conn import BrokerConfig, Connection, props_of
+from .metrics import Metrics
 from .protocol import (
     PROTOCOL_VERSION,
     RETRYABLE,
@@ -59,7 +58,8 @@ from .protocol import (
     shared_subscription,
     status_topic,
 )
-from .threads import set_threads
+from .sched import BadInput, Job, Scheduler
+from .store import ReplyStore
 
 log = logging.getLogger("edgepack.agent")
 
@@ -112,7 +112,7 @@ class Agent:
             inline_max_s=cfg.inline_max_ms / 1e3,
             run_estimate_s=run_s,
         )
-        from ..kernels.registry import DTYPES
+        from ...kernels.registry import DTYPES
 
         self.input_dtypes = {t["name"]: DTYPES[t["dtype"]] for t in session.inputs}
         self.store = ReplyStore(cfg.dedup_entries, cfg.dedup_bytes, cfg.dedup_ttl)
@@ -167,7 +167,7 @@ class Agent:
         loading or compiling kernels); returns the time of a warm run in seconds."""
         import numpy as np
 
-        from ..kernels.registry import DTYPES
+        from ...kernels.registry import DTYPES
 
         set_threads(self.cfg.threads)
         feeds = {t["name"]: np.zeros(t["shape"], DTYPES[t["dtype"]]) for t in self.session.inputs}
