@@ -285,15 +285,26 @@ def runtime_sources_digest() -> str:
     """sha256 (16 hex digits) of the device-side sources a stub freezes (runtime/ and
     kernels/). The stub cache is keyed by version only, and a stub frozen from other
     sources may lack kernels that this packager plans for (it would fail at load)."""
+    h = hashlib.sha256()
+    for rel, f in _device_sources():
+        h.update(f"{rel}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _device_sources() -> list[tuple[str, Path]]:
+    """(path under edgepack/, file) of every source of the device runtime: runtime/ and
+    kernels/ with their subpackages (runtime/serve, kernels/cpu...), sorted."""
     from .. import kernels, runtime
 
-    h = hashlib.sha256()
+    out = []
     for mod in (runtime, kernels):
+        root = Path(mod.__file__).parent
         pkg = mod.__name__.rsplit(".", 1)[1]
-        for f in sorted(Path(mod.__file__).parent.glob("*.py")):
-            h.update(f"{pkg}/{f.name}\0".encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+        for f in root.rglob("*.py"):
+            if "__pycache__" not in f.parts:
+                out.append((f"{pkg}/{f.relative_to(root).as_posix()}", f))
+    return sorted(out)
 
 
 def check_stub(path: str | Path, target: Target) -> dict:
@@ -380,16 +391,12 @@ def _stage_runtime_sources(dst: Path) -> Path:
     mapping, and staging only runtime/ and kernels/ also keeps the packager out."""
     import edgepack
 
-    from .. import kernels, runtime
-
     pkg = dst / "edgepack"
     pkg.mkdir(parents=True)
     shutil.copy(Path(edgepack.__file__), pkg / "__init__.py")
-    for mod in (runtime, kernels):
-        sub = pkg / mod.__name__.rsplit(".", 1)[1]
-        sub.mkdir()
-        for f in Path(mod.__file__).parent.glob("*.py"):
-            shutil.copy(f, sub / f.name)
+    for rel, f in _device_sources():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, pkg / rel)
     return dst
 
 
