@@ -29,10 +29,35 @@ ScratchFn = Callable[[Sequence["Spec | None"], Sequence[tuple[int, ...]], dict],
 # dtype key -> numpy storage dtype: the rows of the weight-type table.
 DTYPES: dict[str, np.dtype] = {r.name: r.storage for r in ROWS}
 WEIGHT_OPS = ops.WEIGHT_OPS  # ops whose kernels are keyed by their weight's type
-# Backend -> the module that registers its kernels on import (relative to this package):
-# a table, so the registry imports no backend and no backend knows another.
-BACKEND_MODULES = {"ref": ".ref.backend", "cpu": ".cpu.backend", "cuda": ".cuda.backend"}
-BACKENDS = tuple(BACKEND_MODULES)
+@dataclass(frozen=True)
+class Backend:
+    """What the packager needs to know about a backend before binding anything."""
+
+    module: str  # registers its kernels on import (relative to this package)
+    host: bool  # computes in host memory (a fallback for a device backend's nodes)
+    # Graph passes the packager runs when this backend is a target's first choice
+    # (each pass's module says why, with its measurement): Winograd convs, channels-
+    # last regions, GEMM weight panels, banded pointwise-depthwise-pointwise chains.
+    passes: tuple[str, ...] = ()
+
+
+# One row per backend, in host fallback order (cpu before ref): a table, so the
+# registry imports no backend and no backend knows another.
+BACKEND_TABLE: dict[str, Backend] = {
+    "cpu": Backend(".cpu.backend", True, ("winograd", "channels_last", "panels", "chains")),
+    "ref": Backend(".ref.backend", True),
+    "cuda": Backend(".cuda.backend", False),
+}
+BACKENDS = tuple(BACKEND_TABLE)
+HOST_BACKENDS = tuple(b for b, row in BACKEND_TABLE.items() if row.host)
+PASSES = ("winograd", "channels_last", "panels", "chains")
+assert all(set(row.passes) <= set(PASSES) for row in BACKEND_TABLE.values())
+
+
+def wants(backends: Sequence[str], graph_pass: str) -> bool:
+    """Whether the packager runs ``graph_pass`` for a target preferring ``backends``."""
+    assert graph_pass in PASSES, graph_pass
+    return bool(backends) and graph_pass in BACKEND_TABLE[backends[0]].passes
 
 
 def _no_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
@@ -98,5 +123,5 @@ def _load_backends() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        for module in BACKEND_MODULES.values():
-            importlib.import_module(module, __package__)
+        for row in BACKEND_TABLE.values():
+            importlib.import_module(row.module, __package__)

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import __version__
 from ..kernels.ops import WEIGHT_OPS
+from ..kernels.registry import wants
 from ..kernels.wtypes import DEFAULT_GROUP, by_quant
 from ..runtime.errortable import format_error_table
 from ..runtime.executor import Executor
@@ -98,7 +99,7 @@ def _layouts(g: Graph, backends: Sequence[str], layout: str) -> tuple[int, int, 
     """The layout passes, in order (each counts what it changed): channels-last
     regions, weight panels for their convs, then banded chains."""
     n_last = choose_layouts(g, backends, layout)
-    n_panels = pack_panels(g)
+    n_panels = pack_panels(g) if wants(backends, "panels") else 0
     return n_last, fuse_mbconv(g, backends), n_panels
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..kernels.registry import wants
 from ..kernels.winograd import transform_weights
 from .ir import Graph, Node
 
@@ -54,12 +55,13 @@ def winograd_tile(node: Node, g: Graph) -> int | None:
 def choose_conv_algorithms(g: Graph, backends: Sequence[str], algo: str = "auto") -> int:
     """Rewrite eligible convs as ``conv_wino`` in place; returns how many were rewritten.
 
-    Only when the CPU backend is the target's first choice: the CUDA path keeps plain
+    Only when the target's first backend asks for the pass (kernels/registry.py's
+    backend table: the cpu backend does): the CUDA path keeps plain
     convs, and ``algo="direct"`` keeps every conv as imported.
     """
     if algo not in CONV_ALGOS:
         raise ValueError(f"conv algorithm {algo!r}; choose from {', '.join(CONV_ALGOS)}")
-    if algo == "direct" or not backends or backends[0] != "cpu":
+    if algo == "direct" or not wants(backends, "winograd"):
         return 0
     n = 0
     for node in g.nodes:

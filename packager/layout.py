@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..kernels import layout as L
+from ..kernels.registry import wants
 from .ir import Graph, Node
 
 LAYOUTS = ("auto", "nchw")
@@ -37,12 +38,13 @@ def _starts(node: Node, g: Graph) -> bool:
 def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> int:
     """Rewrite conv regions channels-last in place; returns how many nodes changed.
 
-    Only when the CPU backend is the target's first choice (the CUDA kernels are
+    Only when the target's first backend asks for the pass (kernels/registry.py's
+    backend table: the cpu backend does; the CUDA kernels are
     channels-first), and never with ``layout="nchw"``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}; choose from {', '.join(LAYOUTS)}")
-    if layout == "nchw" or not backends or backends[0] != "cpu":
+    if layout == "nchw" or not wants(backends, "channels_last"):
         return 0
     last: set[str] = set()  # activations now held channels-last
     to_last: dict[str, str] = {}  # channels-first tensor -> its channels-last copy

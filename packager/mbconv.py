@@ -21,6 +21,7 @@ import numpy as np
 
 from ..kernels import layout as L
 from ..kernels import mbconv as M
+from ..kernels.registry import wants
 from .ir import Graph, Node
 
 # A chain is fused when the tensor it keeps out of memory (the expanded one, or the
@@ -69,7 +70,7 @@ def band_rows(e_shape: Sequence[int], d_shape: Sequence[int], attrs: dict, kh: i
 
 def fuse_mbconv(g: Graph, backends: Sequence[str]) -> int:
     """Fuse the chains that qualify, in place; returns how many."""
-    if not backends or backends[0] != "cpu":
+    if not wants(backends, "chains"):
         return 0
     consumers = g.consumers()
     producer = g.producer()

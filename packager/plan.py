@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kernels.registry import WEIGHT_OPS, choose, node_dtype
+from ..kernels.registry import BACKEND_TABLE, WEIGHT_OPS, choose, node_dtype
 from ..runtime.bundle_format import ALIGN, align_up
 from .ir import Graph, PackError
 
@@ -36,7 +36,7 @@ def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
     """Per node: the first backend in ``backends`` that takes it. A node given to cuda
     also records ``fallback``, the host kernel the runtime binds instead when the device
     has no usable GPU (the plan reserves scratch for both)."""
-    host = [b for b in backends if b != "cuda"]
+    host = [b for b in backends if BACKEND_TABLE[b].host]
     out = {}
     for node in g.nodes:
         wdt = g.wtype(node.input("w")) if node.op in WEIGHT_OPS else "f32"
@@ -48,7 +48,7 @@ def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
                 f"{e.args[0]}; the target cannot run it"
             ) from None
         out[node.name] = {"backend": backend, "dtype": wdt, "name": k.name}
-        if backend == "cuda" and host:
+        if not BACKEND_TABLE[backend].host and host:
             try:
                 fb, fk = choose(node.op, node_dtype(node.op, wdt), node.attrs, host)
             except KeyError:

@@ -26,7 +26,6 @@ from .bundle_format import ALIGN
 log = logging.getLogger("edgepack")
 
 DEVICES = ("cpu", "cuda")
-HOST_BACKENDS = ("cpu", "ref")  # fallback order for a cuda node on the host
 GPU_WEIGHTS = ("upload", "map")
 
 
@@ -122,19 +121,18 @@ def select_device(
     return HostDevice()
 
 
-def node_backend(node: Mapping, device: Device, override: str | None = None) -> str:
-    """The backend a node binds to on ``device``."""
+def node_backend(node: Mapping, device: Device) -> str:
+    """The backend a node binds to on ``device``: the one the bundle records for it, or on
+    the host the fallback it records for a cuda node. Nothing is chosen here."""
     if device.kind == "cuda":
         return "cuda"
     kinfo = node["kernel"]
-    backend = override or kinfo["backend"]
-    if backend != "cuda":
-        return backend
+    if kinfo["backend"] != "cuda":
+        return kinfo["backend"]
     fallback = kinfo.get("fallback")
-    if fallback:
-        return fallback["backend"]
-    # A bundle without recorded fallbacks: the first host backend that takes the node.
-    from ..kernels.registry import choose, node_dtype
-
-    op = node["op"]
-    return choose(op, node_dtype(op, kinfo["dtype"]), node["attrs"], HOST_BACKENDS)[0]
+    if not fallback:
+        raise DeviceError(
+            f"node {node['name']!r} ({node['op']}) was planned for cuda with no host kernel "
+            "recorded (its target lists no host backend): this bundle needs its GPU"
+        )
+    return fallback["backend"]

@@ -26,16 +26,16 @@ class RunError(ValueError):
 class Executor:
     """Binds a manifest (graph + plan) and its weights to one arena.
 
-    ``backend`` overrides the kernels chosen at pack time (``None`` keeps them; a host
-    backend implies ``device="cpu"``). ``device`` is a ``Device`` (shared, e.g. by the
-    agent's workers) or a name for ``select_device`` (``None``: as planned).
+    Each node binds the kernel the bundle records for it (runtime/device.py's
+    ``node_backend``; nothing is chosen again here). ``device`` is a ``Device``
+    (shared, e.g. by the agent's workers) or a name for ``select_device`` (``None``: as
+    planned).
     """
 
     def __init__(
         self,
         manifest: Mapping,
         weights: Mapping[str, np.ndarray],
-        backend: str | None = None,
         device: Device | str | None = None,
         require_gpu: bool = False,
         gpu_weights: str = "upload",
@@ -44,13 +44,9 @@ class Executor:
         self.graph = g
         self.inputs = g["inputs"]
         self.outputs = g["outputs"]
-        if device is None and backend is not None:
-            device = "cuda" if backend == "cuda" else "cpu"
         if device is None or isinstance(device, str):
             device = select_device(manifest, device, require_gpu, gpu_weights)
         self.device: Device = device
-        if device.kind == "cuda":
-            backend = None  # every node binds its cuda kernel
         weights = device.weights(weights)
         arena_bytes = int(plan["arena_bytes"])
         self.arena = device.arena(arena_bytes)
@@ -70,7 +66,7 @@ class Executor:
             outs = [self.views[n] for n in node["outputs"]]
             kinfo = node["kernel"]
             wdt = kinfo["dtype"]
-            bname = node_backend(node, device, backend)
+            bname = node_backend(node, device)
             kern = lookup(node["op"], node_dtype(node["op"], wdt), bname)
             off, planned = plan["scratch"].get(node["name"], (0, 0))
             specs = [

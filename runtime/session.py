@@ -35,7 +35,6 @@ class Session:
         self,
         path: str | os.PathLike | Located,
         threads: int | None = None,
-        backend: str | None = None,
         require_signature: bytes | None = None,
         verify_weights: bool = True,
         device: str | None = None,
@@ -52,7 +51,6 @@ class Session:
         self.executor = Executor(
             self.manifest,
             self.bundle.weights,
-            backend=backend,
             device=device,
             require_gpu=require_gpu,
             gpu_weights=gpu_weights,
