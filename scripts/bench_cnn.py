@@ -6,9 +6,11 @@ Engines, all on the same inputs in one run:
     ort-qdq-int8    ONNX Runtime, static QDQ int8 made by ORT's own quantize_static
                     (per-channel int8 weights, uint8 activations) from the calibration
                     inputs that edgepack's int8 build gets through --calib
-    edgepack-fp32   edgepack bundles in each quant mode (int8/fp16 store only the
-    edgepack-fp16   weights that way; activations stay fp32, see docs/quantization.md)
+    edgepack-fp32   edgepack bundles in each quant mode (fp16, bf16, int8 and int4 store
+    edgepack-fp16   only the weights that way; activations stay fp32, see
+    edgepack-bf16   docs/quantization.md)
     edgepack-int8
+    edgepack-int4
 
 Every engine of a config runs in its own worker process (so its peak RSS is its own),
 loads its model once, and is then asked for small rounds of timed runs in turn, so that
@@ -40,16 +42,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Only stdlib and numpy at module level: workers run this file too, and an ORT worker must
-# not pay (in RSS) for numba/onnx/matplotlib that only the parent or edgepack needs.
+# Only stdlib and numpy at module level (and the weight-type table, numpy only): workers
+# run this file too, and an ORT worker must not pay (in RSS) for numba/onnx/matplotlib
+# that only the parent or edgepack needs.
 import numpy as np
+from edgepack.kernels.wtypes import QUANT_MODES
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 DIGITS_ONNX = REPO / "tests" / "data" / "digits_cnn.onnx"
 
 MODELS = ("resnet18", "mobilenet_v2", "digits")
-QUANTS = ("fp32", "fp16", "int8")
+QUANTS = QUANT_MODES  # every --quant mode of the weight-type table (kernels/wtypes.py)
 ORT_FP32, ORT_QDQ = "ort-fp32", "ort-qdq-int8"
 ENGINES = (ORT_FP32, ORT_QDQ) + tuple(f"edgepack-{q}" for q in QUANTS)
 
