@@ -563,8 +563,8 @@ def format_markdown(
     md += ["", "## Method", "",
            "- Engines: ORT fp32; ORT static QDQ int8 (`quant_pre_process`, then "
            "`quantize_static`, QDQ, per-channel QInt8 weights, QUInt8 activations, MinMax); "
-           "edgepack bundles built with `--quant fp32|fp16|int8`. edgepack's int8/fp16 are "
-           "weight-only (activations stay fp32), while ORT QDQ computes in int8.",
+           f"edgepack bundles built with `--quant {'|'.join(QUANTS)}`. edgepack's quantized "
+           "modes are weight-only (activations stay fp32), while ORT QDQ computes in int8.",
            f"- Calibration: one npz of {CALIB_SAMPLES} inputs (seeded standard normal for the "
            "random-weight models, real training images for digits), given to edgepack's "
            "int8 build as `--calib` (where it only measures the error) and to ORT's "
