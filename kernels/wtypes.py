@@ -50,6 +50,10 @@ class WeightType:
     per_element: int = 1  # weights per stored element (2: packed nibbles)
     scale: str = "none"  # "none" | "channel" | "group"
     scale_dtype: np.dtype | None = None
+    # The references: (w float32, group size) -> (stored, scale input or None), and
+    # (stored, scale, logical shape) -> float32 in that shape.
+    quantize: Callable | None = None
+    dequantize: Callable | None = None
     # Ops whose weights this type may store (the quantizer keeps others as before).
     ops: tuple[str, ...] = ("conv", "dwconv", "linear")
     # What consumes it on each backend: a decoder kernel's name in that backend's
@@ -144,13 +148,33 @@ def _q4_dequantize(
     return np.ascontiguousarray(w[:, :k]).reshape(wshape)
 
 
+
+def channel_scaled(w: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """w as float32 times a per-output-channel (axis 0) scale, when there is one."""
+    wf = np.asarray(w).astype(np.float32)
+    if scale is not None:
+        wf = wf * np.asarray(scale).reshape((-1,) + (1,) * (wf.ndim - 1)).astype(np.float32)
+    return wf
+
+
+
 ROWS: tuple[WeightType, ...] = (
-    WeightType("f32", "fp32", np.dtype("<f4"), "F32", describe="float32 weights"),
+    WeightType(
+        "f32",
+        "fp32",
+        np.dtype("<f4"),
+        "F32",
+        quantize=lambda w, group: (np.ascontiguousarray(w, np.float32), None),
+        dequantize=lambda w, s, wshape=None: np.asarray(w, np.float32),
+        describe="float32 weights",
+    ),
     WeightType(
         "f16",
         "fp16",
         np.dtype("<f2"),
         "F16",
+        quantize=lambda w, group: (np.asarray(w).astype(np.float16), None),
+        dequantize=lambda w, s, wshape=None: np.asarray(w).astype(np.float32),
         decoders={"cpu": "decode_f16", "cuda": "decode_f16"},
         max_rel_error=1e-3,
         describe="fp16 weights, fp32 activations",
@@ -160,6 +184,8 @@ ROWS: tuple[WeightType, ...] = (
         "bf16",
         np.dtype("<u2"),
         "BF16",
+        quantize=_bf16_quantize,
+        dequantize=lambda w, s, wshape=None: bf16_to_f32(w),
         decoders={"cpu": "decode_bf16", "cuda": "decode_bf16"},
         max_rel_error=8e-3,
         describe="bfloat16 weights (round to nearest even), fp32 activations",
@@ -171,6 +197,8 @@ ROWS: tuple[WeightType, ...] = (
         "I8",
         scale="channel",
         scale_dtype=np.dtype("<f4"),
+        quantize=_i8_quantize,
+        dequantize=lambda w, s, wshape=None: channel_scaled(w, s),
         decoders={"cpu": "decode_i8", "cuda": "decode_i8"},
         max_rel_error=2e-2,
         describe="int8: symmetric per-output-channel weights, fp32 scales, fp32 activations",
@@ -183,6 +211,8 @@ ROWS: tuple[WeightType, ...] = (
         per_element=2,
         scale="group",
         scale_dtype=np.dtype("<f2"),
+        quantize=_q4_quantize,
+        dequantize=_q4_dequantize,
         ops=("conv", "linear"),
         decoders={"cpu": "own", "cuda": "own"},
         max_rel_error=0.15,
@@ -193,38 +223,14 @@ ROWS: tuple[WeightType, ...] = (
 WTYPES: dict[str, WeightType] = {r.name: r for r in ROWS}
 QUANT_MODES: tuple[str, ...] = tuple(r.quant for r in ROWS if r.quant)
 BY_QUANT: dict[str, WeightType] = {r.quant: r for r in ROWS if r.quant}
-
-# The quantize / dequantize references per row: (w float32, group) -> (stored, scale);
-# (stored, scale, wshape) -> float32 in the weight's shape (i4: its logical wshape).
-QUANTIZE: dict[str, Callable] = {
-    "f32": lambda w, group: (np.ascontiguousarray(w, np.float32), None),
-    "f16": lambda w, group: (np.asarray(w).astype(np.float16), None),
-    "bf16": _bf16_quantize,
-    "i8": _i8_quantize,
-    "i4": _q4_quantize,
-}
-
-
-def channel_scaled(w: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """w as float32 times a per-output-channel (axis 0) scale, when there is one."""
-    wf = np.asarray(w).astype(np.float32)
-    if scale is not None:
-        wf = wf * np.asarray(scale).reshape((-1,) + (1,) * (wf.ndim - 1)).astype(np.float32)
-    return wf
-
-
-DEQUANTIZE: dict[str, Callable] = {
-    "f32": lambda w, s, wshape=None: np.asarray(w, np.float32),
-    "f16": lambda w, s, wshape=None: np.asarray(w).astype(np.float32),
-    "bf16": lambda w, s, wshape=None: bf16_to_f32(w),
-    "i8": lambda w, s, wshape=None: channel_scaled(w, s),
-    "i4": _q4_dequantize,
-}
+# The rows' references by name (tests and the packager call these).
+QUANTIZE: dict[str, Callable] = {r.name: r.quantize for r in ROWS}
+DEQUANTIZE: dict[str, Callable] = {r.name: r.dequantize for r in ROWS}
 
 # Non-weight tensors a bundle may hold too (scales, tables, padding), by numpy dtype.
 PLAIN_ST: dict[str, str] = {"i32": "I32", "u8": "U8"}
 
-assert set(QUANTIZE) == set(WTYPES) == set(DEQUANTIZE), "every row needs both references"
+assert all(r.quantize and r.dequantize for r in ROWS), "every row needs both references"
 # Block layouts pinned at import (a change here changes every bundle's bytes).
 assert Q4_RUN == 32 and all(g % Q4_RUN == 0 for g in GROUP_SIZES)
 assert WTYPES["i4"].storage.itemsize * 8 == 4 * WTYPES["i4"].per_element

@@ -938,18 +938,14 @@ def _q4_decode(w, scale, dst, rows, cols):
     return lambda: kern(*args)
 
 
-def _slot(scratch, off, shape):
-    return _f32_slot(scratch, off, shape)
-
-
 _q4_conv = decoded(
-    "conv", Kernel("cpu.conv", _bind_conv, _conv_scratch), _q4_decode, _slot, "cpu.conv.i4"
+    "conv", Kernel("cpu.conv", _bind_conv, _conv_scratch), _q4_decode, _f32_slot, "cpu.conv.i4"
 )
 _q4_linear_decoded = decoded(
     "linear",
     Kernel("cpu.linear", _bind_linear, _linear_scratch),
     _q4_decode,
-    _slot,
+    _f32_slot,
     "cpu.linear.i4",
 )
 
