@@ -496,7 +496,7 @@ CASES: dict[str, list[Case]] = {
         linear_case("x3d_n6", (2, 3, 20), 6),
         linear_case("x3d_n9_relu", (2, 3, 20), 9, act="relu"),
         linear_case("m4_k512_n13", (4, 512), 13),
-        linear_case("m12_k70_n9", (12, 70), 9),  # more rows than int4's GEMV takes
+        linear_case("m40_k70_n9", (40, 70), 9),  # more rows than int4's GEMV takes
         linear_case("nobias", (3, 16), 5, bias=False),
         linear_case("nobias_m1", (1, 16), 4, bias=False),
         linear_case("special_weights", (2, 16), 5, special=True),
