@@ -68,4 +68,8 @@ def decoded(op: str, f32_kernel: Kernel, decode: DecodeFn, slot: SlotFn, name: s
 
         return step
 
-    return Kernel(name, bind, scratch, f32_kernel.accepts)
+    def variant(ins, outs, attrs: dict) -> str:
+        inner = f32_kernel.variant(_inner_specs(op, ins, attrs), outs, attrs)
+        return "decode_q4+" + (inner or "f32")
+
+    return Kernel(name, bind, scratch, f32_kernel.accepts, variant)

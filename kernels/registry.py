@@ -64,6 +64,10 @@ def _no_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], att
     return 0
 
 
+def _one_variant(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class Kernel:
     name: str
@@ -72,6 +76,11 @@ class Kernel:
     # Attribute values this kernel handles (e.g. only constant-mode Pad); the
     # packager falls back to the next backend when it says no.
     accepts: Callable[[dict], bool] = lambda attrs: True
+    # Which of its code paths the kernel takes for a node (same arguments as scratch;
+    # "" for a kernel with one). The packager records it in the bundle and the bind
+    # takes the path by this same function, so the runtime can refuse a bundle whose
+    # recorded variant it would not run.
+    variant: ScratchFn = _one_variant
 
 
 KERNELS: dict[tuple[str, str, str], Kernel] = {}

@@ -32,13 +32,27 @@ class Plan:
     storages: list = field(default_factory=list)
 
 
+def _specs(g: Graph, node) -> tuple[list, list]:
+    """(input specs, output shapes) of a node as the kernels' scratch and variant rules
+    take them: (shape, type) per input, None where absent."""
+    specs = [
+        None
+        if not t
+        else ((tuple(g.consts[t].shape), g.wtype(t)) if t in g.consts else (g.shapes[t], "f32"))
+        for t in node.inputs
+    ]
+    return specs, [g.shapes[o] for o in node.outputs]
+
+
 def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
-    """Per node: the first backend in ``backends`` that takes it. A node given to cuda
-    also records ``fallback``, the host kernel the runtime binds instead when the device
-    has no usable GPU (the plan reserves scratch for both)."""
+    """Per node: the first backend in ``backends`` that takes it, and the variant its
+    kernel runs for this node. A node given to cuda also records ``fallback``, the host
+    kernel the runtime binds instead when the device has no usable GPU (the plan
+    reserves scratch for both)."""
     host = [b for b in backends if BACKEND_TABLE[b].host]
     out = {}
     for node in g.nodes:
+        specs, outs = _specs(g, node)
         wdt = g.wtype(node.input("w")) if node.op in WEIGHT_OPS else "f32"
         try:
             backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
@@ -48,12 +62,16 @@ def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
                 f"{e.args[0]}; the target cannot run it"
             ) from None
         out[node.name] = {"backend": backend, "dtype": wdt, "name": k.name}
+        if k.variant(specs, outs, node.attrs):
+            out[node.name]["variant"] = k.variant(specs, outs, node.attrs)
         if not BACKEND_TABLE[backend].host and host:
             try:
                 fb, fk = choose(node.op, node_dtype(node.op, wdt), node.attrs, host)
             except KeyError:
                 continue  # no host kernel: the bundle then needs its GPU
             out[node.name]["fallback"] = {"backend": fb, "name": fk.name}
+            if fk.variant(specs, outs, node.attrs):
+                out[node.name]["fallback"]["variant"] = fk.variant(specs, outs, node.attrs)
     return out
 
 
@@ -67,13 +85,7 @@ def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
         chosen = [kinfo["backend"]]
         if "fallback" in kinfo:
             chosen.append(kinfo["fallback"]["backend"])
-        specs = [
-            None
-            if not t
-            else ((tuple(g.consts[t].shape), g.wtype(t)) if t in g.consts else (g.shapes[t], "f32"))
-            for t in node.inputs
-        ]
-        outs = [g.shapes[o] for o in node.outputs]
+        specs, outs = _specs(g, node)
         # The larger of the kernel and its fallback: either may bind to these bytes.
         need = max(lookup(node.op, dt, b).scratch(specs, outs, node.attrs) for b in chosen)
         if need:

@@ -73,7 +73,17 @@ class Executor:
                 None if a is None else (tuple(a.shape), wspecs.get(n, {}).get("dtype", "f32"))
                 for n, a in zip(node["inputs"], ins)
             ]
-            need = kern.scratch(specs, [o.shape for o in outs], node["attrs"])
+            out_shapes = [o.shape for o in outs]
+            recorded = _recorded(kinfo, bname)
+            if recorded is not None:
+                will = kern.variant(specs, out_shapes, node["attrs"])
+                if will != recorded:
+                    raise RuntimeError(
+                        f"node {node['name']!r}: the bundle records variant {recorded!r} of "
+                        f"{kern.name}, this runtime would run {will!r} (bundle built by "
+                        "another edgepack version: rebuild it)"
+                    )
+            need = kern.scratch(specs, out_shapes, node["attrs"])
             if need > planned:
                 raise RuntimeError(
                     f"node {node['name']!r}: kernel {kern.name} needs {need} B of scratch, "
@@ -158,3 +168,13 @@ class Executor:
             for o in node["outputs"]:
                 trace[o] = dev.to_host(self.views[o])
         return trace
+
+
+def _recorded(kinfo: Mapping, backend: str) -> str | None:
+    """The variant the bundle records for the kernel bound on ``backend`` ("" for a
+    kernel with one), or None when it records none for that backend (a cpu-planned
+    node bound with --device cuda)."""
+    for rec in (kinfo, kinfo.get("fallback") or {}):
+        if rec.get("backend") == backend:
+            return rec.get("variant", "")
+    return None

@@ -122,6 +122,27 @@ def _gemm_operands(w2: np.ndarray, scratch: np.ndarray):
     return w2, decode, xp[: max(1, min(GEMM_SLOTS, kernel_threads()))], off  # a slot a thread
 
 
+def _conv_path(wshape: Sequence[int], x_shape: Sequence[int], out_shape, attrs: dict) -> str:
+    """Which way a conv runs (the bundle records it; the bind takes it): channels-first
+    ``pointwise`` (the input is the GEMM operand) or ``im2col`` (bands of columns);
+    channels-last ``pointwise``, ``window`` (taps read in place), ``padded_window``
+    (from a zero-padded copy) or ``im2row`` (a dilated width: taps copied into rows)."""
+    if not layout.is_nhwc(attrs):
+        return "pointwise" if _is_pointwise(wshape, attrs) else "im2col"
+    _, kh, kw, cg, _ = wshape
+    if _is_pointwise((0, cg, kh, kw), attrs):
+        return "pointwise"
+    if attrs["dilations"][1] != 1:
+        return "im2row"
+    padded = _padded_image(x_shape[1:], (kh, kw), out_shape[1:3], attrs)
+    return "window" if padded is None else "padded_window"
+
+
+def _conv_variant(ins, outs, attrs) -> str:
+    io = _args("conv", ins)
+    return _conv_path(io.w[0], io.x[0], outs[0], attrs)
+
+
 def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], attrs: dict) -> int:
     """Decoded weights plus, channels-first, the GEMM's packing slots and one band of
     im2col columns; channels-last, the zero-padded image its taps are read from (none
@@ -162,7 +183,7 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
     w2, decode, xp, off = _gemm_operands(w.reshape(co, kk), scratch)
-    pointwise = _is_pointwise(w.shape, attrs)
+    pointwise = _conv_path(w.shape, x.shape, y.shape, attrs) == "pointwise"
     band = _band_rows(kk, oh, ow)
     cols_flat = None if pointwise else _f32_slot(scratch, off, (kk * band * ow,))[0]
     bands = []  # (first output row, rows, contiguous columns buffer for them)
@@ -267,10 +288,11 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
         epi = (b_, s_, rb, flags, act, a, b, workers)
         calls.append((fill, (_readonly(rows), rtab, run, nky, wrow, wq, yb, *epi)))
 
-    if _is_pointwise((co, cg, kh, kw), attrs):  # the image itself is the rows operand
+    path = _conv_path(w.shape, x.shape, y.shape, attrs)
+    if path == "pointwise":  # the image itself is the rows operand
         for n in range(n_):
             product(None, x[n].reshape(h * wd, c_), _NOROWS, kk, 1, 0, n, 0, oh * ow)
-    elif dw == 1:
+    elif path in ("window", "padded_window"):
         padded = _padded_image((h, wd, c_), (kh, kw), (oh, ow), attrs)
         pitch = wd if padded is None else padded[1]
         xp = None if padded is None else _f32_slot(scratch, off, padded)[0]
@@ -432,6 +454,20 @@ def _dw_kernel(hwio_shape: Sequence[int]):
     return K.dw3 if tuple(hwio_shape[:2]) == (3, 3) else K.dwconv_nhwc
 
 
+def _dw_path(wshape: Sequence[int], out_shape, attrs: dict) -> str:
+    """Which depthwise kernel runs (the bundle records it; the bind takes it): planar
+    ``dwconv3_flat`` / ``dwconv3_s2`` (the 3x3 special cases) or ``rows``; channels-last
+    ``dw3`` (3x3 in vectors) or ``rows_nhwc``."""
+    if layout.is_nhwc(attrs):
+        return "dw3" if tuple(wshape[:2]) == (3, 3) else "rows_nhwc"
+    special = _dw_planes(wshape, out_shape, attrs)
+    return special[0] if special else "rows"
+
+
+def _dw_variant(ins, outs, attrs) -> str:
+    return _dw_path(_args("dwconv", ins).w[0], outs[0], attrs)
+
+
 def _dw_scratch(ins, outs, attrs) -> int:
     wshape, wdt = _args("dwconv", ins).w
     need = 0 if wdt in _READ_IN_PLACE else _nbytes(wshape)
@@ -450,7 +486,8 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
         wf, off = _f32_slot(scratch, 0, w.shape)
         decode = _decoder(w, wf)
         w = wf
-    special = None if layout.is_nhwc(attrs) else _dw_planes(w.shape, y.shape, attrs)
+    path = _dw_path(w.shape, y.shape, attrs)
+    special = _dw_planes(w.shape, y.shape, attrs) if path.startswith("dwconv3") else None
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
@@ -470,7 +507,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
                 flat(xn, w, b_, s_, rn, yn, planes, flags, act, a, b)
 
         return step_flat
-    kern = _dw_kernel(w.shape) if layout.is_nhwc(attrs) else K.dwconv  # same arguments
+    kern = {"dw3": K.dw3, "rows_nhwc": K.dwconv_nhwc, "rows": K.dwconv}[path]  # same arguments
     calls = []
     for xn, yn, rn in items:
         args = (xn, w, b_, s_, rn, yn, sh, sw, pt, pl, dh, dw, flags, act, a, b)
@@ -486,6 +523,16 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 
 
 # --- linear -----------------------------------------------------------------------
+
+
+def _linear_path(wdt: str) -> str:
+    """``gemv_i8`` (linear_q reads int8 weights), ``blas`` (float32) or ``decode_blas``
+    (fp16/bf16 widened into scratch first)."""
+    return {"i8": "gemv_i8", "f32": "blas"}.get(wdt, "decode_blas")
+
+
+def _linear_variant(ins, outs, attrs) -> str:
+    return _linear_path(_args("linear", ins).w[1])
 
 
 def _linear_scratch(ins, outs, attrs) -> int:
@@ -504,7 +551,8 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
-    if w.dtype == np.int8:
+    path = _linear_path(wtypes.of_array(w))
+    if path == "gemv_i8":
         kern = K.linear_q
 
         def step_q() -> None:
@@ -512,7 +560,7 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
 
         return step_q
     decode = None
-    if w.dtype != F32:
+    if path == "decode_blas":
         wf = _f32_slot(scratch, 0, w.shape)[0]
         decode = _decoder(w, wf)
         w = wf
@@ -882,11 +930,13 @@ def _with_cuda_room(op: str, scratch):
     return need
 
 
-def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
+def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None, variant=None) -> None:
     scratch = scratch or (lambda i, o, a: 0)
     if op in (*layout.LAYOUT_OPS, "mbconv"):  # these binds compute channels-last nodes
         scratch = _with_cuda_room(op, scratch)
     k = Kernel(f"cpu.{op}", bind, scratch, accepts or (lambda a: True))
+    if variant is not None:
+        k = Kernel(k.name, k.bind, k.scratch, k.accepts, variant)
     register(op, dtypes, "cpu", k)
 
 
@@ -900,12 +950,12 @@ def _conv_takes(attrs: dict) -> bool:
     return not layout.is_nhwc(attrs) or (attrs.get("group", 1) == 1 and attrs.get("panel") == PANEL)
 
 
-_cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes)
-_cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
+_cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes, variant=_conv_variant)
+_cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch, variant=_dw_variant)
 _cpu("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
 _cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
-_cpu("linear", _bind_linear, _ALL_W, _linear_scratch)
+_cpu("linear", _bind_linear, _ALL_W, _linear_scratch, variant=_linear_variant)
 _cpu("matmul", _bind_matmul)
 _cpu("binary", _bind_binary)
 _cpu("unary", _bind_unary)
@@ -941,11 +991,15 @@ def _q4_decode(w, scale, dst, rows, cols):
 
 
 _q4_conv = decoded(
-    "conv", Kernel("cpu.conv", _bind_conv, _conv_scratch), _q4_decode, _f32_slot, "cpu.conv.i4"
+    "conv",
+    Kernel("cpu.conv", _bind_conv, _conv_scratch, variant=_conv_variant),
+    _q4_decode,
+    _f32_slot,
+    "cpu.conv.i4",
 )
 _q4_linear_decoded = decoded(
     "linear",
-    Kernel("cpu.linear", _bind_linear, _linear_scratch),
+    Kernel("cpu.linear", _bind_linear, _linear_scratch, variant=_linear_variant),
     _q4_decode,
     _f32_slot,
     "cpu.linear.i4",
@@ -956,8 +1010,14 @@ def _q4_rows(x_shape: Sequence[int]) -> int:
     return int(np.prod(x_shape[:-1], dtype=np.int64))
 
 
-def _q4_linear_scratch(ins, outs, attrs) -> int:
+def _q4_linear_variant(ins, outs, attrs) -> str:
     if _q4_rows(ins[0][0]) <= Q4_GEMV_MAX_ROWS:
+        return "gemv_q4"
+    return _q4_linear_decoded.variant(ins, outs, attrs)
+
+
+def _q4_linear_scratch(ins, outs, attrs) -> int:
+    if _q4_linear_variant(ins, outs, attrs) == "gemv_q4":
         return 0
     return _q4_linear_decoded.scratch(ins, outs, attrs)
 
@@ -965,7 +1025,7 @@ def _q4_linear_scratch(ins, outs, attrs) -> int:
 def _bind_q4_linear(ins, outs, scratch, attrs) -> Bound:
     io = _args("linear", ins)
     x, w, bias, scale = io.x, io.w, io.bias, io.scale
-    if _q4_rows(x.shape) > Q4_GEMV_MAX_ROWS:
+    if _q4_rows(x.shape) > Q4_GEMV_MAX_ROWS:  # _q4_linear_variant's rule
         return _q4_linear_decoded.bind(ins, outs, scratch, attrs)
     y = outs[0]
     x2 = _readonly(x.reshape(-1, x.shape[-1]))
@@ -978,5 +1038,5 @@ def _bind_q4_linear(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(*args)
 
 
-_cpu("conv", _q4_conv.bind, ("i4",), _q4_conv.scratch, accepts=_conv_takes)
-_cpu("linear", _bind_q4_linear, ("i4",), _q4_linear_scratch)
+_cpu("conv", _q4_conv.bind, ("i4",), _q4_conv.scratch, _conv_takes, _q4_conv.variant)
+_cpu("linear", _bind_q4_linear, ("i4",), _q4_linear_scratch, variant=_q4_linear_variant)

@@ -1,0 +1,75 @@
+"""Kernel choice is made at pack time and bound as recorded: each node's backend,
+variant and fallback are in the bundle; the runtime refuses what it would not run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import load, pack
+from edgepack.kernels.registry import BACKEND_TABLE, wants
+from edgepack.packager.build import build
+from edgepack.runtime.device import DeviceError
+from edgepack.runtime.executor import Executor
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture(scope="module")
+def digits_int4(tmp_path_factory, digits_onnx):
+    out = tmp_path_factory.mktemp("choice") / "d.epk"
+    return pack(digits_onnx, out, quant="int4", min_weights=0)
+
+
+def _kinds(manifest) -> dict[str, dict]:
+    return {n["name"]: n["kernel"] for n in manifest["graph"]["nodes"]}
+
+
+def test_the_bundle_records_each_nodes_variant(digits_int4):
+    kernels = _kinds(load(digits_int4).manifest)
+    # channels-last 3x3 convs from a zero-padded copy, int4 decoded first; the linears
+    # at batch 1 take the fused int4 GEMV
+    assert kernels["conv3"]["variant"] == "decode_q4+padded_window"
+    assert kernels["fc10"]["variant"] == kernels["fc12"]["variant"] == "gemv_q4"
+    assert "variant" not in kernels["pool5"]  # a kernel with one way to run
+
+
+def test_a_variant_this_runtime_would_not_run_is_refused(digits_int4):
+    s = load(digits_int4)
+    manifest = dict(s.manifest)
+    manifest["graph"] = dict(manifest["graph"])
+    nodes = [dict(n) for n in manifest["graph"]["nodes"]]
+    for n in nodes:
+        if n["name"] == "fc10":
+            n["kernel"] = {**n["kernel"], "variant": "decode_q4+blas"}
+    manifest["graph"]["nodes"] = nodes
+    with pytest.raises(RuntimeError, match="node 'fc10': the bundle records variant"):
+        Executor(manifest, s.bundle.weights, device="cpu")
+
+
+def test_a_cuda_node_without_a_host_fallback_is_refused_on_the_host(digits_int4, monkeypatch):
+    monkeypatch.setenv("EDGEPACK_NO_GPU", "1")
+    s = load(digits_int4)
+    manifest = dict(s.manifest)
+    manifest["graph"] = dict(manifest["graph"])
+    nodes = [dict(n) for n in manifest["graph"]["nodes"]]
+    nodes[1]["kernel"] = {"backend": "cuda", "dtype": nodes[1]["kernel"]["dtype"], "name": "x"}
+    manifest["graph"]["nodes"] = nodes
+    with pytest.raises(DeviceError, match=f"node {nodes[1]['name']!r}.*needs its GPU"):
+        Executor(manifest, s.bundle.weights)
+
+
+def test_graph_passes_follow_the_first_backend(tmp_path, digits_onnx):
+    assert wants(("cpu", "ref"), "channels_last") and not wants(("cuda", "cpu"), "winograd")
+    assert all(not row.passes for name, row in BACKEND_TABLE.items() if name != "cpu")
+    cpu = build(digits_onnx, tmp_path / "c.epk", log=lambda s: None)
+    gpu = build(
+        digits_onnx, tmp_path / "g.epk", backends=("cuda", "cpu", "ref"), log=lambda s: None
+    )
+    layouts = lambda r: {n["attrs"].get("layout") for n in r.manifest["graph"]["nodes"]}  # noqa: E731
+    assert "nhwc" in layouts(cpu) and "nhwc" not in layouts(gpu)
+    fallbacks = [n["kernel"].get("fallback") for n in gpu.manifest["graph"]["nodes"]]
+    assert all(f and f["backend"] == "cpu" for f in fallbacks)
+    x = np.random.default_rng(0).standard_normal((1, 1, 8, 8)).astype(np.float32)
+    a = load(cpu.path).run({"image": x})["logits"]
+    b = load(gpu.path).run({"image": x})["logits"]  # no GPU here: its cpu fallbacks
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
