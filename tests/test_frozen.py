@@ -439,3 +439,29 @@ def test_winograd_convs_in_the_executable_match_edgepack_run(tmp_path, stub_cach
     ep("run", exe, "--input", x, "--output", tmp_path / "ref.npz")
     with np.load(tmp_path / "got.npz") as got, np.load(tmp_path / "ref.npz") as ref:
         assert np.array_equal(got["y"], ref["y"])
+
+
+@pytest.mark.parametrize("quant", ["int4", "bf16"])
+def test_new_weight_types_in_the_executable_match_edgepack_run(
+    tmp_path, stub_cache, digit_inputs, quant
+):
+    """The AOT build exports the int4 GEMV and decoders and the bf16 decoder. bf16 gives
+    the JIT build's answer bit for bit; the int4 GEMV sums in vector lanes, so the
+    target's vector width (the AOT build's) rounds differently from the host's."""
+    exe = tmp_path / f"digits-{quant}"
+    ep("build", DIGITS, "--target", TARGET, "--quant", quant, "--quant-min-weights", "0", "-o", exe)
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run(
+        [str(exe), "run", "--input", str(digit_inputs), "--output", str(tmp_path / "got.npz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ep("run", exe, "--input", digit_inputs, "--output", tmp_path / "ref.npz")
+    with np.load(tmp_path / "got.npz") as got, np.load(tmp_path / "ref.npz") as ref:
+        if quant == "bf16":
+            assert np.array_equal(got["logits"], ref["logits"])
+        else:
+            np.testing.assert_allclose(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
