@@ -783,6 +783,14 @@ def test_every_kernel_has_cases(backend: str):
         assert len(names) == len(set(names)), f"duplicate case names for {op}"
 
 
+def test_every_op_has_a_definition_and_a_reference():
+    from edgepack.kernels import ops
+
+    assert set(ops.OPS) == set(R.REFERENCE), "kernels/ops.py and the reference disagree"
+    for op, d in ops.OPS.items():
+        assert set(d.optional) <= set(d.roles) and set(d.consts) <= set(d.roles), op
+
+
 def test_cuda_covers_every_cpu_kernel():
     # Issue 6: the cuda backend runs every op/dtype the cpu backend does.
     cpu = {(op, dt) for (op, dt, _) in CPU_KEYS}
