@@ -418,15 +418,9 @@ def _winograd_onnx(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
-def test_winograd_convs_in_the_executable_match_edgepack_run(tmp_path, stub_cache):
-    """The AOT-compiled Winograd kernels give the JIT build's answer bit for bit."""
-    model = tmp_path / "wino.onnx"
-    _winograd_onnx(model)
-    exe = tmp_path / "wino-exe"
-    r = ep("build", model, "--target", TARGET, "-o", exe)
-    assert "2 3x3 conv(s) -> Winograd" in r.stdout
-    x = tmp_path / "x.npy"
-    np.save(x, np.random.default_rng(4).standard_normal((1, 3, 28, 28)).astype(np.float32))
+def _inside_and_jit(tmp_path: Path, exe: Path, x: Path, name: str):
+    """(output ``name`` of ``exe run`` (its AOT kernels), the same from ``edgepack run``
+    on the executable (the JIT kernels))."""
     env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run(
         [str(exe), "run", "--input", str(x), "--output", str(tmp_path / "got.npz")],
@@ -438,7 +432,20 @@ def test_winograd_convs_in_the_executable_match_edgepack_run(tmp_path, stub_cach
     assert r.returncode == 0, r.stderr[-3000:]
     ep("run", exe, "--input", x, "--output", tmp_path / "ref.npz")
     with np.load(tmp_path / "got.npz") as got, np.load(tmp_path / "ref.npz") as ref:
-        assert np.array_equal(got["y"], ref["y"])
+        return got[name], ref[name]
+
+
+def test_winograd_convs_in_the_executable_match_edgepack_run(tmp_path, stub_cache):
+    """The AOT-compiled Winograd kernels give the JIT build's answer bit for bit."""
+    model = tmp_path / "wino.onnx"
+    _winograd_onnx(model)
+    exe = tmp_path / "wino-exe"
+    r = ep("build", model, "--target", TARGET, "-o", exe)
+    assert "2 3x3 conv(s) -> Winograd" in r.stdout
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(4).standard_normal((1, 3, 28, 28)).astype(np.float32))
+    got, ref = _inside_and_jit(tmp_path, exe, x, "y")
+    assert np.array_equal(got, ref)
 
 
 @pytest.mark.parametrize("quant", ["int4", "bf16"])
@@ -450,18 +457,8 @@ def test_new_weight_types_in_the_executable_match_edgepack_run(
     target's vector width (the AOT build's) rounds differently from the host's."""
     exe = tmp_path / f"digits-{quant}"
     ep("build", DIGITS, "--target", TARGET, "--quant", quant, "--quant-min-weights", "0", "-o", exe)
-    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run(
-        [str(exe), "run", "--input", str(digit_inputs), "--output", str(tmp_path / "got.npz")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    ep("run", exe, "--input", digit_inputs, "--output", tmp_path / "ref.npz")
-    with np.load(tmp_path / "got.npz") as got, np.load(tmp_path / "ref.npz") as ref:
-        if quant == "bf16":
-            assert np.array_equal(got["logits"], ref["logits"])
-        else:
-            np.testing.assert_allclose(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+    got, ref = _inside_and_jit(tmp_path, exe, digit_inputs, "logits")
+    if quant == "bf16":
+        assert np.array_equal(got, ref)
+    else:
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

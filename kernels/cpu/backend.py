@@ -448,12 +448,6 @@ def _dw_planes(wshape, out_shape, attrs) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
-def _dw_kernel(hwio_shape: Sequence[int]):
-    """The channels-last depthwise kernel: 3x3 windows in explicit vectors (dw3, weights
-    held in registers), others row-wise (dwconv_nhwc); same arguments."""
-    return K.dw3 if tuple(hwio_shape[:2]) == (3, 3) else K.dwconv_nhwc
-
-
 def _dw_path(wshape: Sequence[int], out_shape, attrs: dict) -> str:
     """Which depthwise kernel runs (the bundle records it; the bind takes it): planar
     ``dwconv3_flat`` / ``dwconv3_s2`` (the 3x3 special cases) or ``rows``; channels-last
@@ -462,6 +456,12 @@ def _dw_path(wshape: Sequence[int], out_shape, attrs: dict) -> str:
         return "dw3" if tuple(wshape[:2]) == (3, 3) else "rows_nhwc"
     special = _dw_planes(wshape, out_shape, attrs)
     return special[0] if special else "rows"
+
+
+def _dw_kernel(path: str):
+    """The kernel of a ``_dw_path`` that is not a planar 3x3 special case; all take the
+    same arguments (dw3: 3x3 windows in explicit vectors, weights in registers)."""
+    return {"dw3": K.dw3, "rows_nhwc": K.dwconv_nhwc, "rows": K.dwconv}[path]
 
 
 def _dw_variant(ins, outs, attrs) -> str:
@@ -507,7 +507,7 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
                 flat(xn, w, b_, s_, rn, yn, planes, flags, act, a, b)
 
         return step_flat
-    kern = {"dw3": K.dw3, "rows_nhwc": K.dwconv_nhwc, "rows": K.dwconv}[path]  # same arguments
+    kern = _dw_kernel(path)
     calls = []
     for xn, yn, rn in items:
         args = (xn, w, b_, s_, rn, yn, sh, sw, pt, pl, dh, dw, flags, act, a, b)
@@ -894,7 +894,7 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
                 workers,
             )
             calls.append((carry, ex, dwa, pr))
-    dw = _dw_kernel(dwin[1].shape)
+    dw = _dw_kernel(_dw_path(dwin[1].shape, None, da))  # channels-last: no planes
     calls = [
         (carry, ex and _bound(K.gemmp, ex), _bound(dw, d), _bound(K.gemmp, p))
         for carry, ex, d, p in calls
