@@ -18,19 +18,18 @@ planar, a 7x7 plane wastes a quarter of each 16-lane vector). A node with
   GEMM streams a panel front to back without repacking it per call;
   ``conv_wino`` weights unchanged (``U[a*a, C, Co]`` is already channels-last).
 
-The reference and CUDA backends compute these nodes channels-first through
-``adapt``: transposed copies of the activations, the weights permuted back once at
-bind time.
+Only the cpu backend asks for the pass (kernels/registry.py ``BACKEND_TABLE``) and
+binds these nodes; the reference computes them channels-first on transposed copies
+(kernels/ref/reference.py), as the oracle the cpu kernels are tested against. The cuda
+backend's kernels decline them: a cuda plan has none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
-from .binding import nbytes, up64
 from .ops import role
 
 # Columns per panel of pre-packed GEMM weights (kernels/layout.py to_panels): a
@@ -61,8 +60,8 @@ def to_panels(hwio: np.ndarray) -> np.ndarray:
 
 
 def from_panels(p, co: int):
-    """Panels back to HWIO ``[kh, kw, C, Co]`` (a copy; array methods only, so numpy
-    or cupy)."""
+    """Panels back to HWIO ``[kh, kw, C, Co]`` (a copy; the
+    reference reads channels-last weights through it)."""
     n, kh, kw, c, width = p.shape
     return p.transpose(1, 2, 3, 0, 4).reshape(kh, kw, c, n * width)[..., :co]
 
@@ -109,17 +108,6 @@ def window(w_shape: Sequence[int], attrs: dict) -> tuple[int, int]:
     return tuple(w_shape[1:3]) if attrs.get("panel") else tuple(w_shape[:2])
 
 
-def hwio_shape(panels_shape: Sequence[int], co: int) -> tuple[int, ...]:
-    _, kh, kw, c, _ = panels_shape
-    return (kh, kw, c, co)
-
-
-def nchw(shape: Sequence[int]) -> tuple[int, ...]:
-    """The channels-first shape of a channels-last ``[N, H, W, C]`` shape."""
-    n, h, w, c = shape
-    return (n, c, h, w)
-
-
 def output_is_nhwc(op: str) -> bool:
     return op != "global_avgpool"
 
@@ -140,88 +128,6 @@ def canonical_weights(attrs: dict) -> bool:
 
 def channels_first_attrs(attrs: dict) -> dict:
     return {k: v for k, v in attrs.items() if k not in ("layout", "panel", "out_channels")}
-
-
-def adapt(
-    op: str,
-    bind,
-    scratch_fn,
-    slot: Callable[[Any, int, tuple[int, ...]], tuple[Any, int]],
-    copier: Callable[[Any, Any], Callable[[], None]],
-    contiguous: Callable[[Any], Any],
-):
-    """(bind, scratch) of a channels-first kernel extended to channels-last nodes.
-
-    ``slot(scratch, offset, shape)`` -> (float32 view, next offset), ``copier(dst, src)``
-    -> a step copying src into dst, and ``contiguous(a)`` are the backend's array
-    operations. The transposed copies of
-    the activations live in scratch after the kernel's own, so nothing is allocated
-    per call; the permuted weights are copied once, when the node is bound.
-    """
-
-    def specs_first(ins, outs, attrs: dict):
-        ins2 = list(ins)
-        for i in activation_inputs(op, len(ins)):
-            if i < len(ins2) and ins2[i] is not None:
-                ins2[i] = (nchw(ins2[i][0]), ins2[i][1])
-        if op in WEIGHT_IN_HWIO and ins2[1] is not None and not canonical_weights(attrs):
-            shape = ins2[1][0]
-            if attrs.get("panel"):
-                shape = hwio_shape(shape, attrs["out_channels"])
-            ins2[1] = (tuple(shape[j] for j in OIHW_FROM_HWIO), ins2[1][1])
-        outs2 = [nchw(o) if output_is_nhwc(op) else o for o in outs]
-        return ins2, outs2
-
-    def copies(ins, outs) -> list[tuple[int, ...]]:
-        shapes = [nchw(ins[i][0]) for i in activation_inputs(op, len(ins)) if ins[i] is not None]
-        return shapes + ([nchw(outs[0])] if output_is_nhwc(op) else [])
-
-    def scratch(ins, outs, attrs: dict) -> int:
-        if not is_nhwc(attrs):
-            return scratch_fn(ins, outs, attrs)
-        ins2, outs2 = specs_first(ins, outs, attrs)
-        own = up64(scratch_fn(ins2, outs2, channels_first_attrs(attrs)))
-        return own + sum(up64(nbytes(s)) for s in copies(ins, outs))
-
-    def bound(ins, outs, scr, attrs: dict):
-        if not is_nhwc(attrs):
-            return bind(ins, outs, scr, attrs)
-        a2 = channels_first_attrs(attrs)
-        specs = [None if a is None else (tuple(a.shape), dtype_name(a.dtype)) for a in ins]
-        ins2s, outs2s = specs_first(specs, [o.shape for o in outs], attrs)
-        off = up64(scratch_fn(ins2s, outs2s, a2))
-        ins2 = list(ins)
-        pre = []  # steps filling the channels-first copies
-        for i in activation_inputs(op, len(ins)):
-            if ins[i] is None:
-                continue
-            view, nxt = slot(scr, off, nchw(ins[i].shape))
-            off = up64(nxt)
-            pre.append(copier(view, ins[i].transpose(TO_NCHW)))
-            ins2[i] = view
-        if op in WEIGHT_IN_HWIO and not canonical_weights(attrs):
-            ins2[1] = contiguous(hwio_weights(ins[1], attrs).transpose(OIHW_FROM_HWIO))
-        out = outs[0]
-        post = None
-        if output_is_nhwc(op):
-            first, _ = slot(scr, off, nchw(out.shape))
-            post = copier(out, first.transpose(TO_NHWC))
-            outs2 = [first]
-        else:
-            outs2 = list(outs)
-        step = bind(ins2, outs2, scr, a2)
-
-        def run() -> None:
-            for copy in pre:
-                copy()
-            if step is not None:
-                step()
-            if post is not None:
-                post()
-
-        return run
-
-    return bound, scratch
 
 
 def dtype_name(dt) -> str:

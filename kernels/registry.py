@@ -51,7 +51,11 @@ BACKEND_TABLE: dict[str, Backend] = {
 BACKENDS = tuple(BACKEND_TABLE)
 HOST_BACKENDS = tuple(b for b, row in BACKEND_TABLE.items() if row.host)
 PASSES = ("winograd", "channels_last", "panels", "chains")
+# The ops a pass creates: only a backend that asks for the pass meets them, so only such
+# a backend needs kernels for them (the cuda backend has no conv_wino or mbconv).
+PASS_OPS = {"winograd": ("conv_wino",), "chains": ("mbconv",)}
 assert all(set(row.passes) <= set(PASSES) for row in BACKEND_TABLE.values())
+assert set(PASS_OPS) <= set(PASSES)
 
 
 def wants(backends: Sequence[str], graph_pass: str) -> bool:

@@ -27,7 +27,7 @@ class Plan:
     arena_bytes: int
     tensors: dict[str, int]  # activation -> offset
     scratch: dict[str, tuple[int, int]]  # node -> (offset, bytes)
-    kernels: dict[str, dict]  # node -> {"backend", "dtype", "name"}
+    kernels: dict[str, dict]  # node -> {"backend", "dtype", "name", "scratch", ...}
     naive_bytes: int = 0  # what one buffer per tensor would cost (for the report)
     storages: list = field(default_factory=list)
 
@@ -44,52 +44,62 @@ def _specs(g: Graph, node) -> tuple[list, list]:
     return specs, [g.shapes[o] for o in node.outputs]
 
 
+def _record(node, backend: str, k, specs: list, outs: list) -> dict:
+    """What the bundle records of one kernel for a node: its backend and name, the
+    variant it runs ("" omitted) and the scratch bytes it takes (the runtime binds
+    exactly this, or refuses)."""
+    rec = {"backend": backend, "name": k.name, "scratch": int(k.scratch(specs, outs, node.attrs))}
+    variant = k.variant(specs, outs, node.attrs)
+    if variant:
+        rec["variant"] = variant
+    return rec
+
+
 def choose_kernels(g: Graph, backends: Sequence[str]) -> dict[str, dict]:
-    """Per node: the first backend in ``backends`` that takes it, and the variant its
-    kernel runs for this node. A node given to cuda also records ``fallback``, the host
-    kernel the runtime binds instead when the device has no usable GPU (the plan
-    reserves scratch for both)."""
+    """Per node: the first backend in ``backends`` that takes it, with the variant and
+    scratch its kernel has for this node. When the first backend is a device (cuda),
+    every node must be its: a graph does not hop between GPU and host memory, so a node
+    it declines fails the build here. Each such node also records ``fallback``, the host
+    kernel the runtime binds instead when the device has no usable GPU; the plan
+    reserves the larger of the two scratches. No kernel is asked to fit another's."""
     host = [b for b in backends if BACKEND_TABLE[b].host]
+    device_first = bool(backends) and not BACKEND_TABLE[backends[0]].host
     out = {}
     for node in g.nodes:
         specs, outs = _specs(g, node)
         wdt = g.wtype(node.input("w")) if node.op in WEIGHT_OPS else "f32"
+        dt = node_dtype(node.op, wdt)
         try:
-            backend, k = choose(node.op, node_dtype(node.op, wdt), node.attrs, backends)
+            backend, k = choose(node.op, dt, node.attrs, backends)
         except KeyError as e:
             raise PackError(
                 f"node {node.name!r} (from ONNX {', '.join(node.sources)}): "
                 f"{e.args[0]}; the target cannot run it"
             ) from None
-        out[node.name] = {"backend": backend, "dtype": wdt, "name": k.name}
-        if k.variant(specs, outs, node.attrs):
-            out[node.name]["variant"] = k.variant(specs, outs, node.attrs)
-        if not BACKEND_TABLE[backend].host and host:
+        if device_first and backend != backends[0]:
+            raise PackError(
+                f"node {node.name!r} (from ONNX {', '.join(node.sources)}): op {node.op!r} "
+                f"({wdt}) has no {backends[0]} kernel for its attributes, and a "
+                f"{backends[0]}-planned graph runs every node on the device"
+            )
+        out[node.name] = {"dtype": wdt, **_record(node, backend, k, specs, outs)}
+        if device_first and host:
             try:
-                fb, fk = choose(node.op, node_dtype(node.op, wdt), node.attrs, host)
+                fb, fk = choose(node.op, dt, node.attrs, host)
             except KeyError:
                 continue  # no host kernel: the bundle then needs its GPU
-            out[node.name]["fallback"] = {"backend": fb, "name": fk.name}
-            if fk.variant(specs, outs, node.attrs):
-                out[node.name]["fallback"]["variant"] = fk.variant(specs, outs, node.attrs)
+            out[node.name]["fallback"] = _record(node, fb, fk, specs, outs)
     return out
 
 
-def _scratch_needs(g: Graph, kernels: dict[str, dict]) -> dict[str, int]:
-    from ..kernels.registry import lookup
-
+def _scratch_needs(kernels: dict[str, dict]) -> dict[str, int]:
+    """Per node, the larger scratch of its kernel and its fallback: either may bind to
+    these bytes."""
     out = {}
-    for node in g.nodes:
-        kinfo = kernels[node.name]
-        dt = node_dtype(node.op, kinfo["dtype"])
-        chosen = [kinfo["backend"]]
-        if "fallback" in kinfo:
-            chosen.append(kinfo["fallback"]["backend"])
-        specs, outs = _specs(g, node)
-        # The larger of the kernel and its fallback: either may bind to these bytes.
-        need = max(lookup(node.op, dt, b).scratch(specs, outs, node.attrs) for b in chosen)
+    for name, kinfo in kernels.items():
+        need = max(kinfo["scratch"], kinfo.get("fallback", {}).get("scratch", 0))
         if need:
-            out[node.name] = need
+            out[name] = need
     return out
 
 
@@ -142,7 +152,7 @@ def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
         ):
             join(out, src)
 
-    scratch_req = _scratch_needs(g, kernels)
+    scratch_req = _scratch_needs(kernels)
     node_index = {n.name: i for i, n in enumerate(g.nodes)}
     roots = sorted({root(t) for t in g.shapes})
     items = [(nbytes[r], born_at[r], last[r], ("t", r)) for r in roots]

@@ -160,6 +160,21 @@ def _shape_ok(shape: object) -> bool:
     return isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
 
 
+def _record_problem(rec: object, reserved: int, backends: tuple[str, ...]) -> str:
+    """Why one kernel record (``kernel`` or its ``fallback``) cannot be bound as written,
+    or "": a known backend, a name, the scratch it takes within what the plan reserved."""
+    if not isinstance(rec, dict) or rec.get("backend") not in backends:
+        return "unknown backend"
+    if not isinstance(rec.get("name"), str) or not isinstance(rec.get("variant", ""), str):
+        return "no kernel name"
+    need = rec.get("scratch")
+    if need is None:
+        return "records no scratch size (a bundle from an older edgepack: rebuild it)"
+    if not isinstance(need, int) or not 0 <= need <= reserved:
+        return f"scratch {need!r} B is not within the {reserved} B the plan reserved"
+    return ""
+
+
 def _check_manifest(m: object, weights: dict, path: str) -> None:
     """Structural checks, so the executor never meets a dangling name or range."""
     from ..kernels import ops, wtypes
@@ -203,14 +218,20 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
                     "(bundle from a newer edgepack?)",
                 )
             k = node["kernel"]
-            if k["backend"] not in BACKENDS or k["dtype"] not in DTYPES:
+            if k["dtype"] not in DTYPES:
                 raise _fail(path, f"node {node['name']!r}: unknown kernel {k}")
+            reserved = plan["scratch"].get(node["name"], (0, 0))[1]
+            for rec in (k, *([k["fallback"]] if "fallback" in k else [])):
+                why = _record_problem(rec, reserved, BACKENDS)
+                if why:
+                    raise _fail(path, f"node {node['name']!r}: kernel record {rec}: {why}")
             for name in node["inputs"]:
                 if name and name not in tensors and name not in wspecs:
                     raise _fail(path, f"node {node['name']!r} reads unknown tensor {name!r}")
             if k["dtype"] != "f32" and node["op"] in wtypes.WTYPES[k["dtype"]].ops:
-                ins = list(node["inputs"]) + [""] * 4
-                w, s = wspecs.get(ins[1]), wspecs.get(ins[3])
+                ins = list(node["inputs"]) + [""] * len(ops.OPS[node["op"]].roles)
+                op = node["op"]
+                w, s = wspecs.get(ins[ops.role(op, "w")]), wspecs.get(ins[ops.role(op, "scale")])
                 if w is None or w["dtype"] != k["dtype"]:
                     raise _fail(path, f"node {node['name']!r}: its weight is not {k['dtype']}")
                 why = wtypes.check_scale(k["dtype"], w["shape"], s and s["shape"])

@@ -8,9 +8,11 @@ backends use; ``CudaDevice`` (kernels/cuda/device.py, imported only when chosen)
 arena on the GPU.
 
 Selection: a bundle whose nodes were planned for cuda runs on the GPU when one is
-usable; ``device="cpu"`` / ``"cuda"`` overrides the plan. Without a usable GPU the
-cuda nodes rebind to the cpu fallback kernel the packager recorded for them, after
-one warning, or ``require_gpu`` turns that into a ``DeviceError``.
+usable; ``device="cpu"`` binds its recorded host fallbacks instead. Without a usable
+GPU the cuda nodes rebind to those fallbacks after one warning, or ``require_gpu``
+turns that into a ``DeviceError``. A bundle planned for the host has no cuda kernels
+recorded (its graph is laid out for the cpu kernels: channels-last regions, panels,
+Winograd, fused chains), so ``device="cuda"`` refuses it: pack it for a cuda target.
 """
 
 from __future__ import annotations
@@ -105,9 +107,17 @@ def select_device(
         raise ValueError(f"gpu weights {gpu_weights!r}: choose from {', '.join(GPU_WEIGHTS)}")
     if device == "cpu" and require_gpu:
         raise ValueError("--require-gpu contradicts --device cpu")
-    want = device or ("cuda" if require_gpu else planned_device(manifest))
+    planned = planned_device(manifest)
+    want = device or ("cuda" if require_gpu else planned)
     if want == "cpu":
         return HostDevice()
+    if planned != "cuda":
+        why = "--require-gpu" if device is None else "--device cuda"
+        raise DeviceError(
+            f"{why}: this bundle was planned for the host only (its target's backends "
+            "do not start with cuda), so it records no cuda kernels; build it for a "
+            "cuda target (e.g. --target jetson-orin-nano) to run it on a GPU"
+        )
     from ..kernels.cuda import device as cuda_dev  # numba.cuda/cupy themselves load only if usable
 
     ok, why = cuda_dev.probe()
@@ -124,9 +134,14 @@ def select_device(
 def node_backend(node: Mapping, device: Device) -> str:
     """The backend a node binds to on ``device``: the one the bundle records for it, or on
     the host the fallback it records for a cuda node. Nothing is chosen here."""
-    if device.kind == "cuda":
-        return "cuda"
     kinfo = node["kernel"]
+    if device.kind == "cuda":
+        if kinfo["backend"] != "cuda":
+            raise DeviceError(
+                f"node {node['name']!r} ({node['op']}) records no cuda kernel (planned "
+                f"for {kinfo['backend']}): this bundle cannot run on the GPU"
+            )
+        return "cuda"
     if kinfo["backend"] != "cuda":
         return kinfo["backend"]
     fallback = kinfo.get("fallback")

@@ -74,21 +74,20 @@ class Executor:
                 for n, a in zip(node["inputs"], ins)
             ]
             out_shapes = [o.shape for o in outs]
-            recorded = _recorded(kinfo, bname)
-            if recorded is not None:
-                will = kern.variant(specs, out_shapes, node["attrs"])
-                if will != recorded:
-                    raise RuntimeError(
-                        f"node {node['name']!r}: the bundle records variant {recorded!r} of "
-                        f"{kern.name}, this runtime would run {will!r} (bundle built by "
-                        "another edgepack version: rebuild it)"
-                    )
+            rec = _record(kinfo, bname)
+            will = kern.variant(specs, out_shapes, node["attrs"])
+            if will != rec.get("variant", ""):
+                raise RuntimeError(
+                    f"node {node['name']!r}: the bundle records variant "
+                    f"{rec.get('variant', '')!r} of {kern.name}, this runtime would run "
+                    f"{will!r} (bundle built by another edgepack version: rebuild it)"
+                )
             need = kern.scratch(specs, out_shapes, node["attrs"])
-            if need > planned:
+            if need != rec["scratch"] or need > planned:
                 raise RuntimeError(
                     f"node {node['name']!r}: kernel {kern.name} needs {need} B of scratch, "
-                    f"the plan reserved {planned} B (bundle built by another edgepack version "
-                    "or for another backend: rebuild it)"
+                    f"the bundle records {rec['scratch']} B and reserved {planned} B (bundle "
+                    "built by another edgepack version: rebuild it)"
                 )
             step = kern.bind(ins, outs, self.arena[off : off + planned], node["attrs"])
             self.bound.append((node, step))
@@ -170,11 +169,7 @@ class Executor:
         return trace
 
 
-def _recorded(kinfo: Mapping, backend: str) -> str | None:
-    """The variant the bundle records for the kernel bound on ``backend`` ("" for a
-    kernel with one), or None when it records none for that backend (a cpu-planned
-    node bound with --device cuda)."""
-    for rec in (kinfo, kinfo.get("fallback") or {}):
-        if rec.get("backend") == backend:
-            return rec.get("variant", "")
-    return None
+def _record(kinfo: Mapping, backend: str) -> Mapping:
+    """The kernel record (the node's own or its fallback) for ``backend``;
+    ``node_backend`` only returns a backend the node records."""
+    return kinfo if kinfo["backend"] == backend else kinfo["fallback"]

@@ -142,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, str, str, str]] = []  # engine, median, p99, note
     ref_out = None
     for q in QUANTS:
-        bundle = work / f"resnet18-{q}-cuda.epk"
-        if not bundle.exists():
-            build(model, bundle, quant=q, backends=BACKENDS, log=lambda s: None)
+        # The cpu row is a bundle packed for the host (channels-last, Winograd, chains:
+        # what a cpu target gets), not the cuda bundle's channels-first fallback.
+        bundles = {"cuda": work / f"resnet18-{q}-cuda.epk", "cpu": work / f"resnet18-{q}-cpu.epk"}
+        for device, bundle in bundles.items():
+            if not bundle.exists():
+                backends = BACKENDS if device == "cuda" else ("cpu", "ref")
+                build(model, bundle, quant=q, backends=backends, log=lambda s: None)
         outs = {}
-        for device in ("cuda", "cpu"):
+        for device, bundle in bundles.items():
             s = Session(bundle, threads=a.threads, device=device, require_gpu=device == "cuda")
             name = s.inputs[0]["name"]
             feeds = {name: x}

@@ -20,6 +20,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from ..kernels.registry import BACKEND_TABLE, BACKENDS
 from ..kernels.wtypes import QUANT_MODES
 
 __all__ = [
@@ -36,9 +37,10 @@ __all__ = [
 ]
 
 ARCHES = ("x86_64", "aarch64")
-# The packager falls back along a target's list when a backend lacks a kernel; a node
-# planned for "cuda" also records its host fallback (docs/cuda.md).
-BACKENDS = ("cuda", "cpu", "ref")
+# A target's ``backends``: rows of kernels/registry.py's BACKEND_TABLE. The packager
+# falls back along the list when a host backend lacks a kernel; a device backend
+# ("cuda") comes first or not at all, and its nodes record their host fallback
+# (docs/cuda.md).
 QUANTS = QUANT_MODES  # the weight-type table's --quant modes (kernels/wtypes.py)
 
 # Feature names a target may list, per arch, and their LLVM spelling. A closed list so
@@ -280,6 +282,13 @@ def _parse(raw: dict[str, Any], where: str, stem: str) -> Target:
         raise TargetError(f"{where}: field 'backends' is empty")
     for b in backends:
         _one_of(b, BACKENDS, "backends", where)
+    late = [b for b in backends[1:] if not BACKEND_TABLE[b].host]
+    if late:
+        raise TargetError(
+            f"{where}: backend {late[0]!r} runs on a device and must come first in "
+            "'backends' (a graph runs wholly on the device or on the host; the host "
+            "backends after it are its fallback)"
+        )
     # No rule that "ref" comes last: a target may leave out the slow reference kernels,
     # and `edgepack build --target` then refuses a node no listed backend can run.
 

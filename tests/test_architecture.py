@@ -124,3 +124,24 @@ def test_backends_do_not_know_each_other() -> None:
     ]
     for b in BACKENDS:
         assert not _direct(shared, b), b
+
+
+def test_no_backend_names_another_backend() -> None:
+    # Imports are not the only way to know another backend: a registry lookup under its
+    # name ("sized for what cuda needs") ties the two just as well. No string in a
+    # backend's modules is another backend's name.
+    from edgepack.kernels.registry import BACKEND_TABLE
+
+    mods = _modules()
+    for b in BACKENDS:
+        me = b.rsplit(".", 1)[1]
+        others = set(BACKEND_TABLE) - {me}
+        for m, p in mods.items():
+            if not _under(m, b):
+                continue
+            named = {
+                n.value
+                for n in ast.walk(ast.parse(p.read_text()))
+                if isinstance(n, ast.Constant) and n.value in others
+            }
+            assert not named, f"{m} names backend(s) {sorted(named)}"

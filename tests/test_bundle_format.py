@@ -32,7 +32,12 @@ def tiny_manifest() -> tuple[dict, dict[str, np.ndarray]]:
                     "inputs": ["x", "c"],
                     "outputs": ["y"],
                     "attrs": {"kind": "add", "act": "relu", "act_args": [0.0, 0.0]},
-                    "kernel": {"backend": "cpu", "dtype": "f32", "name": "cpu.binary"},
+                    "kernel": {
+                        "backend": "cpu",
+                        "dtype": "f32",
+                        "name": "cpu.binary",
+                        "scratch": 0,
+                    },
                     "sources": ["add"],
                 }
             ],
@@ -49,13 +54,13 @@ def tiny_manifest() -> tuple[dict, dict[str, np.ndarray]]:
 GOLDEN_HEADER = bytes.fromhex(
     "45504b420d0a1a0a04000000800000000304000000000000"  # magic, version 4, header 128, size
     "8000000000000000"  # manifest offset
-    "5f02000000000000"  # manifest size
+    "6b02000000000000"  # manifest size
     "0003000000000000"  # weights offset (64-aligned)
     "0301000000000000"  # weights size
-    "506a1082e7c1a788bd7078a5d95e3a371ee89778e2a09001ce5299e113ed4b90"  # sha256(manifest)
+    "e1d0b6eea0ae265291a730a8a33f5dc6b38bf79be2995169736d1251f4637d1a"  # sha256(manifest)
     "ba7793f6ed67bf4929af408d1ce5897f3c7373915fdba1d13f95f7faa6f51263"  # sha256(weights)
     "00000000"  # flags
-    "c66d20db"  # crc32 of the 124 bytes before it
+    "886a784c"  # crc32 of the 124 bytes before it
 )
 
 
@@ -180,6 +185,9 @@ def _rebundle(manifest: dict, section: bytes, mbytes: bytes | None = None) -> by
         "packed",
         "outshape",
         "role",
+        "backend",
+        "scratch",
+        "noscratch",
     ],
 )
 def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
@@ -205,6 +213,12 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
         manifest["graph"]["outputs"][0]["shape"] = [1, 5]
     elif case == "role":  # binary's second operand is not optional
         manifest["graph"]["nodes"][0]["inputs"] = ["x", ""]
+    elif case == "backend":
+        manifest["graph"]["nodes"][0]["kernel"]["backend"] = "tpu"
+    elif case == "scratch":  # a kernel record needs more than the plan reserved
+        manifest["graph"]["nodes"][0]["kernel"]["scratch"] = 64
+    elif case == "noscratch":  # every record says what its kernel takes
+        del manifest["graph"]["nodes"][0]["kernel"]["scratch"]
     elif case == "packed":  # int4 weights must hold whole runs of 32
         manifest["weights"]["q"]["dtype"] = "i4"
         head["q"]["dtype"] = "U8"
@@ -232,6 +246,9 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
         "packed": "int4 weights must be [N, K/2] with K a multiple of 32",
         "outshape": "writes [1, 5]; its inputs and attributes make [1, 4]",
         "role": "binary lacks its b input",
+        "backend": "unknown backend",
+        "scratch": "scratch 64 B is not within the 0 B the plan reserved",
+        "noscratch": "records no scratch size",
     }
     assert why[case] in str(e.value)
 

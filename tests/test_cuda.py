@@ -124,9 +124,11 @@ def test_require_gpu_refuses_without_one(cuda_bundles, cpu_bundle, monkeypatch):
     from edgepack.runtime.device import DeviceError
 
     monkeypatch.setenv("EDGEPACK_NO_GPU", "1")
-    for path in (cuda_bundles["fp32"], cpu_bundle):
-        with pytest.raises(DeviceError, match=r"GPU is required \(--require-gpu\)"):
-            _session(path, require_gpu=True)
+    with pytest.raises(DeviceError, match=r"GPU is required \(--require-gpu\)"):
+        _session(cuda_bundles["fp32"], require_gpu=True)
+    # a host-planned bundle is refused before any GPU is looked for
+    with pytest.raises(DeviceError, match=r"--require-gpu: this bundle was planned for the host"):
+        _session(cpu_bundle, require_gpu=True)
     with pytest.raises(ValueError, match="contradicts"):
         _session(cpu_bundle, device="cpu", require_gpu=True)
 
@@ -141,14 +143,18 @@ def test_device_cpu_on_a_cuda_bundle_does_not_warn(cuda_bundles, caplog):
 
 
 @pytest.mark.cuda
-def test_device_cuda_overrides_a_cpu_bundle_when_scratch_allows(cpu_bundle):
-    # The digits CNN is fp32: cuda needs no more scratch than cpu for it.
-    s = _session(cpu_bundle, device="cuda")
-    assert s.device == "cuda"
-    ref = _session(cpu_bundle)
-    feeds = _feeds(s)
-    name = s.outputs[0]["name"]
-    np.testing.assert_allclose(s.run(feeds)[name], ref.run(feeds)[name], rtol=1e-5, atol=1e-5)
+def test_device_cuda_refuses_a_cpu_bundle(cpu_bundle):
+    # A host plan's graph is laid out for the cpu kernels (channels-last, panels,
+    # Winograd, fused chains) and records no cuda kernel: no backend adapts to another's
+    # plan, so the GPU is refused up front, with what to do instead.
+    from edgepack.runtime.device import DeviceError
+
+    nodes = _session(cpu_bundle).manifest["graph"]["nodes"]
+    assert {n["kernel"]["backend"] for n in nodes} <= {"cpu", "ref"}
+    assert not any("fallback" in n["kernel"] for n in nodes)
+    why = r"--device cuda: .*planned for the host only.*cuda target"
+    with pytest.raises(DeviceError, match=why):
+        _session(cpu_bundle, device="cuda")
 
 
 def _bound_kernels(session):
@@ -175,7 +181,7 @@ def _cli(*args, env_extra: dict | None = None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.cuda
-def test_cli_device_flags_without_a_gpu(tmp_path, cuda_bundles):
+def test_cli_device_flags_without_a_gpu(tmp_path, cuda_bundles, cpu_bundle):
     x = np.zeros((1, 1, 8, 8), np.float32)
     np.save(tmp_path / "x.npy", x)
     nogpu = {"EDGEPACK_NO_GPU": "1"}
@@ -190,6 +196,9 @@ def test_cli_device_flags_without_a_gpu(tmp_path, cuda_bundles):
     assert "edgepack: error: a GPU is required (--require-gpu)" in r.stderr
     r = _cli("run", cuda_bundles["fp32"], "-i", tmp_path / "x.npy", "--device", "cpu")
     assert r.returncode == 0 and "no usable GPU" not in r.stderr, r.stderr
+    r = _cli("run", cpu_bundle, "-i", tmp_path / "x.npy", "--device", "cuda")
+    assert r.returncode == 1, r.stderr
+    assert "error: --device cuda: this bundle was planned for the host only" in r.stderr
     r = _cli("bench", cuda_bundles["fp32"], "-n", "2", "--warmup", "1", env_extra=nogpu)
     assert r.returncode == 0 and "device cpu" in r.stdout, r.stderr
 

@@ -73,3 +73,53 @@ def test_graph_passes_follow_the_first_backend(tmp_path, digits_onnx):
     a = load(cpu.path).run({"image": x})["logits"]
     b = load(gpu.path).run({"image": x})["logits"]  # no GPU here: its cpu fallbacks
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_each_record_carries_its_own_scratch_and_the_plan_the_larger(tmp_path, digits_onnx):
+    # No kernel reserves room for another: each record says what its own kernel takes
+    # (int8 cuda linears decode their weights into scratch, the cpu GEMV needs none),
+    # and the planner alone reserves the larger of a node's kernel and fallback.
+    gpu = build(
+        digits_onnx,
+        tmp_path / "g.epk",
+        quant="int8",
+        backends=("cuda", "cpu", "ref"),
+        min_weights=0,
+        log=lambda s: None,
+    )
+    m = gpu.manifest
+    differ = 0
+    for n in m["graph"]["nodes"]:
+        k, fb = n["kernel"], n["kernel"]["fallback"]
+        reserved = m["plan"]["scratch"].get(n["name"], (0, 0))[1]
+        assert reserved == max(k["scratch"], fb["scratch"]), n["name"]
+        differ += k["scratch"] != fb["scratch"]
+    assert differ  # the case the rule is for occurs in this bundle
+
+
+def test_a_recorded_scratch_this_runtime_would_not_take_is_refused(digits_int4):
+    s = load(digits_int4)
+    manifest = dict(s.manifest)
+    manifest["graph"] = dict(manifest["graph"])
+    nodes = [dict(n) for n in manifest["graph"]["nodes"]]
+    for n in nodes:
+        if n["name"] == "fc10":
+            n["kernel"] = {**n["kernel"], "scratch": n["kernel"]["scratch"] + 64}
+    manifest["graph"]["nodes"] = nodes
+    with pytest.raises(RuntimeError, match=r"node 'fc10': kernel cpu\.linear needs \d+ B"):
+        Executor(manifest, s.bundle.weights, device="cpu")
+
+
+def test_a_node_the_device_backend_declines_fails_the_build(tmp_path, digits_onnx, monkeypatch):
+    # A cuda plan runs every node on the GPU (no host hop mid-graph): a node the cuda
+    # kernel declines is a pack-time error naming it, not a silent host node.
+    import dataclasses
+
+    from edgepack.kernels import registry
+    from edgepack.packager.ir import PackError
+
+    key = ("maxpool", "f32", "cuda")
+    no = dataclasses.replace(registry.KERNELS[key], accepts=lambda attrs: False)
+    monkeypatch.setitem(registry.KERNELS, key, no)
+    with pytest.raises(PackError, match=r"node 'pool\d+'.*'maxpool' \(f32\) has no cuda kernel"):
+        build(digits_onnx, tmp_path / "g.epk", backends=("cuda", "cpu", "ref"), log=lambda s: None)

@@ -215,7 +215,7 @@ BAD = {
     "unknown arch": (_set("arch", "riscv64"), r"'arch' is 'riscv64'; expected one of x86_64"),
     "unknown backend": (
         _set("backends", ["tpu", "ref"]),
-        r"'backends' is 'tpu'; expected one of cuda, cpu, ref",
+        r"'backends' is 'tpu'; expected one of cpu, ref, cuda",
     ),
     "empty backends": (_set("backends", []), r"'backends' is empty"),
     "duplicate backend": (_set("backends", ["cpu", "cpu", "ref"]), r"lists cpu more than once"),
@@ -238,6 +238,10 @@ BAD = {
     "table, no cuda backend": (
         _set("cuda", {"arch": "sm_87", "cuda_version": "12.2", "unified_memory": True}),
         r"\[cuda\] table but backends lack \"cuda\"",
+    ),
+    "device backend not first": (
+        lambda d: (_cuda()(d), d.update(backends=["cpu", "cuda", "ref"])),
+        r"backend 'cuda' runs on a device and must come first in 'backends'",
     ),
     "cuda typo key": (_cuda(jetpak="6.0"), r"unknown field\(s\) cuda.jetpak"),
     "cuda missing": (_cuda_without("arch"), r"missing required field 'cuda.arch'"),

@@ -383,11 +383,7 @@ def _wino_layout(ushape, out_shape, attrs) -> tuple[list[tuple[str, tuple[int, .
 
 def _wino_scratch(ins, outs, attrs) -> int:
     bufs, _ = _wino_layout(_args("conv_wino", ins).w[0], outs[0], attrs)
-    own = sum(up64(_nbytes(shape)) for _, shape in bufs)
-    # A cpu-planned bundle also runs with --device cuda, whose kernel holds V and M of
-    # the whole image: the plan reserves at least that (backend_cuda._wino_scratch).
-    m, a2, co, ci, th, tw = _wino_dims(_args("conv_wino", ins).w[0], outs[0], attrs)
-    return max(own, _nbytes((a2, ci, th * tw)) + _nbytes((a2, co, th * tw)))
+    return sum(up64(_nbytes(shape)) for _, shape in bufs)
 
 
 def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
@@ -915,25 +911,8 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     return step
 
 
-def _with_cuda_room(op: str, scratch):
-    """A channels-last node's scratch, at least what the cuda kernel takes for it: a
-    cpu-planned bundle also runs with --device cuda (kernels/layout.adapt there)."""
-    from ..registry import KERNELS
-
-    def need(ins, outs, attrs) -> int:
-        own = scratch(ins, outs, attrs)
-        if not layout.is_nhwc(attrs):
-            return own
-        dt = _args(op, ins).w[1] if op in ("conv", "dwconv") else "f32"
-        return max(own, KERNELS[(op, dt, "cuda")].scratch(ins, outs, attrs))
-
-    return need
-
-
 def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None, variant=None) -> None:
     scratch = scratch or (lambda i, o, a: 0)
-    if op in (*layout.LAYOUT_OPS, "mbconv"):  # these binds compute channels-last nodes
-        scratch = _with_cuda_room(op, scratch)
     k = Kernel(f"cpu.{op}", bind, scratch, accepts or (lambda a: True))
     if variant is not None:
         k = Kernel(k.name, k.bind, k.scratch, k.accepts, variant)

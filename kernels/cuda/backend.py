@@ -10,10 +10,6 @@ Design per op (same split as the cpu backend, so scratch sizes line up):
 - conv: im2col kernel -> GEMM (``xp.matmul`` into the output slot) -> fused epilogue
   kernel (scale, bias, residual, activation). int8/fp16 weights are decoded into
   scratch by a kernel each run; the int8 scale is applied in the epilogue.
-- conv_wino (3x3 stride-1, weights stored Winograd-transformed U[a*a, Cin, Cout]):
-  per image an input-transform kernel into V[a*a, Cin, T] -> a*a batched GEMMs
-  U[e]ᵀ @ V[e] -> M (``xp.matmul``) -> an output-transform kernel with the conv
-  epilogue fused. Scratch is V and M only, less than the cpu kernel's.
 - dwconv: one direct kernel with the epilogue fused; int8 weights are read as they
   are, fp16 ones decoded into scratch first.
 - linear: decode (int8/fp16) -> GEMM -> column epilogue kernel.
@@ -31,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import layout, mbconv, winograd, wtypes
+from .. import layout, wtypes
 from ..binding import act_args as _act
 from ..binding import epilogue_flags as _flags
 from ..binding import nbytes as _nbytes
@@ -180,57 +176,6 @@ def _bind_conv(ins, outs, scratch, attrs) -> Bound:
             matmul(wg, rhs, yg)
         if flags or act:
             epi(y3, b_, s_, r3, flags, act, a, b)
-
-    return step
-
-
-# --- 3x3 conv, Winograd (weights transformed by the packager) --------------------------
-
-
-def _wino_dims(ushape: Sequence[int], out_shape: Sequence[int], attrs: dict) -> tuple:
-    m = int(attrs["tile"])
-    a2, ci, co = ushape
-    th, tw = winograd.tiles(out_shape[2:], m)
-    return m, a2, co, ci, th * tw, tw
-
-
-def _wino_scratch(ins, outs, attrs) -> int:
-    # V and M of one image; no row buffers (each thread transforms one tile in
-    # registers), so this is below the cpu kernel's need: a cpu-planned bundle fits.
-    m, a2, co, ci, t, _ = _wino_dims(_args("conv_wino", ins).w[0], outs[0], attrs)
-    return _nbytes((a2, ci, t)) + _nbytes((a2, co, t))
-
-
-def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
-    d, K = _d(), _k()
-    io = _args("conv_wino", ins)
-    x, u, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
-    y = outs[0]
-    m, a2, co, ci, t, tw = _wino_dims(u.shape, y.shape, attrs)
-    v, off = _f32_slot(scratch, 0, (a2, ci, t))
-    mm = _f32_slot(scratch, off, (a2, co, t))[0]
-    # The transform matrices are arguments, uploaded once (like pad's offsets).
-    bt, _, at = (d.arg(d.upload(np.asarray(z, np.float32))) for z in winograd.matrices(m))
-    pt, pl, _, _ = attrs["pads"]
-    dm = _dummies(d)
-    b_ = d.arg(bias) if bias is not None else dm.v1
-    s_ = d.arg(scale) if scale is not None else dm.v1
-    flags = _flags(bias, scale, res)
-    act, a, b = _act(attrs)
-    v_arg, mm_arg = d.arg(v), d.arg(mm)
-    fin, fout = d.launch(K.wino_input, ci * t), d.launch(K.wino_output, co * t)
-    items = [
-        (d.arg(x[n]), d.arg(y[n]), d.arg(res[n]) if res is not None else dm.v3)
-        for n in range(x.shape[0])
-    ]
-    matmul = d.matmul
-    ut = u.transpose(0, 2, 1)  # U[e] is stored Cin x Cout (the cpu GEMM's layout)
-
-    def step() -> None:
-        for xn, yn, rn in items:
-            fin(xn, bt, v_arg, m, pt, pl, tw)
-            matmul(ut, v, mm)  # a*a independent GEMMs U[e]ᵀ @ V[e]
-            fout(mm_arg, at, yn, tw, b_, s_, rn, flags, act, a, b)
 
     return step
 
@@ -512,16 +457,13 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
 
 def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
     scratch = scratch or (lambda i, o, a: 0)
-    if op in layout.LAYOUT_OPS:  # channels-last nodes of cpu-planned bundles
-        bind, scratch = layout.adapt(
-            op,
-            bind,
-            scratch,
-            _f32_slot,
-            lambda dst, src: _copy_step(_d(), src, dst),
-            lambda a: _d().xp.ascontiguousarray(a),
-        )
-    k = Kernel(f"cuda.{op}", bind, scratch, accepts or (lambda a: True))
+    takes = accepts or (lambda a: True)
+    if op in layout.LAYOUT_OPS:
+        # Channels-first only: the cuda backend asks for no channels-last pass
+        # (registry.BACKEND_TABLE), so a node with a layout attribute was planned for
+        # another backend and is not this one's to run.
+        takes = (lambda t: lambda a: not layout.is_nhwc(a) and t(a))(takes)
+    k = Kernel(f"cuda.{op}", bind, scratch, takes)
     register(op, dtypes, "cuda", k)
 
 
@@ -549,11 +491,7 @@ for _op, _bind, _scr in (
     _k4 = decoded(_op, Kernel(f"cuda.{_op}", _bind, _scr), _q4_decode, _f32_slot, f"cuda.{_op}")
     _cuda(_op, _k4.bind, ("i4",), _k4.scratch)
 _cuda("conv", _bind_conv, _ALL_W, _conv_scratch)
-_cuda("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 _cuda("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
-# cpu-planned only (packager/mbconv.py): the three convs on whole intermediates
-_mb_bind, _mb_scratch = mbconv.composed("cuda", _f32_slot)
-_cuda("mbconv", _mb_bind, ("f32",), _mb_scratch)
 _cuda("linear", _bind_linear, _ALL_W, _linear_scratch)
 _cuda("matmul", _bind_matmul)
 _cuda("binary", _bind_binary)
