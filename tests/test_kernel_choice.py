@@ -33,17 +33,23 @@ def test_the_bundle_records_each_nodes_variant(digits_int4):
     assert "variant" not in kernels["pool5"]  # a kernel with one way to run
 
 
-def test_a_variant_this_runtime_would_not_run_is_refused(digits_int4):
-    s = load(digits_int4)
+def _bind_with_record(path, node: str, change) -> None:
+    """Bind the bundle at ``path`` on the host with ``change(record)`` applied to one
+    node's kernel record (a copy: the session's manifest is left alone)."""
+    s = load(path)
     manifest = dict(s.manifest)
     manifest["graph"] = dict(manifest["graph"])
     nodes = [dict(n) for n in manifest["graph"]["nodes"]]
     for n in nodes:
-        if n["name"] == "fc10":
-            n["kernel"] = {**n["kernel"], "variant": "decode_q4+blas"}
+        if n["name"] == node:
+            n["kernel"] = change(dict(n["kernel"]))
     manifest["graph"]["nodes"] = nodes
+    Executor(manifest, s.bundle.weights, device="cpu")
+
+
+def test_a_variant_this_runtime_would_not_run_is_refused(digits_int4):
     with pytest.raises(RuntimeError, match="node 'fc10': the bundle records variant"):
-        Executor(manifest, s.bundle.weights, device="cpu")
+        _bind_with_record(digits_int4, "fc10", lambda k: {**k, "variant": "decode_q4+blas"})
 
 
 def test_a_cuda_node_without_a_host_fallback_is_refused_on_the_host(digits_int4, monkeypatch):
@@ -98,16 +104,8 @@ def test_each_record_carries_its_own_scratch_and_the_plan_the_larger(tmp_path, d
 
 
 def test_a_recorded_scratch_this_runtime_would_not_take_is_refused(digits_int4):
-    s = load(digits_int4)
-    manifest = dict(s.manifest)
-    manifest["graph"] = dict(manifest["graph"])
-    nodes = [dict(n) for n in manifest["graph"]["nodes"]]
-    for n in nodes:
-        if n["name"] == "fc10":
-            n["kernel"] = {**n["kernel"], "scratch": n["kernel"]["scratch"] + 64}
-    manifest["graph"]["nodes"] = nodes
     with pytest.raises(RuntimeError, match=r"node 'fc10': kernel cpu\.linear needs \d+ B"):
-        Executor(manifest, s.bundle.weights, device="cpu")
+        _bind_with_record(digits_int4, "fc10", lambda k: {**k, "scratch": k["scratch"] + 64})
 
 
 def test_a_node_the_device_backend_declines_fails_the_build(tmp_path, digits_onnx, monkeypatch):
