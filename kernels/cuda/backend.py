@@ -5,7 +5,7 @@ numba CUDA simulator), already in the device arena; weights were uploaded once b
 executor's device (kernels/cuda/device.py). Binding wraps every argument for numba and
 configures every launch, so a step is a few kernel calls and nothing else.
 
-Design per op (same split as the cpu backend, so scratch sizes line up):
+Design per op (the cpu backend's split of work, on channels-first nodes):
 
 - conv: im2col kernel -> GEMM (``xp.matmul`` into the output slot) -> fused epilogue
   kernel (scale, bias, residual, activation). int8/fp16 weights are decoded into
@@ -455,6 +455,10 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(xa, ya, b_dev, mode, value)
 
 
+def _channels_first(accepts):
+    return lambda attrs: not layout.is_nhwc(attrs) and accepts(attrs)
+
+
 def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
     scratch = scratch or (lambda i, o, a: 0)
     takes = accepts or (lambda a: True)
@@ -462,7 +466,7 @@ def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
         # Channels-first only: the cuda backend asks for no channels-last pass
         # (registry.BACKEND_TABLE), so a node with a layout attribute was planned for
         # another backend and is not this one's to run.
-        takes = (lambda t: lambda a: not layout.is_nhwc(a) and t(a))(takes)
+        takes = _channels_first(takes)
     k = Kernel(f"cuda.{op}", bind, scratch, takes)
     register(op, dtypes, "cuda", k)
 
