@@ -172,6 +172,53 @@ def _mbconv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (x[0], oh, ow, int(attrs["project"]["out_channels"]))
 
 
+def _last(ins: Sequence[Shape | None], attrs: dict, d: int) -> None:
+    if ins[0][-1] != d:
+        raise OpError(f"last axis {ins[0][-1]}, expected {d}")
+
+
+def _norm_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    if attrs["kind"] not in NORM_KINDS:
+        raise OpError(f"norm kind {attrs['kind']!r}; known: {', '.join(NORM_KINDS)}")
+    _last(ins, attrs, ins[1][-1])
+    return tuple(ins[0])
+
+
+def _rope_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, pos, cos, sin = ins
+    if cos != sin or 2 * cos[1] > attrs["head_dim"] or len(pos) != 1 or pos[0] != x[0]:
+        raise OpError(f"rope of {list(x)} at positions {list(pos)} with tables {list(cos)}")
+    if attrs["heads"] * attrs["head_dim"] > x[1]:
+        raise OpError(f"rope of {attrs['heads']} heads of {attrs['head_dim']} in {list(x)}")
+    return tuple(x)
+
+
+def _glu_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    if attrs["act"] not in GATE_ACTS or ins[0][-1] % 2:
+        raise OpError(f"glu {attrs['act']!r} of {list(ins[0])}")
+    return (*ins[0][:-1], ins[0][-1] // 2)
+
+
+def _embed_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    d = attrs["wshape"][1] if "wshape" in attrs else ins[1][1]
+    return (*ins[0], int(d))
+
+
+def _attention_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    qkv, pos, slot, kc, vc = ins
+    h, hkv, d = attrs["heads"], attrs["kv_heads"], attrs["head_dim"]
+    if h % hkv or qkv[1] != (h + 2 * hkv) * d or pos != (qkv[0],) or slot != pos:
+        raise OpError(f"attention of {list(qkv)} ({h} heads, {hkv} kv heads of {d})")
+    if kc != vc or len(kc) != 4 or tuple(kc[2:]) != (hkv, d):
+        raise OpError(f"kv caches {list(kc)} and {list(vc)} for {hkv} kv heads of {d}")
+    return (qkv[0], h * d)
+
+
+# Normalisations over the last axis (``norm``), and the gate activations of ``glu``:
+# each a name here and one definition in the reference (kernels/ref/reference.py).
+NORM_KINDS = ("rms", "layer")
+GATE_ACTS = ("silu", "gelu_tanh")
+
 _CONV_ATTRS = ("strides", "pads", "dilations", "group")
 _W = frozenset({"w", "bias", "scale"})
 
@@ -204,6 +251,14 @@ OPS: dict[str, OpDef] = {
         _op("concat", ("*parts",), _concat_shape, attrs=("axis",)),
         _op("reduce_mean", ("x",), _reduce_shape, attrs=("axes", "keepdims")),
         _op("pad", ("x",), _pad_shape, attrs=("pads",)),
+        # Decoder LLMs (docs/bundle-format.md, "LLM ops"): tokens are rows.
+        _op("norm", ("x", "w", "b"), _norm_shape, ("b",), ("w", "b"), ("kind", "eps")),
+        _op("rope", ("x", "pos", "cos", "sin"), _rope_shape, (), ("cos", "sin"),
+            ("heads", "head_dim")),
+        _op("glu", ("x",), _glu_shape, attrs=("act",)),
+        _op("embed", ("ids", "w", "scale"), _embed_shape, ("scale",), ("w", "scale"), (), "w"),
+        _op("attention", ("qkv", "pos", "slot", "k_cache", "v_cache"), _attention_shape,
+            attrs=("heads", "kv_heads", "head_dim", "scale", "window")),
         _op(
             "mbconv",
             ("x", "we", "be", "se", "wd", "bd", "sd", "wp", "bp", "sp", "residual"),

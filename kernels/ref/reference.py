@@ -18,6 +18,7 @@ from ..mbconv import parts as mbconv_parts
 from ..ops import args, role
 from ..winograd import untransform_weights
 from ..wtypes import DEQUANTIZE, bf16_to_f32, channel_scaled, of_array
+from .llm import LLM_REFERENCE
 
 Array = np.ndarray
 RefFn = Callable[[Sequence[Array | None], dict], Array]
@@ -272,6 +273,7 @@ REFERENCE: dict[str, RefFn] = {
     "reduce_mean": reduce_mean,
     "pad": pad,
     "mbconv": mbconv,
+    **LLM_REFERENCE,
 }
 for _op in layout.LAYOUT_OPS:
     REFERENCE[_op] = _any_layout(_op, REFERENCE[_op])
