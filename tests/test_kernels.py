@@ -58,6 +58,11 @@ TOL: dict[str, tuple[float, float]] = {
     "reduce_mean": (1e-5, 1e-6),
     "pad": (0.0, 0.0),
     "mbconv": (2e-4, 2e-4),  # three convs in a row
+    "norm": (1e-5, 1e-6),
+    "rope": (1e-6, 1e-6),
+    "glu": (1e-5, 1e-6),
+    "embed": (0.0, 0.0),
+    "attention": (1e-5, 1e-6),
 }
 
 # Sensible act_args per activation (a, b); clip bounds sit inside N(0, 1) so both bite.
@@ -87,6 +92,7 @@ class Case:
     const: tuple[int, ...] = ()  # input slots that are constants (read-only, as in a bundle)
     inplace: bool = False  # output shares input 0's memory (the plan's in-place/alias rule)
     onnx: dict = field(default_factory=dict)  # extra ONNX-only attributes (ceil_mode)
+    state: tuple[int, ...] = ()  # input slots the op writes (attention's KV caches)
 
 
 def _randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
@@ -649,6 +655,93 @@ CASES: dict[str, list[Case]] = {
     ],
 }
 
+
+
+def norm_case(name: str, shape, kind: str, bias: bool = False, inplace: bool = False) -> Case:
+    def make(rng, dt):
+        d = shape[-1]
+        b = _randn(rng, d) if bias else None
+        return [_randn(rng, *shape, scale=3.0), _randn(rng, d), b], {"kind": kind, "eps": 1e-5}
+
+    return Case(name, make, const=(1, 2), inplace=inplace)
+
+
+def rope_case(name: str, t: int, heads: int, extra: int, hd: int, half: int,
+              inplace: bool = False) -> Case:  # fmt: skip
+    """x[T, (heads + extra) * hd]: ``heads`` rotated, ``extra`` heads (v) left alone."""
+
+    def make(rng, dt):
+        p = 40
+        x = _randn(rng, t, (heads + extra) * hd)
+        pos = rng.integers(0, p, t).astype(np.int32)
+        ang = rng.uniform(0, 2 * np.pi, (p, half))
+        cos, sin = np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+        return [x, pos, cos, sin], {"heads": heads, "head_dim": hd}
+
+    return Case(name, make, const=(2, 3), inplace=inplace)
+
+
+def embed_case(name: str, v: int, d: int, ids_shape, mul: float | None = None) -> Case:
+    def make(rng, dt):
+        w, scale = _store_weight(_randn(rng, v, d), dt)
+        ids = rng.integers(0, v, ids_shape).astype(np.int32)
+        ids.reshape(-1)[:2] = (0, v - 1)  # the first and last rows
+        return [ids, w, scale], ({} if mul is None else {"mul": mul})
+
+    return Case(name, make, const=(1, 2))
+
+
+def attention_case(name: str, rows, cache=F32, h=6, hkv=2, d=16, ctx=24, window=0,
+                   softcap=0.0) -> Case:  # fmt: skip
+    """``rows``: (slot, pos) per row; the caches [2, ctx, hkv, d] hold random history
+    before each row's position (rows of one slot at consecutive positions, as a prompt
+    chunk is)."""
+
+    def make(rng, dt):
+        kc = rng.standard_normal((2, ctx, hkv, d)).astype(cache)
+        vc = rng.standard_normal((2, ctx, hkv, d)).astype(cache)
+        qkv = _randn(rng, len(rows), (h + 2 * hkv) * d)
+        slot = np.array([r[0] for r in rows], np.int32)
+        pos = np.array([r[1] for r in rows], np.int32)
+        attrs = {"heads": h, "kv_heads": hkv, "head_dim": d, "scale": d**-0.5, "window": window}
+        if softcap:
+            attrs["softcap"] = softcap
+        return [qkv, pos, slot, kc, vc], attrs
+
+    return Case(name, make, state=(3, 4))
+
+
+_CHUNK = [(1, p) for p in range(3, 12)]  # a 9-row prompt chunk after 3 cached rows
+CASES.update({
+    "norm": [
+        norm_case("rms", (5, 64), "rms"),
+        norm_case("rms_3d_inplace", (2, 3, 40), "rms", inplace=True),
+        norm_case("layer_bias", (4, 48), "layer", bias=True),
+        norm_case("layer_nobias", (1, 33), "layer"),
+    ],
+    "rope": [
+        rope_case("qk_of_qkv", 6, 6, 2, 16, 8),
+        rope_case("partial_inplace", 3, 2, 0, 16, 4, inplace=True),
+        rope_case("one_row_hd64", 1, 12, 4, 64, 32),
+    ],
+    "glu": [
+        shape_case("silu", [(5, 48)], {"act": "silu"}),
+        shape_case("gelu_tanh_3d", [(2, 3, 32)], {"act": "gelu_tanh"}),
+    ],
+    "embed": [
+        embed_case("rows", 50, 24, (7,)),
+        embed_case("rows_2d_mul", 30, 16, (2, 3), mul=4.0),
+    ],
+    "attention": [
+        attention_case("prefill_chunk", _CHUNK),
+        attention_case("prefill_chunk_f16", _CHUNK, cache=np.float16),
+        attention_case("decode_two_slots_idle_row", [(0, 5), (-1, 0), (1, 23)]),
+        attention_case("decode_f16_gqa3", [(1, 17), (0, 0)], cache=np.float16, h=9, hkv=3),
+        attention_case("window", _CHUNK, window=4),
+        attention_case("softcap_mha", [(0, 7), (1, 2)], h=4, hkv=4, softcap=20.0),
+    ],
+})  # fmt: skip
+
 # Channels-last forms of the ops that have one: enough cases to cover each kernel's
 # paths (pointwise, im2row bands, partial column tiles, strides, pads, residuals).
 CASES["conv"] += _nhwc_of(
@@ -884,8 +977,9 @@ def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2
     kernel = registry.KERNELS[(op, dt, backend)]
     ins, attrs = _build(op, dt, case)
     assert kernel.accepts(attrs), f"{kernel.name} refuses the case's attrs {attrs}"
-    want = _want(op, dt, ins, attrs)
     originals = [None if a is None else a.copy() for a in ins]
+    ref_ins = [a.copy() if i in case.state else a for i, a in enumerate(ins)]
+    want = _want(op, dt, ref_ins, attrs)  # the reference writes its copies of the state
     specs = _specs(op, dt, ins)
     ins = [None if a is None else mem.put(a, i in case.const) for i, a in enumerate(ins)]
 
@@ -925,7 +1019,9 @@ def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2
         _check_guards(mem, buf, OUT_SENTINEL, f"{kernel.name} output")
         _check_guards(mem, sbuf, SCRATCH_SENTINEL, f"{kernel.name} scratch")
         for i, (a, a0) in enumerate(zip(ins, originals, strict=True)):
-            if a is not None and not (case.inplace and i == 0):
+            if i in case.state:  # written as the reference writes it, bit for bit
+                np.testing.assert_array_equal(mem.get(a), ref_ins[i], err_msg=f"state {i}")
+            elif a is not None and not (case.inplace and i == 0):
                 assert np.array_equal(mem.get(a), a0), f"{kernel.name} modified input {i}"
 
 
@@ -1016,6 +1112,13 @@ def test_weight_decode_is_exact(backend: str, op: str, dt: str) -> None:
         w, x = vals.reshape(n, k, 1, 1), np.eye(k, dtype=F32).reshape(1, k, 8, 8)
         attrs = conv_attrs | none
         want = as_f32(w, None).reshape(1, n, 8, 8)
+    elif op == "embed":  # every row looked up once: y = w
+        w = vals.reshape(-1, k)
+        x = np.arange(w.shape[0], dtype=np.int32)
+        scale = np.ones(w.shape[0], F32) if dt == "i8" else None
+        w.setflags(write=False)
+        _run_exact(kernel, mem, op, dt, [x, w, scale], none, as_f32(w, None))
+        return
     else:  # depthwise 1x1 over ones: y[c] = w[c]
         w, x = vals.reshape(-1, 1, 1, 1), np.ones((1, vals.size, 1, 1), F32)
         attrs = conv_attrs | none | {"group": vals.size}
@@ -1305,3 +1408,28 @@ def test_reference_mbconv_matches_onnxruntime(case: Case) -> None:
     nodes.append(helper.make_node("Identity", [cur], ["y"]))
     got_ort = _ort_graph(nodes, feeds, inits).transpose(layout.TO_NHWC)
     _compare_ref(R.REFERENCE["mbconv"](ins, attrs), got_ort, 1e-4, 1e-4)
+
+
+@pytest.mark.cpu
+def test_kv_cache_halves_round_as_numpy_casts():
+    # fp16 KV caches store keys and values rounded by kernels/cpu/llm.py's bit routine:
+    # the same half as NumPy's cast for random floats, every half, every midpoint
+    # between neighbouring halves (ties to even), overflow and underflow edges.
+    from edgepack.kernels.cpu.native import K
+
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    h = np.sort(h[np.isfinite(h)].astype(F32))
+    mids = ((h[1:].astype(np.float64) + h[:-1]) / 2).astype(F32)  # exact in float32
+    rng = np.random.default_rng(5)
+    edges = np.array([65504.0, 65519.99, 65520.0, 1e9, 2.0**-24, 2.0**-25, 2.0**-26, 1e-30,
+                      np.inf, -np.inf], F32)  # fmt: skip
+    vals = np.concatenate([h, mids, -mids, edges, rng.standard_normal(200_000).astype(F32),
+                           rng.integers(0, 2**32, 200_000, dtype=np.uint32).view(F32)])  # fmt: skip
+    out = np.empty(vals.size, np.uint16)
+    K.halves_from_f32(vals.view(np.uint32), out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = vals.astype(np.float16)
+    got = out.view(np.float16)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))

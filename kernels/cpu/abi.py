@@ -62,6 +62,26 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             v(arr(f4, 4, "A", ro=True), arr(f4, 4, "A", ro=True), arr(f4, 4, "A"), i8, i8, f4, f4),
         ),
     }
+    # decoder-LLM kernels (kernels/cpu/llm.py): token ids, positions and slots are int32
+    f8, b1, i4 = T.float64, T.boolean, T.int32
+    f2w, ids = arr(f4, 2), arr(i4, 1)
+    sigs.update({
+        "norm_rows": ("llm.norm_rows", v(f2w, w1, w1, f2w, f8, b1, b1)),
+        "rope_rows": ("llm.rope_rows", v(f2w, ids, arr(f4, 2, ro=True), arr(f4, 2, ro=True),
+                                         f2w, i8, i8)),
+        "glu_rows": ("llm.glu_rows", v(f2w, f2w, i8)),
+        "halves_from_f32": ("llm.halves_from_f32", v(arr(u4, 1), arr(u2, 1))),
+    })  # fmt: skip
+    for name, wdt in (("f32", f4), ("i8", i1)):
+        sigs[f"embed_rows_{name}"] = (
+            "llm.embed_rows", v(ids, arr(wdt, 2, ro=True), w1, f2w, f8, b1)
+        )
+    for name, cdt in (("f32", f4), ("f16", u2)):  # KV caches: float32, or halves' bits
+        sigs[f"attention_rows_{name}"] = (
+            "llm.attention_rows",
+            v(f2w, arr(u4, 2), ids, ids, arr(cdt, 4), arr(cdt, 4), f2w, arr(f8, 1), arr(f8, 1),
+              i8, i8, i8, f8, i8, f8, b1),
+        )  # fmt: skip
     a2 = arr(f4, 2, "A")  # GEMM operands may be bands of a larger plane
     f3, f2 = arr(f4, 3), arr(f4, 2)
     tiled = {

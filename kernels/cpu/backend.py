@@ -1019,3 +1019,72 @@ def _bind_q4_linear(ins, outs, scratch, attrs) -> Bound:
 
 _cpu("conv", _q4_conv.bind, ("i4",), _q4_conv.scratch, _conv_takes, _q4_conv.variant)
 _cpu("linear", _bind_q4_linear, ("i4",), _q4_linear_scratch, variant=_q4_linear_variant)
+
+
+# --- decoder-LLM ops (kernels/cpu/llm.py) --------------------------------------------
+
+
+def _rows2(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1, a.shape[-1])
+
+
+def _bind_norm(ins, outs, scratch, attrs) -> Bound:
+    io = _args("norm", ins)
+    b = io.b if io.b is not None else _DUMMY1
+    call = (_rows2(io.x), io.w, b, _rows2(outs[0]), float(attrs["eps"]))
+    kern, args = _bound(K.norm_rows, (*call, attrs["kind"] == "layer", io.b is not None))
+    return lambda: kern(*args)
+
+
+def _bind_rope(ins, outs, scratch, attrs) -> Bound:
+    io = _args("rope", ins)
+    call = (io.x, io.pos, io.cos, io.sin, outs[0], int(attrs["heads"]), int(attrs["head_dim"]))
+    kern, args = _bound(K.rope_rows, call)
+    return lambda: kern(*args)
+
+
+def _bind_glu(ins, outs, scratch, attrs) -> Bound:
+    from .llm import GATE_CODES
+
+    kern, args = _bound(K.glu_rows, (_rows2(ins[0]), _rows2(outs[0]), GATE_CODES[attrs["act"]]))
+    return lambda: kern(*args)
+
+
+def _bind_embed(ins, outs, scratch, attrs) -> Bound:
+    io = _args("embed", ins)
+    scale = io.scale if io.scale is not None else _DUMMY1
+    ids = io.ids.reshape(-1)
+    call = (ids, io.w, scale, _rows2(outs[0]), float(attrs.get("mul", 1.0)), io.scale is not None)
+    kern, args = _bound(K.embed_rows, call)
+    return lambda: kern(*args)
+
+
+def _attention_scratch(ins, outs, attrs) -> int:
+    # the scores of one head over the cache, and one head's weighted sum (float64)
+    ctx = _args("attention", ins).k_cache[0][1]
+    return up64(8 * ctx) + up64(8 * int(attrs["head_dim"]))
+
+
+def _bind_attention(ins, outs, scratch, attrs) -> Bound:
+    io = _args("attention", ins)
+    kc, vc = io.k_cache, io.v_cache
+    half = kc.dtype == np.float16
+    if half:  # numba has no CPU float16: the caches' bits
+        kc, vc = kc.view(np.uint16), vc.view(np.uint16)
+    ctx, hd = kc.shape[1], int(attrs["head_dim"])
+    sc = scratch[: 8 * ctx].view(np.float64)
+    acc = scratch[up64(8 * ctx) : up64(8 * ctx) + 8 * hd].view(np.float64)
+    call = (
+        io.qkv, io.qkv.view(np.uint32), io.pos, io.slot, kc, vc, outs[0], sc, acc,
+        int(attrs["heads"]), int(attrs["kv_heads"]), hd, float(attrs["scale"]),
+        int(attrs["window"]), float(attrs.get("softcap", 0.0)), half,
+    )  # fmt: skip
+    kern, args = _bound(K.attention_rows, call)
+    return lambda: kern(*args)
+
+
+_cpu("norm", _bind_norm)
+_cpu("rope", _bind_rope)
+_cpu("glu", _bind_glu)
+_cpu("embed", _bind_embed, ("f32", "i8"))
+_cpu("attention", _bind_attention, scratch=_attention_scratch)

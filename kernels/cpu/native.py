@@ -21,8 +21,10 @@ from .abi import AOT_MODULE, GEMM_TILE_KERNELS
 def _aot_namespace(mod) -> SimpleNamespace:
     """The AOT exports under the JIT kernels' names (one export per weight dtype)."""
     ns = {name: getattr(mod, name) for name in dir(mod) if not name.startswith("_")}
-    for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc", "dw3"):
+    for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc", "dw3", "embed_rows"):
         ns[name] = _by_weight_dtype(ns.pop(f"{name}_f32"), ns.pop(f"{name}_i8"))
+    f32, f16 = ns.pop("attention_rows_f32"), ns.pop("attention_rows_f16")
+    ns["attention_rows"] = lambda *a: (f16 if a[4].dtype == np.uint16 else f32)(*a)  # caches
     return SimpleNamespace(build="aot", **ns)
 
 
@@ -53,10 +55,12 @@ def load_kernels() -> SimpleNamespace:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from . import gemm_tiles
     from . import kernels as cpu_numba
+    from . import llm as cpu_llm
     from . import nhwc as cpu_nhwc
 
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
     names.update({k: getattr(cpu_nhwc, k) for k in dir(cpu_nhwc) if k.endswith("_nhwc")})
+    names.update({k: getattr(cpu_llm, k) for k in cpu_llm.KERNELS})
     shape = gemm_shape()
     for name in GEMM_TILE_KERNELS:
         names[name] = getattr(gemm_tiles, f"{name}_{shape}")

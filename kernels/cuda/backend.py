@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import layout, wtypes
+from .. import layout, ops, wtypes
 from ..binding import act_args as _act
 from ..binding import epilogue_flags as _flags
 from ..binding import nbytes as _nbytes
@@ -510,3 +510,80 @@ _cuda("transpose", _bind_transpose)
 _cuda("concat", _bind_concat)
 _cuda("reduce_mean", _bind_reduce_mean)
 _cuda("pad", _bind_pad, accepts=lambda a: a.get("mode", "constant") in _PAD_MODE)
+
+
+# --- decoder-LLM ops (kernels/cuda/kernels.py) ----------------------------------------
+
+
+def _rows2(a: Any) -> Any:
+    return a.reshape(-1, a.shape[-1])
+
+
+def _bind_norm(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    io = _args("norm", ins)
+    b = d.arg(io.b) if io.b is not None else _dummies(d).v1
+    x, y = _rows2(io.x), _rows2(outs[0])
+    args = (d.arg(x), d.arg(io.w), b, d.arg(y), float(attrs["eps"]),
+            attrs["kind"] == "layer", io.b is not None)  # fmt: skip
+    kern = d.launch(_k().norm_rows, x.shape[0])
+    return lambda: kern(*args)
+
+
+def _bind_rope(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    io = _args("rope", ins)
+    args = (d.arg(io.x), d.arg(io.pos), d.arg(io.cos), d.arg(io.sin), d.arg(outs[0]),
+            int(attrs["heads"]), int(attrs["head_dim"]))  # fmt: skip
+    kern = d.launch(_k().rope_rows, io.x.size)
+    return lambda: kern(*args)
+
+
+def _bind_glu(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    code = ops.GATE_ACTS.index(attrs["act"])
+    args = (d.arg(_rows2(ins[0])), d.arg(_rows2(outs[0])), code)
+    kern = d.launch(_k().glu_rows, outs[0].size)
+    return lambda: kern(*args)
+
+
+def _bind_embed(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    io = _args("embed", ins)
+    scale = d.arg(io.scale) if io.scale is not None else _dummies(d).v1
+    args = (d.arg(io.ids.reshape(-1)), d.arg(io.w), scale, d.arg(_rows2(outs[0])),
+            float(attrs.get("mul", 1.0)), io.scale is not None)  # fmt: skip
+    kern = d.launch(_k().embed_rows, outs[0].size)
+    return lambda: kern(*args)
+
+
+def _bind_attention(ins, outs, scratch, attrs) -> Bound:
+    d, K = _d(), _k()
+    io = _args("attention", ins)
+    kc, vc = io.k_cache, io.v_cache
+    half = kc.dtype == np.float16
+    if half:  # halves as integers, whatever the GPU's fp16 support
+        kc, vc = kc.view(np.uint16), vc.view(np.uint16)
+    h, hkv, hd = int(attrs["heads"]), int(attrs["kv_heads"]), int(attrs["head_dim"])
+    t = io.qkv.shape[0]
+    qkv, pos, slot, kca, vca = (d.arg(a) for a in (io.qkv, io.pos, io.slot, kc, vc))
+    store = d.launch(K.attention_store, t * hkv * hd)
+    attend = d.launch(K.attention_rows, t * h)
+    bits = d.arg(io.qkv.view(np.uint32))
+    out = d.arg(outs[0])
+    rest = (h, hkv, hd, float(attrs["scale"]), int(attrs["window"]),
+            float(attrs.get("softcap", 0.0)), half)  # fmt: skip
+
+    def step() -> None:
+        store(qkv, bits, pos, slot, kca, vca, h, hkv, hd, half)
+        attend(qkv, pos, slot, kca, vca, out, *rest)
+
+    return step
+
+
+_cuda("norm", _bind_norm)
+_cuda("rope", _bind_rope)
+_cuda("glu", _bind_glu)
+_cuda("embed", _bind_embed, ("f32", "i8"))
+# one head's output sums in a local array of 256 (kernels.attention_rows)
+_cuda("attention", _bind_attention, accepts=lambda a: int(a["head_dim"]) <= 256)

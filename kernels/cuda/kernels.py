@@ -19,6 +19,7 @@ import math
 
 from numba import cuda, float32, float64, int64
 
+from .. import portable
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 
 f32 = float32
@@ -428,3 +429,145 @@ def avgpool(x, y, kh, kw, sh, sw, pt, pl, pb, pr, include_pad):
                 elif include_pad != 0 and -pt <= iy < h + pb and -pl <= ix < w + pr:
                     cnt += 1
         y[ni, c, oy, ox] = s / f32(cnt)
+
+
+# --- decoder-LLM ops (references: kernels/ref/llm.py; the cpu loops: kernels/cpu/llm.py) --
+# Row-wise sums (norms, attention scores and softmax) accumulate in float64, like the
+# references; their lengths are a row (D) or a sequence (<= the context).
+
+
+# kernels/portable.py, compiled for this backend
+f32_bits_to_half = cuda.jit(device=True, inline=True)(portable.f32_bits_to_half)
+_norm_row = cuda.jit(device=True, inline=True)(portable.norm_row)
+
+
+@cuda.jit
+def norm_rows(x, w, b, y, eps, layer, has_b):
+    """One row per loop turn: (x - mean) / sqrt(mean((x - mean)²) + eps) * w (+ b)."""
+    for r in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        _norm_row(x, w, b, y, r, eps, layer, has_b)
+
+
+@cuda.jit
+def rope_rows(x, pos, cos, sin, y, heads, hd):
+    """One (row, column) per loop turn: rotate-half RoPE of the first ``heads`` heads;
+    the other columns copied (y may be x: each turn reads only its own pair's inputs
+    and writes one of them, so a pair is split between two turns only out of place)."""
+    half = cos.shape[1]
+    w = x.shape[1]
+    for q in range(cuda.grid(1), x.shape[0] * w, cuda.gridsize(1)):
+        t = q // w
+        col = q - t * w
+        h = col // hd
+        i = col - h * hd
+        if h >= heads or i >= 2 * half:
+            y[t, col] = x[t, col]
+        elif i < half:
+            p = pos[t]
+            x1 = float64(x[t, col])
+            x2 = float64(x[t, col + half])
+            c = float64(cos[p, i])
+            s = float64(sin[p, i])
+            y[t, col] = x1 * c - x2 * s
+            y[t, col + half] = x2 * c + x1 * s
+
+
+@cuda.jit
+def glu_rows(x, y, act_code):
+    f = y.shape[1]
+    for q in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        r = q // f
+        i = q - r * f
+        g = float64(x[r, i])
+        if act_code == 0:
+            v = g / (1.0 + math.exp(-g))
+        else:
+            v = 0.5 * g * (1.0 + math.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        y[r, i] = v * x[r, f + i]
+
+
+@cuda.jit
+def embed_rows(ids, w, scale, y, mul, has_scale):
+    d = w.shape[1]
+    for q in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        t = q // d
+        i = q - t * d
+        r = ids[t]
+        v = f32(w[r, i])
+        if has_scale:
+            v = v * scale[r]
+        y[t, i] = float64(v) * mul
+
+
+
+
+@cuda.jit
+def attention_store(qkv, qkv_bits, pos, slot, kc, vc, heads, kvh, hd, half):
+    """Each live row's key and value heads into the caches at [slot, pos]."""
+    n = kvh * hd
+    ko, vo = heads * hd, (heads + kvh) * hd
+    for q in range(cuda.grid(1), qkv.shape[0] * n, cuda.gridsize(1)):
+        t = q // n
+        j = q - t * n
+        s = slot[t]
+        if s >= 0:
+            kh = j // hd
+            i = j - kh * hd
+            if half:
+                kc[s, pos[t], kh, i] = f32_bits_to_half(qkv_bits[t, ko + j])
+                vc[s, pos[t], kh, i] = f32_bits_to_half(qkv_bits[t, vo + j])
+            else:
+                kc[s, pos[t], kh, i] = qkv[t, ko + j]
+                vc[s, pos[t], kh, i] = qkv[t, vo + j]
+
+
+@cuda.jit(device=True, inline=True)
+def _cached(c, s, p, kh, i, half):
+    if half:
+        return float64(half_to_f32(int64(c[s, p, kh, i])))
+    return float64(c[s, p, kh, i])
+
+
+@cuda.jit(device=True, inline=True)
+def _score(qkv, t, h, hd, kc, s, j, kh, half, scale, cap):
+    """Row t's query head h against cached key j: scaled, tanh-capped when ``cap``."""
+    dot = float64(0.0)
+    for i in range(hd):
+        dot += float64(qkv[t, h * hd + i]) * _cached(kc, s, j, kh, i, half)
+    v = dot * scale
+    if cap:
+        v = cap * math.tanh(v / cap)
+    return v
+
+
+@cuda.jit
+def attention_rows(qkv, pos, slot, kc, vc, out, heads, kvh, hd, scale, window, cap, half):
+    """One (row, head) per loop turn over the caches (after attention_store): two
+    passes over the keys (the largest score, then exp-weighted sums), so no score
+    vector is held; one head's output accumulates in a local array (D <= 256)."""
+    group = heads // kvh
+    for q in range(cuda.grid(1), qkv.shape[0] * heads, cuda.gridsize(1)):
+        t = q // heads
+        h = q - t * heads
+        s = slot[t]
+        if s < 0:
+            for i in range(hd):
+                out[t, h * hd + i] = f32(0.0)
+            continue
+        p = pos[t]
+        lo = max(0, p - window + 1) if window else 0
+        kh = h // group
+        top = -math.inf
+        for j in range(lo, p + 1):
+            top = max(top, _score(qkv, t, h, hd, kc, s, j, kh, half, scale, cap))
+        acc = cuda.local.array(256, float64)
+        for i in range(hd):
+            acc[i] = 0.0
+        total = float64(0.0)
+        for j in range(lo, p + 1):
+            e = math.exp(_score(qkv, t, h, hd, kc, s, j, kh, half, scale, cap) - top)
+            total += e
+            for i in range(hd):
+                acc[i] += e * _cached(vc, s, j, kh, i, half)
+        for i in range(hd):
+            out[t, h * hd + i] = acc[i] / total

@@ -1,0 +1,160 @@
+"""CPU kernels of the decoder-LLM ops (references: kernels/ref/llm.py).
+
+Plain numba loops in a fixed order (no fastmath), so the JIT and AOT builds and every
+CPU give the same bits. Sums over a row (norms, attention scores) accumulate in
+float64, as the references do. fp16 KV caches are held as their uint16 bits (numba has
+no CPU float16): keys and values are rounded to half on the way in
+(``f32_bits_to_half``, round to nearest even, as NumPy's cast) and widened exactly on
+the way out (``half_to_f32``).
+
+Not yet fast: the attention's dot products over a head are scalar chains (a float
+reduction does not vectorise without reassociation); the explicit-SIMD layer is the
+next step (issue 17's decode budget).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .. import portable
+from .kernels import half_to_f32
+
+# kernels/portable.py, compiled for this backend
+f32_bits_to_half = njit(inline="always")(portable.f32_bits_to_half)
+_norm_row = njit(inline="always")(portable.norm_row)
+
+
+@njit(cache=True)
+def norm_rows(x, w, b, y, eps, layer, has_b):
+    """y[r] = (x[r] - mean) / sqrt(mean((x[r] - mean)²) + eps) * w (+ b); mean = 0 for
+    RMSNorm (``layer`` 0). x, y [R, D] (y may be x)."""
+    for r in range(x.shape[0]):
+        _norm_row(x, w, b, y, r, eps, layer, has_b)
+
+
+@njit(cache=True)
+def rope_rows(x, pos, cos, sin, y, heads, hd):
+    """Rotate-half RoPE of the first ``heads`` heads (``hd`` wide) of each row x[T, W]
+    into y (which may be x); columns past them are copied."""
+    half = cos.shape[1]
+    for t in range(x.shape[0]):
+        p = pos[t]
+        for h in range(heads):
+            o = h * hd
+            for i in range(half):
+                c = np.float64(cos[p, i])
+                s = np.float64(sin[p, i])
+                x1 = np.float64(x[t, o + i])
+                x2 = np.float64(x[t, o + half + i])
+                y[t, o + i] = x1 * c - x2 * s
+                y[t, o + half + i] = x2 * c + x1 * s
+            for i in range(2 * half, hd):
+                y[t, o + i] = x[t, o + i]
+        for i in range(heads * hd, x.shape[1]):
+            y[t, i] = x[t, i]
+
+
+@njit(inline="always")
+def _gate(g, act):
+    if act == 0:  # silu
+        return g / (1.0 + np.exp(-g))
+    # gelu_tanh
+    return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+
+
+GATE_CODES = {"silu": 0, "gelu_tanh": 1}  # ops.GATE_ACTS, in order
+
+
+@njit(cache=True)
+def glu_rows(x, y, act):
+    """y[r, i] = act(x[r, i]) * x[r, F + i], x [R, 2F], y [R, F]."""
+    f = y.shape[1]
+    for r in range(x.shape[0]):
+        for i in range(f):
+            y[r, i] = _gate(np.float64(x[r, i]), act) * x[r, f + i]
+
+
+@njit(cache=True)
+def embed_rows(ids, w, scale, y, mul, has_scale):
+    """y[t] = w[ids[t]] (* scale[ids[t]]) * mul, float32 or int8 tables."""
+    for t in range(ids.shape[0]):
+        r = ids[t]
+        s = np.float64(scale[r]) if has_scale else 1.0
+        for i in range(w.shape[1]):
+            y[t, i] = np.float64(np.float32(np.float32(w[r, i]) * np.float32(s))) * mul
+
+
+
+
+@njit(cache=True)
+def halves_from_f32(bits, out):
+    """float32 values (their uint32 bits) -> halves (uint16 bits), flat arrays."""
+    for i in range(bits.size):
+        out[i] = f32_bits_to_half(bits[i])
+
+
+@njit(inline="always")
+def _cached(c, s, p, kh, i, half):
+    return half_to_f32(c[s, p, kh, i]) if half else np.float32(c[s, p, kh, i])
+
+
+@njit(cache=True)
+def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, hd, scale,
+                   window, cap, half):  # fmt: skip
+    """The ``attention`` op (kernels/ref/llm.py) over caches kc, vc [S, C, Hkv, D]:
+    float32, or halves as uint16 bits (``half``). ``qkv_bits`` is qkv viewed as uint32
+    (for the rounding to half); ``sc`` (C float64) and ``acc`` (D float64) scratch."""
+    t_rows = qkv.shape[0]
+    ko, vo = heads * hd, (heads + kvh) * hd
+    for t in range(t_rows):
+        s = slot[t]
+        if s < 0:
+            continue
+        p = pos[t]
+        for j in range(kvh * hd):
+            kh, i = j // hd, j % hd
+            if half:
+                kc[s, p, kh, i] = f32_bits_to_half(qkv_bits[t, ko + j])
+                vc[s, p, kh, i] = f32_bits_to_half(qkv_bits[t, vo + j])
+            else:
+                kc[s, p, kh, i] = qkv[t, ko + j]
+                vc[s, p, kh, i] = qkv[t, vo + j]
+    group = heads // kvh
+    for t in range(t_rows):
+        s = slot[t]
+        if s < 0:
+            for j in range(heads * hd):
+                out[t, j] = 0.0
+            continue
+        p = pos[t]
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(heads):
+            kh = h // group
+            top = -np.inf
+            for j in range(lo, p + 1):
+                dot = 0.0
+                for i in range(hd):
+                    dot += np.float64(qkv[t, h * hd + i]) * _cached(kc, s, j, kh, i, half)
+                v = dot * scale
+                if cap:
+                    v = cap * np.tanh(v / cap)
+                sc[j - lo] = v
+                top = max(top, v)
+            total = 0.0
+            for j in range(p + 1 - lo):
+                e = np.exp(sc[j] - top)
+                sc[j] = e
+                total += e
+            for i in range(hd):
+                acc[i] = 0.0
+            for j in range(lo, p + 1):
+                wgt = sc[j - lo] / total
+                for i in range(hd):
+                    acc[i] += wgt * _cached(vc, s, j, kh, i, half)
+            for i in range(hd):
+                out[t, h * hd + i] = acc[i]
+
+
+# The kernels the backend binds (kernels/cpu/native.py; AOT signatures in abi.py).
+KERNELS = ("norm_rows", "rope_rows", "glu_rows", "embed_rows", "halves_from_f32", "attention_rows")
