@@ -58,6 +58,17 @@ class Graph:
     # Weight type (kernels/wtypes.py) of constants whose numpy dtype does not say it:
     # int4's packed uint8, bfloat16's uint16 bit patterns.
     wtypes: dict[str, str] = field(default_factory=dict)
+    # Arena tensors that are not float32 (runtime/bundle_format.py TENSOR_DTYPES): an
+    # LLM's int32 token ids and positions, its fp16 KV caches.
+    dtypes: dict[str, str] = field(default_factory=dict)
+    # Tensors that persist from one run to the next (an LLM's KV caches): the plan puts
+    # them first in the arena, at the same offsets in every graph of a bundle, and
+    # never lends their bytes to anything else.
+    state: list[str] = field(default_factory=list)
+
+    def dtype(self, tensor: str) -> str:
+        """The dtype name of arena tensor ``tensor`` (``f32`` unless recorded)."""
+        return self.dtypes.get(tensor, "f32")
 
     def wtype(self, name: str) -> str:
         """The stored type of constant ``name`` (a row of kernels/wtypes.py, or a plain
@@ -97,4 +108,6 @@ class Graph:
         self.nodes = kept[::-1]
         self.consts = {k: v for k, v in self.consts.items() if k in live}
         self.wtypes = {k: v for k, v in self.wtypes.items() if k in live}
-        self.shapes = {k: v for k, v in self.shapes.items() if k in live or k in self.inputs}
+        keep = {*self.inputs, *self.state}
+        self.shapes = {k: v for k, v in self.shapes.items() if k in live or k in keep}
+        self.dtypes = {k: v for k, v in self.dtypes.items() if k in self.shapes}

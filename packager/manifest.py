@@ -20,8 +20,12 @@ def _jsonable(v):
     return v
 
 
+def _io(g: Graph, t: str) -> dict:
+    return {"name": t, "shape": list(g.shapes[t]), "dtype": g.dtype(t)}
+
+
 def make_manifest(g: Graph, plan: Plan, extra: dict | None = None) -> dict:
-    tensors = {t: {"shape": list(s), "dtype": "f32"} for t, s in g.shapes.items()}
+    tensors = {t: {"shape": list(s), "dtype": g.dtype(t)} for t, s in g.shapes.items()}
     nodes = [
         {
             "name": n.name,
@@ -38,10 +42,11 @@ def make_manifest(g: Graph, plan: Plan, extra: dict | None = None) -> dict:
         "format": "edgepack-bundle",
         "format_version": FORMAT_VERSION,
         "graph": {
-            "inputs": [{"name": t, "shape": list(g.shapes[t]), "dtype": "f32"} for t in g.inputs],
-            "outputs": [{"name": t, "shape": list(g.shapes[t]), "dtype": "f32"} for t in g.outputs],
+            "inputs": [_io(g, t) for t in g.inputs],
+            "outputs": [_io(g, t) for t in g.outputs],
             "tensors": tensors,
             "nodes": nodes,
+            **({"state": list(g.state)} if g.state else {}),
         },
         "weights": {k: {"shape": list(v.shape), "dtype": g.wtype(k)} for k, v in g.consts.items()},
         "plan": {

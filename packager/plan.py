@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kernels.registry import BACKEND_TABLE, WEIGHT_OPS, choose, node_dtype
-from ..runtime.bundle_format import ALIGN, align_up
+from ..runtime.bundle_format import ALIGN, TENSOR_DTYPES, align_up
 from .ir import Graph, PackError
 
 INPLACE_OPS = ("unary", "binary", "channel_affine")
@@ -105,7 +105,10 @@ def _scratch_needs(kernels: dict[str, dict]) -> dict[str, int]:
 
 def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
     kernels = choose_kernels(g, backends)
-    nbytes = {t: int(np.prod(s, dtype=np.int64)) * 4 for t, s in g.shapes.items()}
+    nbytes = {
+        t: int(np.prod(s, dtype=np.int64)) * np.dtype(TENSOR_DTYPES[g.dtype(t)]).itemsize
+        for t, s in g.shapes.items()
+    }
     end = len(g.nodes)
     born = {t: -1 for t in g.inputs}
     used = {t: -1 for t in g.shapes}
@@ -115,8 +118,10 @@ def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
         for t in node.inputs:
             if t in g.shapes:
                 used[t] = i
-    for t in g.outputs:
+    for t in (*g.outputs, *g.state):
         used[t] = end
+    for t in g.state:
+        born[t] = -1
 
     # Storages as a union-find over tensors: reshape outputs always join their input;
     # an elementwise output joins its input when that storage is not read later.
@@ -155,11 +160,21 @@ def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
     scratch_req = _scratch_needs(kernels)
     node_index = {n.name: i for i, n in enumerate(g.nodes)}
     roots = sorted({root(t) for t in g.shapes})
-    items = [(nbytes[r], born_at[r], last[r], ("t", r)) for r in roots]
+    state = set(g.state)
+    items = [(nbytes[r], born_at[r], last[r], ("t", r)) for r in roots if r not in state]
     items += [(need, node_index[n], node_index[n], ("s", n)) for n, need in scratch_req.items()]
 
     placed: list[tuple[int, int, int, int]] = []  # (offset, size, first, last)
     offset_of: dict[tuple, int] = {}
+    # State first, in its listed order, from offset 0: every graph of a bundle with the
+    # same state finds it at the same offsets, whatever else it plans around it.
+    top = 0
+    for t in g.state:
+        if root(t) != t:
+            raise PackError(f"state tensor {t!r} shares storage with another tensor")
+        placed.append((top, nbytes[t], -1, end))
+        offset_of[("t", t)] = top
+        top += align_up(max(nbytes[t], 1))
     for sz, f, l_, key in sorted(items, key=lambda it: (-it[0], it[1], str(it[3]))):
         asz = align_up(max(sz, 1))
         conflicts = sorted(

@@ -27,6 +27,7 @@ from .bundle_format import (
     MAGIC,
     PAD_PREFIX,
     ST_DTYPES,
+    TENSOR_DTYPES,
     Header,
 )
 
@@ -65,6 +66,9 @@ def _fail(path: str, msg: str) -> BundleError:
     return BundleError(f"{path}: not a valid edgepack bundle: {msg}")
 
 
+_bundle_fail = _fail
+
+
 def parse_header(raw: bytes, path: str = "<bundle>") -> Header:
     if len(raw) < HEADER_SIZE:
         raise _fail(path, f"file is {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
@@ -100,13 +104,21 @@ def _check_ranges(h: Header, available: int, path: str) -> None:
         raise _fail(path, "weight section lies outside the bundle or overlaps the manifest")
 
 
-def _parse_safetensors_header(
-    buf: memoryview, base: int, path: str, section_size: int
+def parse_safetensors_header(
+    buf: memoryview,
+    base: int,
+    path: str,
+    section_size: int,
+    fail: Callable[[str, str], Exception] | None = None,
+    align: int = ALIGN,
 ) -> tuple[int, dict]:
     """Validate the safetensors-layout section from its header bytes ``buf``.
 
-    Returns (data start within the section, entries).
+    Returns (data start within the section, entries). ``fail(path, what)`` makes the
+    error (a bundle's by default); ``align``: the alignment the data and each tensor
+    must have (a bundle's 64; 1 for a plain safetensors file).
     """
+    _fail = fail or _bundle_fail  # the bundle reader's error, or the caller's
     if len(buf) < 8:
         raise _fail(path, "weight section shorter than its length prefix")
     (n,) = struct.unpack_from("<Q", buf, 0)
@@ -121,7 +133,7 @@ def _parse_safetensors_header(
     entries.pop("__metadata__", None)
     data_start = 8 + n
     data_len = section_size - data_start
-    if (base + data_start) % ALIGN:
+    if (base + data_start) % align:
         raise _fail(path, "weight data does not start on a 64-byte boundary")
     spans = []
     for name, e in entries.items():
@@ -142,8 +154,8 @@ def _parse_safetensors_header(
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(ST_DTYPES[dt]).itemsize
         if e_ - b != nbytes:
             raise _fail(path, f"weight {name!r}: {e_ - b} bytes for shape {shape} {dt}")
-        if not name.startswith(PAD_PREFIX) and (base + data_start + b) % ALIGN:
-            raise _fail(path, f"weight {name!r} is not 64-byte aligned")
+        if not name.startswith(PAD_PREFIX) and (base + data_start + b) % align:
+            raise _fail(path, f"weight {name!r} is not {align}-byte aligned")
         spans.append((b, e_, name))
     spans.sort()
     pos = 0
@@ -186,15 +198,16 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
         raise _fail(
             path, f"manifest format version {m.get('format_version')!r}, expected {FORMAT_VERSION}"
         )
-    try:
-        g, plan, wspecs = m["graph"], m["plan"], m["weights"]
+
+    def check_graph(g: dict, plan: dict, wspecs: dict) -> None:
         tensors = g["tensors"]
         arena = int(plan["arena_bytes"])
         for name, t in tensors.items():
-            if not _shape_ok(t["shape"]) or t["dtype"] != "f32":
+            if not _shape_ok(t["shape"]) or t["dtype"] not in TENSOR_DTYPES:
                 raise _fail(path, f"tensor {name!r}: bad shape or dtype")
             off = plan["tensors"][name]
-            size = int(np.prod(t["shape"], dtype=np.int64)) * 4
+            itemsize = np.dtype(TENSOR_DTYPES[t["dtype"]]).itemsize
+            size = int(np.prod(t["shape"], dtype=np.int64)) * itemsize
             if not (isinstance(off, int) and 0 <= off and off % 4 == 0 and off + size <= arena):
                 raise _fail(path, f"tensor {name!r} planned outside the arena")
         for node_name, span in plan["scratch"].items():
@@ -210,6 +223,9 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
         for io in g["inputs"] + g["outputs"]:
             if io["name"] not in tensors:
                 raise _fail(path, f"graph input/output {io['name']!r} is not a tensor")
+        for name in g.get("state", []):
+            if name not in tensors:
+                raise _fail(path, f"state {name!r} is not a tensor")
         for node in g["nodes"]:
             if node["op"] not in ops.OPS:
                 raise _fail(
@@ -255,6 +271,19 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
                     f"node {node['name']!r} ({node['op']}) writes {list(got)}; its inputs "
                     f"and attributes make {list(want)}",
                 )
+
+    try:
+        wspecs = m["weights"]
+        check_graph(m["graph"], m["plan"], wspecs)
+        if "llm" in m:  # a language model's prompt graph, planned on the same arena
+            pre = m["llm"]["prefill"]
+            if pre["plan"]["arena_bytes"] != m["plan"]["arena_bytes"]:
+                raise _fail(path, "the prefill and decode graphs plan different arenas")
+            check_graph(pre["graph"], pre["plan"], wspecs)
+            for name in m["graph"].get("state", []):  # the one KV cache both graphs use
+                here = (m["plan"]["tensors"][name], m["graph"]["tensors"][name])
+                if (pre["plan"]["tensors"].get(name), pre["graph"]["tensors"].get(name)) != here:
+                    raise _fail(path, f"state {name!r} differs between prefill and decode")
         for name, spec in wspecs.items():
             w = weights.get(name)
             if w is None or name.startswith(PAD_PREFIX):
@@ -327,7 +356,7 @@ def open_bundle(
             st_len = f.read(8)
             n = struct.unpack("<Q", st_len)[0] if len(st_len) == 8 else 0
             head = st_len + f.read(min(n, MAX_ST_HEADER + 1, h.weights_size))
-            data_start, entries = _parse_safetensors_header(
+            data_start, entries = parse_safetensors_header(
                 memoryview(head), wbase, p, h.weights_size
             )
             try:

@@ -32,6 +32,9 @@ ST_DTYPES: dict[str, str] = {
     "I32": "<i4",
 }
 PAD_PREFIX = "__pad__."  # filler entries that keep every tensor 64-byte aligned
+# Arena tensors' dtypes: float32 activations; int32 token ids, positions and slots;
+# fp16 KV caches (an LLM graph's state).
+TENSOR_DTYPES: dict[str, str] = {"f32": "<f4", "i32": "<i4", "f16": "<f2"}
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.registry import DTYPES, lookup, node_dtype
+from ..kernels.registry import lookup, node_dtype
+from .bundle_format import TENSOR_DTYPES
 from .device import Device, aligned_arena, node_backend, select_device
+
+DTYPES = {k: np.dtype(v) for k, v in TENSOR_DTYPES.items()}  # arena tensors
 
 __all__ = ["Executor", "RunError", "aligned_arena"]
 
@@ -29,7 +32,9 @@ class Executor:
     Each node binds the kernel the bundle records for it (runtime/device.py's
     ``node_backend``; nothing is chosen again here). ``device`` is a ``Device``
     (shared, e.g. by the agent's workers) or a name for ``select_device`` (``None``: as
-    planned).
+    planned). ``arena``: another executor's arena on the same device, for a graph
+    planned with the same arena size and state (an LLM's prefill and decode graphs
+    share their KV cache that way).
     """
 
     def __init__(
@@ -39,6 +44,7 @@ class Executor:
         device: Device | str | None = None,
         require_gpu: bool = False,
         gpu_weights: str = "upload",
+        arena: Any = None,
     ) -> None:
         g, plan = manifest["graph"], manifest["plan"]
         self.graph = g
@@ -49,7 +55,9 @@ class Executor:
         self.device: Device = device
         weights = device.weights(weights)
         arena_bytes = int(plan["arena_bytes"])
-        self.arena = device.arena(arena_bytes)
+        if arena is not None and len(arena) != arena_bytes:  # another graph's, shared
+            raise RuntimeError("the shared arena does not match this graph's plan")
+        self.arena = device.arena(arena_bytes) if arena is None else arena
         self.views: dict[str, Any] = {}
         for name, off in plan["tensors"].items():
             t = g["tensors"][name]

@@ -112,7 +112,7 @@ class Agent:
             inline_max_s=cfg.inline_max_ms / 1e3,
             run_estimate_s=run_s,
         )
-        from ...kernels.registry import DTYPES
+        from ..executor import DTYPES
 
         self.input_dtypes = {t["name"]: DTYPES[t["dtype"]] for t in session.inputs}
         self.store = ReplyStore(cfg.dedup_entries, cfg.dedup_bytes, cfg.dedup_ttl)
@@ -167,7 +167,7 @@ class Agent:
         loading or compiling kernels); returns the time of a warm run in seconds."""
         import numpy as np
 
-        from ...kernels.registry import DTYPES
+        from ..executor import DTYPES
 
         set_threads(self.cfg.threads)
         feeds = {t["name"]: np.zeros(t["shape"], DTYPES[t["dtype"]]) for t in self.session.inputs}

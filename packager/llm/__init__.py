@@ -1,0 +1,8 @@
+"""Decoder language models: a Hugging Face folder (config.json + safetensors) becomes two
+planned graphs over one set of weights, prefill (a chunk of one prompt's tokens) and
+decode (one token per sequence slot), sharing a KV cache planned in the arena.
+
+hf.py reads the folder (bounded safetensors parsing), arch.py turns its config into a
+``DecoderSpec`` (one row per supported architecture; anything else fails naming it),
+rope.py computes the RoPE tables, graph.py writes the graphs, build.py packs the bundle.
+"""

@@ -1,0 +1,123 @@
+"""Pack a Hugging Face decoder folder into an LLM bundle.
+
+The bundle's top-level ``graph``/``plan`` are the decode step (one row per sequence
+slot); ``llm.prefill`` holds the prompt-chunk graph and its plan. Both plans put the KV
+cache (the graphs' state) first in the arena at the same offsets and are given the same
+arena size, so the runtime binds both to one arena: the cache the prefill fills is the
+one decode reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ...kernels.wtypes import bf16_to_f32
+from ...runtime.text import TOKENIZER
+from ..build import BuildResult, build_info
+from ..ir import PackError
+from ..manifest import make_manifest
+from ..plan import plan_memory
+from ..writer import write_bundle
+from .arch import decoder_spec
+from .graph import ROPE_COS, ROPE_SIN, decoder_graph, fused_weights
+from .hf import load_folder, load_text
+from .rope import tables
+
+DEFAULT_CTX = 2048
+DEFAULT_CHUNK = 32  # prompt rows per prefill run: bounds the arena, not the prompt
+KV_DTYPES = ("f16", "f32")
+
+
+def _as_f32(weights: dict) -> Callable[[str], np.ndarray]:
+    def w(name: str) -> np.ndarray:
+        if name not in weights:
+            raise PackError(f"the model folder has no tensor {name!r}")
+        a, st = weights[name]
+        if st == "BF16":
+            return bf16_to_f32(a)
+        if st not in ("F32", "F16"):
+            raise PackError(f"tensor {name!r} is {st}; expected F32, F16 or BF16")
+        return np.ascontiguousarray(a, np.float32)
+
+    return w
+
+
+def build_llm(
+    folder: str | Path,
+    out: str | Path,
+    quant: str = "fp32",
+    ctx: int = DEFAULT_CTX,
+    slots: int = 1,
+    chunk: int = DEFAULT_CHUNK,
+    kv: str = "f16",
+    backends: Sequence[str] = ("cpu", "ref"),
+    log: Callable[[str], None] = print,
+) -> BuildResult:
+    t0 = time.perf_counter()
+    if quant != "fp32":
+        raise PackError(f"--quant {quant} for language models is not implemented yet (fp32)")
+    if kv not in KV_DTYPES:
+        raise PackError(f"--kv {kv!r}: choose from {', '.join(KV_DTYPES)}")
+    if min(ctx, slots, chunk) < 1:
+        raise PackError("--ctx, --slots and the prefill chunk must be at least 1")
+    config, weights = load_folder(folder)
+    spec = decoder_spec(config)
+    log(
+        f"[1/4] {spec.arch}: {spec.layers} layers, width {spec.hidden}, {spec.heads} heads / "
+        f"{spec.kv_heads} kv heads of {spec.head_dim}, vocab {spec.vocab} "
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
+    if ctx > spec.max_positions:
+        log(f"      --ctx {ctx} is beyond the model's {spec.max_positions} trained positions")
+    consts = fused_weights(spec, _as_f32(weights))
+    consts[ROPE_COS], consts[ROPE_SIN] = tables(spec, ctx)
+    tokenizer, text = load_text(folder, config)
+    if tokenizer is not None:  # mapped and checksummed with the weights
+        consts[TOKENIZER] = np.frombuffer(tokenizer, np.uint8)
+    else:
+        log("      no tokenizer.json: the bundle takes and gives token ids only")
+    graphs = {
+        "prefill": decoder_graph(spec, consts, chunk, ctx, slots, kv),
+        "decode": decoder_graph(spec, consts, slots, ctx, slots, kv),
+    }
+    log(f"[2/4] plan prefill ({chunk} rows) and decode ({slots} rows)")
+    plans = {k: plan_memory(g, backends) for k, g in graphs.items()}
+    arena = max(p.arena_bytes for p in plans.values())
+    for p in plans.values():
+        p.arena_bytes = arena  # one arena for both graphs
+    g0 = graphs["decode"]
+    kv_bytes = sum(
+        int(np.prod(g0.shapes[t])) * (2 if kv == "f16" else 4) for t in g0.state
+    )
+    log(
+        f"      arena {arena / 1e6:.2f} MB, of which KV cache {kv_bytes / 1e6:.2f} MB "
+        f"({slots} slot(s) x {ctx} positions, {kv})"
+    )
+    prefill = make_manifest(graphs["prefill"], plans["prefill"])
+    llm = {
+        "spec": asdict(spec),
+        "ctx": ctx,
+        "slots": slots,
+        "chunk": chunk,
+        "kv_dtype": kv,
+        "kv_bytes": kv_bytes,
+        "text": text,
+        "prefill": {"graph": prefill["graph"], "plan": prefill["plan"]},
+    }
+    extra = {
+        "model": {"name": Path(folder).name, "kind": "llm", "source_file": Path(folder).name},
+        "build": build_info(),
+        "quantization": {"mode": quant},
+        "llm": llm,
+    }
+    manifest = make_manifest(g0, plans["decode"], extra)
+    log(f"[3/4] write {out}")
+    size = write_bundle(out, manifest, g0.consts)
+    wbytes = sum(v.nbytes for v in g0.consts.values())
+    log(f"[4/4] {size / 1e6:.2f} MB bundle, done in {time.perf_counter() - t0:.1f}s")
+    return BuildResult(Path(out), manifest, plans["decode"], size, wbytes, None)

@@ -1,0 +1,101 @@
+"""Run an LLM bundle: the prefill and decode graphs bound to one arena, whose KV cache
+(the graphs' state, planned first in the arena) carries each sequence from one run to
+the next.
+
+``LLMSession`` is the token-level API: ``prefill(tokens, slot)`` feeds a prompt in
+chunks of the planned size and returns the logits after its last token; ``step(token,
+slot)`` feeds one token and returns the next logits. Positions are counted per slot;
+``reset(slot)`` starts that sequence over (its old cache entries are never read again:
+attention reads positions up to the current one only). Logits are float32 views owned by
+the session, valid until its next run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .executor import Executor
+from .session import open_located
+from .threads import set_threads
+
+
+class LLMError(ValueError):
+    """A request the bundle cannot serve (not an LLM bundle, context full, bad token)."""
+
+
+class LLMSession:
+    def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
+        set_threads(threads)
+        self.bundle = open_located(path)
+        m = self.bundle.manifest
+        if "llm" not in m:
+            raise LLMError(f"{path}: not a language-model bundle (no llm section)")
+        llm = m["llm"]
+        self.spec = llm["spec"]
+        self.ctx, self.slots, self.chunk = int(llm["ctx"]), int(llm["slots"]), int(llm["chunk"])
+        self.decode = Executor(m, self.bundle.weights, device="cpu")
+        pre = {**m, "graph": llm["prefill"]["graph"], "plan": llm["prefill"]["plan"]}
+        self.prefill_ex = Executor(
+            pre, self.bundle.weights, device=self.decode.device, arena=self.decode.arena
+        )
+        self.positions = [0] * self.slots
+        self._feeds = {
+            k: {n: np.zeros(rows, np.int32) for n in ("ids", "pos", "slot")}
+            for k, rows in (("prefill", self.chunk), ("decode", self.slots))
+        }
+
+    @property
+    def vocab(self) -> int:
+        return int(self.spec["vocab"])
+
+    def reset(self, slot: int = 0) -> None:
+        self._slot(slot)
+        self.positions[slot] = 0
+
+    def _slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise LLMError(f"slot {slot}: the bundle has slots 0..{self.slots - 1}")
+
+    def _tokens(self, tokens, slot: int) -> np.ndarray:
+        self._slot(slot)
+        t = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if t.size and (t.min() < 0 or t.max() >= self.vocab):
+            raise LLMError(f"token ids must lie in 0..{self.vocab - 1}")
+        if self.positions[slot] + t.size > self.ctx:
+            raise LLMError(
+                f"slot {slot}: {self.positions[slot]} + {t.size} tokens exceed the "
+                f"context of {self.ctx} (rebuild with a larger --ctx)"
+            )
+        return t
+
+    def prefill(self, tokens, slot: int = 0) -> np.ndarray:
+        """Feed ``tokens`` to sequence ``slot`` after what it already holds; the logits
+        [vocab] after the last of them."""
+        t = self._tokens(tokens, slot)
+        if not t.size:
+            raise LLMError("prefill of no tokens")
+        f = self._feeds["prefill"]
+        logits = None
+        for c0 in range(0, t.size, self.chunk):
+            part = t[c0 : c0 + self.chunk]
+            n = part.size
+            start = self.positions[slot]
+            f["ids"][:n], f["ids"][n:] = part, 0
+            f["pos"][:n], f["pos"][n:] = np.arange(start, start + n), 0
+            f["slot"][:n], f["slot"][n:] = slot, -1  # idle rows store and attend nothing
+            (out,) = self.prefill_ex.run_views(f)
+            self.positions[slot] += n
+            logits = out[n - 1]
+        return logits
+
+    def step(self, token: int, slot: int = 0) -> np.ndarray:
+        """Feed one token to sequence ``slot``; the logits [vocab] after it."""
+        self._tokens([token], slot)
+        f = self._feeds["decode"]
+        f["slot"][:] = -1
+        f["ids"][slot], f["pos"][slot], f["slot"][slot] = token, self.positions[slot], slot
+        (out,) = self.decode.run_views(f)
+        self.positions[slot] += 1
+        return out[slot]

@@ -1,0 +1,78 @@
+"""Text in and out of an LLM bundle: the tokenizer the bundle carries (``tokenizer.json``
+stored as a u8 tensor of its weight section, so it is mapped and checksummed like the
+weights), its chat template (jinja2), and streaming detokenization.
+
+Both libraries are device dependencies (``tokenizers`` and ``jinja2``), imported only
+when a bundle's text is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+TOKENIZER = "tokenizer.json"  # the weight-section entry
+
+
+class TextError(ValueError):
+    """The bundle cannot turn text into tokens or back (no tokenizer, no template)."""
+
+
+class TextCodec:
+    def __init__(self, manifest: Mapping, weights: Mapping[str, np.ndarray]) -> None:
+        if TOKENIZER not in weights:
+            raise TextError("this bundle carries no tokenizer (its model folder had none)")
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_str(bytes(weights[TOKENIZER]).decode("utf-8"))
+        info = manifest["llm"].get("text", {})
+        self.template = info.get("chat_template")
+        self.bos, self.eos = info.get("bos_token"), info.get("eos_token")
+        self.eos_ids = set(info.get("eos_ids", []))
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special``: the tokenizer's own additions (BOS...)."""
+        return self.tok.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text of a conversation, by the model's chat template, ready for the
+        assistant's turn."""
+        if not self.template:
+            raise TextError("this model has no chat template (use a plain prompt)")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg: str):
+            raise TextError(f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.template).render(
+                messages=list(messages),
+                add_generation_prompt=True,
+                bos_token=self.bos or "",
+                eos_token=self.eos or "",
+            )
+        except jinja2.TemplateError as e:
+            raise TextError(f"chat template: {e}") from None
+
+
+class Detokenizer:
+    """Text pieces as tokens arrive: the decoded text's new suffix, held back while it
+    ends inside a multi-byte character (a lone U+FFFD)."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec, self.ids, self.sent = codec, [], 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.sent = text[self.sent :], len(text)
+        return piece

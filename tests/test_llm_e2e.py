@@ -1,0 +1,138 @@
+"""Decoder LLMs end to end through the bundle: a random-weight Llama made and saved by
+transformers -> build_llm -> .epk on disk -> mmap -> prefill in chunks + decode steps
+over the planned KV cache, against transformers' logits on the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from edgepack.packager.ir import PackError
+from edgepack.packager.llm.build import build_llm
+from edgepack.runtime.llm import LLMError, LLMSession
+from transformers import LlamaConfig, LlamaForCausalLM
+
+pytestmark = pytest.mark.cpu
+
+VOCAB = 96
+
+
+def _llama(path, tied: bool, bias: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, tie_word_embeddings=tied, attention_bias=bias,
+        initializer_range=0.25,  # large enough that attention is far from uniform
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
+    np.testing.assert_allclose(got, want, rtol=rel, atol=rel * float(np.abs(want).max()))
+
+
+@pytest.fixture(scope="module", params=[(True, False), (False, True)], ids=["tied", "untied_bias"])
+def llama(request, tmp_path_factory):
+    tied, bias = request.param
+    d = tmp_path_factory.mktemp("llama")
+    model = _llama(d / "hf", tied, bias)
+    out = d / "llama.epk"
+    build_llm(d / "hf", out, ctx=64, slots=2, chunk=4, kv="f32", log=lambda s: None)
+    return model, out
+
+
+def test_prefill_and_decode_match_transformers(llama):
+    # an 11-token prompt in chunks of 4 (the last chunk with an idle row), then 32
+    # greedy steps; every step's logits against transformers over the whole sequence
+    model, path = llama
+    s = LLMSession(path)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, VOCAB, 11)]
+    seq = list(prompt)
+    got = s.prefill(prompt)
+    _close(got, _hf_logits(model, seq)[-1], 1e-4)
+    for _ in range(32):
+        seq.append(int(np.argmax(got)))
+        got = s.step(seq[-1])
+        _close(got, _hf_logits(model, seq)[-1], 1e-4)
+    assert s.positions[0] == len(seq)
+
+
+def test_slots_are_separate_sequences(llama):
+    # two prompts interleaved in the two cache slots give what each gives alone
+    model, path = llama
+    s = LLMSession(path)
+    a, b = [5, 17, 3, 60, 2], [44, 1, 90, 90, 7, 12, 8]
+    la, lb = s.prefill(a, slot=0).copy(), s.prefill(b, slot=1).copy()
+    _close(la, _hf_logits(model, a)[-1], 1e-4)
+    _close(lb, _hf_logits(model, b)[-1], 1e-4)
+    ta, tb = int(np.argmax(la)), int(np.argmax(lb))
+    _close(s.step(ta, slot=0), _hf_logits(model, a + [ta])[-1], 1e-4)
+    _close(s.step(tb, slot=1), _hf_logits(model, b + [tb])[-1], 1e-4)
+    s.reset(0)  # a new sequence in slot 0 starts from position 0
+    _close(s.prefill(b, slot=0), _hf_logits(model, b)[-1], 1e-4)
+
+
+def test_the_bundle_records_the_kv_cache_and_refuses_a_full_context(llama):
+    _, path = llama
+    s = LLMSession(path)
+    llm = s.bundle.manifest["llm"]
+    state = s.bundle.manifest["graph"]["state"]
+    assert len(state) == 2 * 2  # k and v per layer
+    # (k, v) x 2 layers, each [2 slots, 64 positions, 2 kv heads, 16] float32
+    assert llm["kv_bytes"] == 4 * (2 * 64 * 2 * 16) * 4
+    assert s.decode.arena is s.prefill_ex.arena  # one arena, one cache
+    assert max(s.bundle.manifest["plan"]["tensors"][t] for t in state) < llm["kv_bytes"]
+    with pytest.raises(LLMError, match="exceed the context of 64"):
+        s.prefill([1] * 65)
+    with pytest.raises(LLMError, match="token ids must lie in 0..95"):
+        s.step(VOCAB)
+
+
+def test_fp16_kv_cache_stays_close(tmp_path):
+    model = _llama(tmp_path / "hf", tied=True, bias=False, seed=3)
+    build_llm(tmp_path / "hf", tmp_path / "h.epk", ctx=48, chunk=8, kv="f16", log=lambda s: None)
+    s = LLMSession(tmp_path / "h.epk")
+    seq = [3, 14, 15, 92, 65, 35, 89, 79, 32]
+    got = s.prefill(seq)
+    for _ in range(16):
+        want = _hf_logits(model, seq)[-1]
+        _close(got, want, 1e-2)  # keys and values rounded to half in the cache
+        seq.append(int(np.argmax(want)))
+        got = s.step(seq[-1])
+
+
+def test_unsupported_configs_fail_the_build_naming_the_value(tmp_path):
+    _llama(tmp_path / "hf", tied=True, bias=False)
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for change, message in (
+        ({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "architecture 'mamba'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+    ):
+        cfg_path.write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(PackError, match=message):
+            build_llm(tmp_path / "hf", tmp_path / "x.epk", ctx=16, log=lambda s: None)
+
+
+def test_a_corrupt_safetensors_file_is_refused_before_mapping(tmp_path):
+    _llama(tmp_path / "hf", tied=True, bias=False)
+    st = tmp_path / "hf" / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    st.write_bytes(data[: len(data) // 2])  # truncated: offsets past the end
+    with pytest.raises(PackError, match="not a valid safetensors file"):
+        build_llm(tmp_path / "hf", tmp_path / "x.epk", ctx=16, log=lambda s: None)
+    st.write_bytes(b"\xff" * 8 + data[8:])  # a header length of 2**64 - 1
+    with pytest.raises(PackError, match="header length"):
+        build_llm(tmp_path / "hf", tmp_path / "x.epk", ctx=16, log=lambda s: None)

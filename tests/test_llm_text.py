@@ -1,0 +1,110 @@
+"""Text generation on an LLM bundle: the tokenizer and chat template the bundle carries,
+the sampler, stop strings and streaming, end to end through the bundle."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from edgepack.packager.llm.build import build_llm
+from edgepack.runtime.generate import Stats, generate
+from edgepack.runtime.llm import LLMSession
+from edgepack.runtime.sampling import Sampler
+from edgepack.runtime.text import TextCodec, TextError
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+pytestmark = pytest.mark.cpu
+
+WORDS = ["<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(60)]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    d = tmp_path_factory.mktemp("text")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=True,
+                      initializer_range=0.5, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    hf = d / "hf"
+    model.save_pretrained(hf)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"})
+    )
+    build_llm(hf, d / "t.epk", ctx=48, chunk=4, kv="f32", log=lambda s: None)
+    return model, d / "t.epk"
+
+
+def _session(path):
+    s = LLMSession(path)
+    return s, TextCodec(s.bundle.manifest, s.bundle.weights)
+
+
+def test_greedy_text_is_transformers_greedy(bundle):
+    model, path = bundle
+    s, codec = _session(path)
+    prompt = "w3 w17 w5 w40"
+    ids = codec.encode(prompt)
+    st = Stats()
+    text = "".join(generate(s, codec, prompt, max_tokens=12, stats=st))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=1, pad_token_id=1)[0, len(ids):].tolist()  # fmt: skip
+    want = [t for t in out if t != 1]
+    assert text == codec.decode(want)
+    assert st.prompt_tokens == len(ids) and st.decode_tokens == len(out)
+    assert st.prompt_tps > 0 and st.decode_tps > 0
+
+
+def test_chat_template_and_stop_strings(bundle):
+    _, path = bundle
+    s, codec = _session(path)
+    prompt = codec.chat([{"role": "user", "content": "w1 w2"}])
+    assert prompt == "<s><|user|> w1 w2 <|assistant|>"
+    full = "".join(generate(s, codec, prompt, max_tokens=10))
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    st = Stats()
+    cut = "".join(generate(s, codec, prompt, max_tokens=10, stop=[stop], stats=st))
+    assert st.stop == "stop string" and stop not in cut and full.startswith(cut)
+    plain = TextCodec({"llm": {}}, s.bundle.weights)  # a model folder without a template
+    with pytest.raises(TextError, match="no chat template"):
+        plain.chat([{"role": "user", "content": "w1"}])
+
+
+def test_sampling_is_seeded_and_filters_as_documented():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(50).astype(np.float32) * 3
+    s1, s2 = Sampler(temperature=0.8, seed=7), Sampler(temperature=0.8, seed=7)
+    draws = [s1(logits) for _ in range(20)]
+    assert draws == [s2(logits) for _ in range(20)] and len(set(draws)) > 1
+    p = Sampler(temperature=1.0, top_k=5).probabilities(logits)
+    assert np.count_nonzero(p) == 5 and set(np.flatnonzero(p)) == set(np.argsort(logits)[-5:])
+    full = Sampler(temperature=1.0).probabilities(logits)
+    p = Sampler(temperature=1.0, top_p=0.5).probabilities(logits)
+    kept = np.flatnonzero(p)
+    order = np.argsort(-full)
+    n = len(kept)
+    assert set(kept) == set(order[:n])  # the most likely tokens
+    assert full[order[: n - 1]].sum() < 0.5 <= full[order[:n]].sum()  # the fewest reaching p
+    p = Sampler(temperature=1.0, min_p=0.2).probabilities(logits)
+    assert np.all(full[p > 0] >= 0.2 * full.max()) and np.all(full[p == 0] < 0.2 * full.max())
+    seen = [int(np.argmax(logits))]
+    pen = Sampler(temperature=0.0, repetition_penalty=1e6)
+    assert pen(logits, seen) != seen[0]  # the repeated token is pushed down
+    assert Sampler()(logits) == int(np.argmax(logits))
+    with pytest.raises(ValueError):
+        Sampler(top_p=0.0)
