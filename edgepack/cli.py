@@ -7,6 +7,7 @@ import sys
 
 from . import __version__
 from .kernels.wtypes import DEFAULT_GROUP, GROUP_SIZES, QUANT_MODES
+from .packager.llm import DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
 from .packager.quantize import DEFAULT_MIN_WEIGHTS
 from .runtime.cli import ERRORS, add_runtime_commands, dispatch
 
@@ -27,6 +28,10 @@ def cmd_build(a: argparse.Namespace) -> int:
     )
     private = read_key(a.sign, "private key") if a.sign else None
     embed = read_key(a.embed_pubkey) if a.embed_pubkey else None
+    from pathlib import Path
+
+    if Path(a.model).is_dir():  # a Hugging Face language-model folder
+        return _build_llm(a, private)
     if a.target:
         from .packager.target_build import build_for_target
         from .targets import load_target
@@ -41,6 +46,23 @@ def cmd_build(a: argparse.Namespace) -> int:
     from .packager.build import build
 
     result = build(a.model, a.output, quant=a.quant or "fp32", **kw)
+    if private:
+        from .packager.executable import append_trailer
+
+        append_trailer(result.path, 0, result.bundle_bytes, private, None)
+        print(f"      signed {result.path}")
+    return 0
+
+
+def _build_llm(a: argparse.Namespace, private: bytes | None) -> int:
+    from .packager.llm.build import build_llm
+
+    if a.target or a.stub or a.embed_pubkey:
+        raise ValueError("--target for language models is not implemented yet: build a .epk")
+    if not a.output:
+        raise ValueError("-o/--output is required")
+    result = build_llm(a.model, a.output, quant=a.quant or "fp32", ctx=a.ctx, slots=a.slots,
+                       chunk=a.chunk, kv=a.kv)  # fmt: skip
     if private:
         from .packager.executable import append_trailer
 
@@ -100,7 +122,7 @@ def make_parser() -> argparse.ArgumentParser:
         description="Import an ONNX model, fold and fuse, quantize, plan memory and write "
         "a bundle.",
     )
-    p.add_argument("model", help="the .onnx model")
+    p.add_argument("model", help="the .onnx model, or a Hugging Face language-model folder")
     p.add_argument("-o", "--output", help="the bundle (.epk) or, with --target, the "
                    "executable to write (default with --target: dist/<model>-<target>)")
     p.add_argument(
@@ -163,6 +185,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="auto (default): conv regions run channels-last (NHWC) on CPU targets "
         "(docs/bundle-format.md); nchw: every activation channels-first as imported",
     )
+    llm = p.add_argument_group("language models (a model folder)")
+    llm.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+                     help=f"positions per sequence: the KV cache's length (default {DEFAULT_CTX})")
+    llm.add_argument("--slots", type=int, default=1, help="sequences at once (default 1)")
+    llm.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                     help=f"prompt tokens per prefill run (default {DEFAULT_CHUNK})")
+    llm.add_argument("--kv", choices=KV_DTYPES, default="f16",
+                     help="KV cache element type (default f16)")
     p.set_defaults(func=cmd_build)
     p = sub.add_parser(
         "targets",

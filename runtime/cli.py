@@ -76,6 +76,10 @@ def describe(bundle, file_size: int) -> str:
     out.append(
         f"quant:    {q.get('mode', 'fp32')}" + (f" ({q['scheme']})" if "scheme" in q else "")
     )
+    if "llm" in m:
+        from .llm_cli import llm_summary
+
+        out.extend(llm_summary(m))
     if "error" in q:
         from .errortable import format_error_table
 
@@ -154,7 +158,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
             p.set_defaults(bundle=implicit)
         if threads:
             p.add_argument(
-                "--threads", type=positive_int, default=None, help="threads for the kernels"
+                "-t", "--threads", type=positive_int, default=None, help="threads for the kernels"
             )
             p.add_argument(
                 device_flag,
@@ -222,6 +226,18 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
         help="time every op (fused group) instead; slowest first, with shares",
     )
     p.set_defaults(func=cmd_bench)
+
+    from .llm_cli import add_generate_arguments, cmd_generate
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text with a language-model bundle",
+        description="Stream a continuation of the prompt (or, with --chat, the model's "
+        "answer); prompt and decode speeds go to stderr.",
+    )
+    common(p)
+    add_generate_arguments(p)
+    p.set_defaults(func=cmd_generate)
 
     from .serve.cli import add_serve_arguments, cmd_serve  # argparse only; paho loads on use
 

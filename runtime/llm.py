@@ -21,14 +21,19 @@ from .session import open_located
 from .threads import set_threads
 
 
-class LLMError(ValueError):
+class LLMError(ValueError):  # a ValueError: the CLI reports it as an error line
     """A request the bundle cannot serve (not an LLM bundle, context full, bad token)."""
 
 
 class LLMSession:
-    def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        threads: int | None = None,
+        require_signature: bytes | None = None,
+    ) -> None:
         set_threads(threads)
-        self.bundle = open_located(path)
+        self.bundle = open_located(path, require_signature)
         m = self.bundle.manifest
         if "llm" not in m:
             raise LLMError(f"{path}: not a language-model bundle (no llm section)")

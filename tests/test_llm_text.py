@@ -4,6 +4,8 @@ the sampler, stop strings and streaming, end to end through the bundle."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -108,3 +110,28 @@ def test_sampling_is_seeded_and_filters_as_documented():
     assert Sampler()(logits) == int(np.argmax(logits))
     with pytest.raises(ValueError):
         Sampler(top_p=0.0)
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgepack.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_cli_build_info_generate(bundle, tmp_path):
+    # llama.cpp's habits: build a folder, then generate streams text to stdout and the
+    # speeds to stderr; info names the architecture, context and KV cache
+    _, path = bundle
+    out = tmp_path / "cli.epk"
+    r = _cli("build", path.parent / "hf", "-o", out, "--ctx", "32", "--chunk", "8")
+    assert r.returncode == 0, r.stderr
+    assert "KV cache" in r.stdout
+    r = _cli("info", out)
+    assert r.returncode == 0, r.stderr
+    assert "llm:      llama, 2 layers, width 32" in r.stdout
+    assert "context:  32 positions x 1 slot(s)" in r.stdout and "(f16)" in r.stdout
+    r = _cli("generate", out, "-p", "w1 w2", "--chat", "-n", "6", "-t", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and all(w in WORDS for w in r.stdout.split()), r.stdout
+    assert "prompt: " in r.stderr and "tok/s" in r.stderr
+    r = _cli("generate", out, "-p", " ".join(["w1"] * 40))
+    assert r.returncode == 1 and "exceed the context of 32" in r.stderr

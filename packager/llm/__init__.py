@@ -6,3 +6,9 @@ hf.py reads the folder (bounded safetensors parsing), arch.py turns its config i
 ``DecoderSpec`` (one row per supported architecture; anything else fails naming it),
 rope.py computes the RoPE tables, graph.py writes the graphs, build.py packs the bundle.
 """
+
+# The build options' defaults and choices (here, so the CLI can list them without
+# importing the packager).
+DEFAULT_CTX = 2048
+DEFAULT_CHUNK = 32  # prompt rows per prefill run: bounds the arena, not the prompt
+KV_DTYPES = ("f16", "f32")

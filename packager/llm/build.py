@@ -23,14 +23,11 @@ from ..ir import PackError
 from ..manifest import make_manifest
 from ..plan import plan_memory
 from ..writer import write_bundle
+from . import DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
 from .arch import decoder_spec
 from .graph import ROPE_COS, ROPE_SIN, decoder_graph, fused_weights
 from .hf import load_folder, load_text
 from .rope import tables
-
-DEFAULT_CTX = 2048
-DEFAULT_CHUNK = 32  # prompt rows per prefill run: bounds the arena, not the prompt
-KV_DTYPES = ("f16", "f32")
 
 
 def _as_f32(weights: dict) -> Callable[[str], np.ndarray]:
