@@ -61,8 +61,9 @@ def _build_llm(a: argparse.Namespace, private: bytes | None) -> int:
         raise ValueError("--target for language models is not implemented yet: build a .epk")
     if not a.output:
         raise ValueError("-o/--output is required")
-    result = build_llm(a.model, a.output, quant=a.quant or "fp32", ctx=a.ctx, slots=a.slots,
-                       chunk=a.chunk, kv=a.kv)  # fmt: skip
+    result = build_llm(a.model, a.output, quant=a.quant or "fp32", quant_embed=a.quant_embed,
+                       group_size=a.group_size, ctx=a.ctx, slots=a.slots, chunk=a.chunk,
+                       kv=a.kv)  # fmt: skip
     if private:
         from .packager.executable import append_trailer
 
@@ -191,6 +192,9 @@ def make_parser() -> argparse.ArgumentParser:
     llm.add_argument("--slots", type=int, default=1, help="sequences at once (default 1)")
     llm.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                      help=f"prompt tokens per prefill run (default {DEFAULT_CHUNK})")
+    llm.add_argument("--quant-embed", choices=QUANT_MODES, default=None,
+                     help="the embedding table and output projection (default: --quant; "
+                     "a type the embedding lookup lacks keeps them wider)")
     llm.add_argument("--kv", choices=KV_DTYPES, default="f16",
                      help="KV cache element type (default f16)")
     p.set_defaults(func=cmd_build)

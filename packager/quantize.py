@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..kernels.ops import WEIGHT_OPS
-from ..kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, QUANTIZE, by_quant
+from ..kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, QUANTIZE, WTYPES, by_quant
 from .ir import Graph
 
 MODES = QUANT_MODES  # the --quant choices: one per row of kernels/wtypes.py
@@ -34,38 +34,52 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return QUANTIZE["i8"](w, 0)
 
 
+def _stored_type(mode_type: str, ops: set[str]) -> str | None:
+    """The type a weight read by nodes of ``ops`` is stored as under a mode whose row is
+    ``mode_type``: that row if it takes every op, else its fallback row if that does,
+    else None (the weight stays float32)."""
+    for t in (mode_type, FALLBACK.get(mode_type)):
+        if t is not None and ops <= set(WTYPES[t].ops):
+            return t
+    return None
+
+
 def quantize_graph(
-    g: Graph, mode: str, min_weights: int = DEFAULT_MIN_WEIGHTS, group: int = DEFAULT_GROUP
+    g: Graph,
+    mode: str,
+    min_weights: int = DEFAULT_MIN_WEIGHTS,
+    group: int = DEFAULT_GROUP,
+    overrides: Mapping[str, str] | None = None,
 ) -> Graph:
-    """A copy of ``g`` whose conv/linear weights (those with at least ``min_weights``
-    elements) are stored as ``mode``'s row of the weight-type table; ``group`` is the
-    int4 group size."""
-    row = by_quant(mode)
+    """A copy of ``g`` whose weight-op weights (those with at least ``min_weights``
+    elements) are stored as ``mode``'s row of the weight-type table (``overrides``: a
+    mode per weight name, e.g. an LLM's embedding table); ``group`` is the int4 group
+    size. A weight read by several nodes (a tied embedding and output projection) gets
+    one type all of them take."""
     q = copy.deepcopy(g)
-    if row.name == "f32":
-        return q
-    done: dict[str, tuple] = {}  # weight -> (type, scale name, float32 shape)
+    readers: dict[str, list] = {}
     for node in q.nodes:
-        if node.op not in WEIGHT_OPS:
+        if node.op in WEIGHT_OPS:
+            readers.setdefault(node.input("w"), []).append(node)
+    for wname, nodes in readers.items():
+        row = by_quant((overrides or {}).get(wname, mode))
+        w = q.consts[wname]
+        if row.name == "f32" or w.size < min_weights or q.wtype(wname) != "f32":
             continue
-        wname = node.input("w")
-        if wname not in done:
-            w = q.consts[wname]
-            if w.size < min_weights or q.wtype(wname) != "f32":
-                continue
-            t = row.name if node.op in row.ops else FALLBACK.get(row.name, row.name)
-            stored, scale = QUANTIZE[t](w, group)
-            q.set_const(wname, stored, t)
-            sname = None
-            if scale is not None:
-                sname = wname + ".scale"
-                q.set_const(sname, scale)
-            done[wname] = (t, sname, tuple(w.shape))
-        t, sname, wshape = done[wname]
-        if sname is not None:
-            node.set_input("scale", sname)
-        if t == "i4":  # stored canonical [N, Kp/2]: the logical shape goes with the node
-            node.attrs = {**node.attrs, "wshape": list(wshape)}
+        t = _stored_type(row.name, {n.op for n in nodes})
+        if t is None:
+            continue
+        stored, scale = QUANTIZE[t](w, group)
+        q.set_const(wname, stored, t)
+        sname = None
+        if scale is not None:
+            sname = wname + ".scale"
+            q.set_const(sname, scale)
+        for node in nodes:
+            if sname is not None:
+                node.set_input("scale", sname)
+            if t == "i4":  # stored canonical [N, Kp/2]: the logical shape goes with the node
+                node.attrs = {**node.attrs, "wshape": list(w.shape)}
     q.remove_dead()
     return q
 

@@ -136,3 +136,55 @@ def test_a_corrupt_safetensors_file_is_refused_before_mapping(tmp_path):
     st.write_bytes(b"\xff" * 8 + data[8:])  # a header length of 2**64 - 1
     with pytest.raises(PackError, match="header length"):
         build_llm(tmp_path / "hf", tmp_path / "x.epk", ctx=16, log=lambda s: None)
+
+
+def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    p = np.exp(p_logits - p_logits.max())
+    p /= p.sum()
+    q = np.exp(q_logits - q_logits.max())
+    q /= q.sum()
+    return float(np.sum(p * (np.log(p) - np.log(q))))
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wide")
+    torch.manual_seed(2)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, tie_word_embeddings=True,
+                      initializer_range=0.1)  # fmt: skip
+    LlamaForCausalLM(cfg).eval().save_pretrained(d / "hf")
+    return d
+
+
+# (mode, mean KL bound, top-1 agreement bound) against the fp32 bundle over 33 positions.
+# Measured on this random-weight model (a worst case: no structure for the scales to
+# follow): fp16 KL 3.8e-7 / 1.00, bf16 2.0e-5 / 1.00, int8 3.9e-4 / 0.97, int4 4.6e-2 /
+# 0.79.
+QUANT_BOUNDS = [("fp16", 1e-5, 1.0), ("bf16", 1e-3, 0.95), ("int8", 2e-3, 0.95),
+                ("int4", 1e-1, 0.7)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "kl_bound", "agree_bound"), QUANT_BOUNDS)
+def test_quantized_bundles_stay_close_to_fp32(wide_llama, mode, kl_bound, agree_bound):
+    ref_path, path = wide_llama / "fp32.epk", wide_llama / f"{mode}.epk"
+    if not ref_path.exists():
+        build_llm(wide_llama / "hf", ref_path, ctx=64, chunk=8, kv="f32", log=lambda s: None)
+    r = build_llm(wide_llama / "hf", path, quant=mode, ctx=64, chunk=8, kv="f32",
+                  log=lambda s: None)  # fmt: skip
+    types = {w["dtype"] for w in r.manifest["weights"].values()}
+    want = {"fp16": "f16", "bf16": "bf16", "int8": "i8", "int4": "i4"}[mode]
+    assert want in types
+    ref, q = LLMSession(ref_path), LLMSession(path)
+    seq = [int(t) for t in np.random.default_rng(4).integers(0, VOCAB, 8)]
+    a, b = ref.prefill(seq).copy(), q.prefill(seq).copy()
+    kls, agree = [_kl(a, b)], [int(np.argmax(a)) == int(np.argmax(b))]
+    for _ in range(32):  # teacher-forced by the fp32 bundle's greedy tokens
+        tok = int(np.argmax(a))
+        a, b = ref.step(tok).copy(), q.step(tok).copy()
+        kls.append(_kl(a, b))
+        agree.append(int(np.argmax(a)) == int(np.argmax(b)))
+    print(f"{mode}: mean KL {np.mean(kls):.2e}, top-1 agreement {np.mean(agree):.3f}")
+    assert np.mean(kls) < kl_bound and np.mean(agree) >= agree_bound
+    assert r.bundle_bytes < ref_path.stat().st_size

@@ -10,22 +10,25 @@ one decode reads.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from ...kernels.wtypes import bf16_to_f32
+from ...kernels.ops import WEIGHT_OPS
+from ...kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, bf16_to_f32, by_quant
 from ...runtime.text import TOKENIZER
 from ..build import BuildResult, build_info
 from ..ir import PackError
 from ..manifest import make_manifest
 from ..plan import plan_memory
+from ..quantize import quantize_graph
 from ..writer import write_bundle
 from . import DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
 from .arch import decoder_spec
-from .graph import ROPE_COS, ROPE_SIN, decoder_graph, fused_weights
+from .graph import EMBED, ROPE_COS, ROPE_SIN, decoder_graph, fused_weights
 from .hf import load_folder, load_text
 from .rope import tables
 
@@ -48,6 +51,8 @@ def build_llm(
     folder: str | Path,
     out: str | Path,
     quant: str = "fp32",
+    quant_embed: str | None = None,
+    group_size: int = DEFAULT_GROUP,
     ctx: int = DEFAULT_CTX,
     slots: int = 1,
     chunk: int = DEFAULT_CHUNK,
@@ -56,8 +61,9 @@ def build_llm(
     log: Callable[[str], None] = print,
 ) -> BuildResult:
     t0 = time.perf_counter()
-    if quant != "fp32":
-        raise PackError(f"--quant {quant} for language models is not implemented yet (fp32)")
+    for q in (quant, quant_embed or quant):
+        if q not in QUANT_MODES:
+            raise PackError(f"--quant {q!r}; choose from {', '.join(QUANT_MODES)}")
     if kv not in KV_DTYPES:
         raise PackError(f"--kv {kv!r}: choose from {', '.join(KV_DTYPES)}")
     if min(ctx, slots, chunk) < 1:
@@ -74,20 +80,26 @@ def build_llm(
     consts = fused_weights(spec, _as_f32(weights))
     consts[ROPE_COS], consts[ROPE_SIN] = tables(spec, ctx)
     tokenizer, text = load_text(folder, config)
-    if tokenizer is not None:  # mapped and checksummed with the weights
-        consts[TOKENIZER] = np.frombuffer(tokenizer, np.uint8)
+    # The embedding table and the output projection take --quant-embed (llama.cpp
+    # keeps them wider than the layers, too); a tied table gets one type both take.
+    embed_mode = {EMBED: quant_embed or quant, "lm_head.weight": quant_embed or quant}
+    graphs = {
+        k: quantize_graph(decoder_graph(spec, consts, rows, ctx, slots, kv), quant, 0,
+                          group_size, embed_mode)
+        for k, rows in (("prefill", chunk), ("decode", slots))
+    }  # fmt: skip
+    g0 = graphs["decode"]
+    if tokenizer is not None:  # no node reads it; mapped and checksummed with the weights
+        g0.consts[TOKENIZER] = np.frombuffer(tokenizer, np.uint8)
     else:
         log("      no tokenizer.json: the bundle takes and gives token ids only")
-    graphs = {
-        "prefill": decoder_graph(spec, consts, chunk, ctx, slots, kv),
-        "decode": decoder_graph(spec, consts, slots, ctx, slots, kv),
-    }
+    types = Counter(g0.wtype(n.input("w")) for n in g0.nodes if n.op in WEIGHT_OPS)
+    log(f"      weights: {', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}")
     log(f"[2/4] plan prefill ({chunk} rows) and decode ({slots} rows)")
     plans = {k: plan_memory(g, backends) for k, g in graphs.items()}
     arena = max(p.arena_bytes for p in plans.values())
     for p in plans.values():
         p.arena_bytes = arena  # one arena for both graphs
-    g0 = graphs["decode"]
     kv_bytes = sum(
         int(np.prod(g0.shapes[t])) * (2 if kv == "f16" else 4) for t in g0.state
     )
@@ -109,7 +121,12 @@ def build_llm(
     extra = {
         "model": {"name": Path(folder).name, "kind": "llm", "source_file": Path(folder).name},
         "build": build_info(),
-        "quantization": {"mode": quant},
+        "quantization": {
+            "mode": quant,
+            "embed": quant_embed or quant,
+            "scheme": by_quant(quant).describe,
+        }
+        | ({"group_size": group_size} if "int4" in (quant, quant_embed) else {}),
         "llm": llm,
     }
     manifest = make_manifest(g0, plans["decode"], extra)
