@@ -1433,3 +1433,27 @@ def test_kv_cache_halves_round_as_numpy_casts():
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
+
+
+@pytest.mark.cpu
+def test_llm_kernels_refuse_indices_outside_their_tables():
+    # An id, position or slot past a table would read or write outside the arena: the
+    # cpu kernels raise instead (the session API checks first; `run` does not).
+    ins, attrs = _build("embed", "f32", CASES["embed"][0])
+    ins[0] = ins[0].copy()
+    ins[0][1] = ins[1].shape[0]
+    with pytest.raises(IndexError, match="token id"):
+        registry.KERNELS[("embed", "f32", "cpu")].bind(ins, [np.zeros((7, 24), F32)], None, attrs)()
+    ins, attrs = _build("rope", "f32", CASES["rope"][0])
+    ins[1] = np.full_like(ins[1], ins[2].shape[0])
+    with pytest.raises(IndexError, match="RoPE tables"):
+        registry.KERNELS[("rope", "f32", "cpu")].bind(ins, [ins[0].copy()], None, attrs)()
+    ins, attrs = _build("attention", "f32", CASES["attention"][2])
+    kern = registry.KERNELS[("attention", "f32", "cpu")]
+    scratch = np.zeros(kern.scratch(_specs("attention", "f32", ins), [(3, 96)], attrs), np.uint8)
+    before = ins[3].copy()
+    ins[1] = ins[1].copy()
+    ins[1][2] = ins[3].shape[1]  # the last row's position is past the cache
+    with pytest.raises(IndexError, match="KV cache"):
+        kern.bind(ins, [np.zeros((3, 96), F32)], scratch, attrs)()
+    np.testing.assert_array_equal(ins[3], before)  # nothing stored for any row

@@ -40,6 +40,8 @@ def rope_rows(x, pos, cos, sin, y, heads, hd):
     half = cos.shape[1]
     for t in range(x.shape[0]):
         p = pos[t]
+        if p < 0 or p >= cos.shape[0]:
+            raise IndexError("rope: a position outside the RoPE tables (past the context)")
         for h in range(heads):
             o = h * hd
             for i in range(half):
@@ -80,6 +82,8 @@ def embed_rows(ids, w, scale, y, mul, has_scale):
     """y[t] = w[ids[t]] (* scale[ids[t]]) * mul, float32 or int8 tables."""
     for t in range(ids.shape[0]):
         r = ids[t]
+        if r < 0 or r >= w.shape[0]:
+            raise IndexError("embed: a token id outside the embedding table")
         s = np.float64(scale[r]) if has_scale else 1.0
         for i in range(w.shape[1]):
             y[t, i] = np.float64(np.float32(np.float32(w[r, i]) * np.float32(s))) * mul
@@ -107,6 +111,9 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
     (for the rounding to half); ``sc`` (C float64) and ``acc`` (D float64) scratch."""
     t_rows = qkv.shape[0]
     ko, vo = heads * hd, (heads + kvh) * hd
+    for t in range(t_rows):  # every row checked before anything is stored
+        if slot[t] >= kc.shape[0] or (slot[t] >= 0 and not 0 <= pos[t] < kc.shape[1]):
+            raise IndexError("attention: a slot or position outside the KV cache")
     for t in range(t_rows):
         s = slot[t]
         if s < 0:
