@@ -1060,9 +1060,9 @@ def _bind_embed(ins, outs, scratch, attrs) -> Bound:
 
 
 def _attention_scratch(ins, outs, attrs) -> int:
-    # the scores of one head over the cache, and one head's weighted sum (float64)
+    # the scores of one head over the cache (float64), one head's weighted sum (float32)
     ctx = _args("attention", ins).k_cache[0][1]
-    return up64(8 * ctx) + up64(8 * int(attrs["head_dim"]))
+    return up64(8 * ctx) + up64(4 * int(attrs["head_dim"]))
 
 
 def _bind_attention(ins, outs, scratch, attrs) -> Bound:
@@ -1073,7 +1073,7 @@ def _bind_attention(ins, outs, scratch, attrs) -> Bound:
         kc, vc = kc.view(np.uint16), vc.view(np.uint16)
     ctx, hd = kc.shape[1], int(attrs["head_dim"])
     sc = scratch[: 8 * ctx].view(np.float64)
-    acc = scratch[up64(8 * ctx) : up64(8 * ctx) + 8 * hd].view(np.float64)
+    acc = scratch[up64(8 * ctx) : up64(8 * ctx) + 4 * hd].view(np.float32)
     call = (
         io.qkv, io.qkv.view(np.uint32), io.pos, io.slot, kc, vc, outs[0], sc, acc,
         int(attrs["heads"]), int(attrs["kv_heads"]), hd, float(attrs["scale"]),

@@ -19,6 +19,11 @@ from numba import njit
 
 from .. import portable
 from .kernels import half_to_f32
+from .simd import Ops
+
+_V8 = Ops(8)  # eight lanes on every CPU (AVX-512 uses ymm, NEON two q registers)
+vload, vloadh, vstore, vfma, vsum = _V8.vload, _V8.vloadh, _V8.vstore, _V8.vfma, _V8.vsum
+vzero, vsplat = _V8.vzero, _V8.vsplat
 
 # kernels/portable.py, compiled for this backend
 f32_bits_to_half = njit(inline="always")(portable.f32_bits_to_half)
@@ -103,12 +108,37 @@ def _cached(c, s, p, kh, i, half):
     return half_to_f32(c[s, p, kh, i]) if half else np.float32(c[s, p, kh, i])
 
 
+@njit(inline="always")
+def _kv8(c, off, half):
+    """Eight cached values from flat offset ``off``, as float32 (halves widened)."""
+    return vloadh(c, off) if half else vload(c, off)
+
+
+@njit(inline="always")
+def _score(qkv, t, h, kc, s, j, kh, hd, half):
+    """q (row t, head h) . k (slot s, position j, kv head kh): eight partial sums of
+    fixed lanes when hd is a multiple of 8 (the same bits on every CPU), else a chain."""
+    if hd % 8 == 0:
+        qo = t * qkv.shape[1] + h * hd
+        ko = ((s * kc.shape[1] + j) * kc.shape[2] + kh) * hd
+        a = vzero()
+        for i0 in range(0, hd, 8):
+            a = vfma(vload(qkv, qo + i0), _kv8(kc, ko + i0, half), a)
+        return np.float64(vsum(a))
+    dot = np.float32(0.0)
+    for i in range(hd):
+        dot += qkv[t, h * hd + i] * _cached(kc, s, j, kh, i, half)
+    return np.float64(dot)
+
+
 @njit(cache=True)
 def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, hd, scale,
                    window, cap, half):  # fmt: skip
     """The ``attention`` op (kernels/ref/llm.py) over caches kc, vc [S, C, Hkv, D]:
     float32, or halves as uint16 bits (``half``). ``qkv_bits`` is qkv viewed as uint32
-    (for the rounding to half); ``sc`` (C float64) and ``acc`` (D float64) scratch."""
+    (for the rounding to half); ``sc`` (C float64) and ``acc`` (D float32) scratch.
+    Dot products and the weighted sum of values run on 8-lane vectors (simd.Ops(8):
+    fixed lanes, so every CPU sums in the same order) when D is a multiple of 8."""
     t_rows = qkv.shape[0]
     ko, vo = heads * hd, (heads + kvh) * hd
     for t in range(t_rows):  # every row checked before anything is stored
@@ -128,6 +158,7 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
                 kc[s, p, kh, i] = qkv[t, ko + j]
                 vc[s, p, kh, i] = qkv[t, vo + j]
     group = heads // kvh
+    vec = hd % 8 == 0
     for t in range(t_rows):
         s = slot[t]
         if s < 0:
@@ -140,10 +171,7 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
             kh = h // group
             top = -np.inf
             for j in range(lo, p + 1):
-                dot = 0.0
-                for i in range(hd):
-                    dot += np.float64(qkv[t, h * hd + i]) * _cached(kc, s, j, kh, i, half)
-                v = dot * scale
+                v = _score(qkv, t, h, kc, s, j, kh, hd, half) * scale
                 if cap:
                     v = cap * np.tanh(v / cap)
                 sc[j - lo] = v
@@ -156,9 +184,15 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
             for i in range(hd):
                 acc[i] = 0.0
             for j in range(lo, p + 1):
-                wgt = sc[j - lo] / total
-                for i in range(hd):
-                    acc[i] += wgt * _cached(vc, s, j, kh, i, half)
+                wgt = np.float32(sc[j - lo] / total)
+                if vec:
+                    vo_ = ((s * vc.shape[1] + j) * vc.shape[2] + kh) * hd
+                    w8 = vsplat(wgt)
+                    for i0 in range(0, hd, 8):
+                        vstore(acc, i0, vfma(w8, _kv8(vc, vo_ + i0, half), vload(acc, i0)))
+                else:
+                    for i in range(hd):
+                        acc[i] += wgt * _cached(vc, s, j, kh, i, half)
             for i in range(hd):
                 out[t, h * hd + i] = acc[i]
 

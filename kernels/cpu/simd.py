@@ -260,6 +260,20 @@ class Ops:
 
             return types.void(arr, idx, x), codegen
 
+        @intrinsic
+        def vloadh(typingctx, arr, idx):
+            """arr's halves idx .. idx+lanes-1 (uint16 bits) widened to float32: one
+            vcvtph2ps with F16C, fcvtl on aarch64 (the same caveat as half_bits_to_f32)."""
+
+            def codegen(context, builder, sig, args):
+                p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                raw = builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(16), lanes)
+                                                   .as_pointer()), align=2)  # fmt: skip
+                return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)), lvt)
+
+            return vt(arr, idx), codegen
+
+        self.vloadh = vloadh
         self.sload, self.sstore = sload, sstore
         self.vload, self.vstore, self.vbload, self.vsplat = vload, vstore, vbload, vsplat
         self.vload_n, self.vstore_n, self.vloadw_n = vload_n, vstore_n, vloadw_n
