@@ -146,6 +146,10 @@ class Executor:
             arrays.append(a)
         return arrays
 
+    def host_outputs(self) -> list[np.ndarray]:
+        """The host arrays ``run_views`` fills and returns: the same objects every run."""
+        return self._out_host
+
     def run_views(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Run and return the outputs as host arrays owned by the executor (the arena
         views on the host) - valid until the next run."""

@@ -46,6 +46,9 @@ class LLMSession:
             pre, self.bundle.weights, device=self.decode.device, arena=self.decode.arena
         )
         self.positions = [0] * self.slots
+        # each slot's row of the decode logits, made once: a step allocates nothing
+        (logits,) = self.decode.host_outputs()
+        self._rows = [logits[i] for i in range(self.slots)]
         self._feeds = {
             k: {n: np.zeros(rows, np.int32) for n in ("ids", "pos", "slot")}
             for k, rows in (("prefill", self.chunk), ("decode", self.slots))
@@ -96,11 +99,16 @@ class LLMSession:
         return logits
 
     def step(self, token: int, slot: int = 0) -> np.ndarray:
-        """Feed one token to sequence ``slot``; the logits [vocab] after it."""
-        self._tokens([token], slot)
+        """Feed one token to sequence ``slot``; the logits [vocab] after it (the same
+        arena view every time: read it before the next run). The steady-state decode
+        loop: checks by comparison, writes into fixed buffers, allocates nothing."""
+        if not (0 <= slot < self.slots and 0 <= token < self.vocab):
+            self._tokens([token], slot)  # raises, naming what is wrong
+        if self.positions[slot] >= self.ctx:
+            self._tokens([token], slot)
         f = self._feeds["decode"]
-        f["slot"][:] = -1
+        f["slot"].fill(-1)
         f["ids"][slot], f["pos"][slot], f["slot"][slot] = token, self.positions[slot], slot
-        (out,) = self.decode.run_views(f)
+        self.decode.run_views(f)
         self.positions[slot] += 1
-        return out[slot]
+        return self._rows[slot]

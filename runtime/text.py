@@ -23,7 +23,12 @@ class TextCodec:
     def __init__(self, manifest: Mapping, weights: Mapping[str, np.ndarray]) -> None:
         if TOKENIZER not in weights:
             raise TextError("this bundle carries no tokenizer (its model folder had none)")
-        from tokenizers import Tokenizer
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise TextError(
+                "this runtime lacks the tokenizers package (pip install 'edgepack[llm]')"
+            ) from None
 
         self.tok = Tokenizer.from_str(bytes(weights[TOKENIZER]).decode("utf-8"))
         info = manifest["llm"].get("text", {})
@@ -43,8 +48,11 @@ class TextCodec:
         assistant's turn."""
         if not self.template:
             raise TextError("this model has no chat template (use a plain prompt)")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        try:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise TextError("this runtime lacks jinja2 (pip install 'edgepack[llm]')") from None
 
         def raise_exception(msg: str):
             raise TextError(f"chat template: {msg}")

@@ -135,3 +135,11 @@ def test_cli_build_info_generate(bundle, tmp_path):
     assert "prompt: " in r.stderr and "tok/s" in r.stderr
     r = _cli("generate", out, "-p", " ".join(["w1"] * 40))
     assert r.returncode == 1 and "exceed the context of 32" in r.stderr
+
+
+def test_a_runtime_without_the_text_packages_says_what_to_install(bundle, monkeypatch):
+    _, path = bundle
+    s = LLMSession(path)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import now raises ImportError
+    with pytest.raises(TextError, match=r"lacks the tokenizers package.*edgepack\[llm\]"):
+        TextCodec(s.bundle.manifest, s.bundle.weights)
