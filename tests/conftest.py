@@ -35,6 +35,36 @@ def load(path: Path, threads: int | None = 1):
     return Session(path, threads=threads)
 
 
+def assert_allocates_nothing(run, runs: int = 100) -> int:
+    """Call ``run`` 10 times to let interpreter one-offs (free lists) settle under
+    tracing, then ``runs`` times: no Python memory may be retained and the traced peak
+    stays under 8 KB; everything numba allocates is freed. Returns numba's allocation
+    count over the runs (parallel loops allocate and free their schedule per call)."""
+    import tracemalloc
+
+    from numba.core.runtime import _nrt_python, rtsys
+
+    _nrt_python.memsys_enable_stats()
+    nrt_before = rtsys.get_allocation_stats()
+    tracemalloc.start()
+    try:
+        for _ in range(10):
+            run()
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        for _ in range(runs):
+            run()
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    nrt_after = rtsys.get_allocation_stats()
+    assert peak - base < 8 * 1024, f"peak {peak - base} B traced during {runs} runs"
+    assert current - base < 1024, f"{current - base} B retained after {runs} runs"
+    allocs = nrt_after.alloc - nrt_before.alloc
+    assert allocs == nrt_after.free - nrt_before.free, "numba memory retained across runs"
+    return allocs
+
+
 def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     import onnxruntime as ort
 

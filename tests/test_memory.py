@@ -3,11 +3,9 @@ steady-state loop allocates (next to) nothing."""
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
-from conftest import load, pack
+from conftest import assert_allocates_nothing, load, pack
 from edgepack.runtime.bundle_format import ALIGN
 
 pytestmark = pytest.mark.cpu
@@ -86,8 +84,6 @@ def test_plan_is_sound_and_arena_allocated_once(bundles, name):
 
 @pytest.mark.parametrize("name", ["digits-int8", "rapidocr-int8"])
 def test_steady_state_loop_does_not_allocate(bundles, name):
-    from numba.core.runtime import _nrt_python, rtsys
-
     s = load(bundles[name])
     feeds = {
         i["name"]: np.random.default_rng(0).standard_normal(i["shape"]).astype(np.float32)
@@ -95,25 +91,8 @@ def test_steady_state_loop_does_not_allocate(bundles, name):
     }
     for _ in range(3):
         s.executor.run_views(feeds)  # warm-up: compiles, loads caches
-    _nrt_python.memsys_enable_stats()
-    nrt_before = rtsys.get_allocation_stats()
-    tracemalloc.start()
-    try:
-        for _ in range(10):  # interpreter-level one-offs (free lists) settle under tracing
-            s.executor.run_views(feeds)
-        base, _ = tracemalloc.get_traced_memory()
-        tracemalloc.reset_peak()
-        for _ in range(100):
-            s.executor.run_views(feeds)
-        current, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    nrt_after = rtsys.get_allocation_stats()
-    assert peak - base < 8 * 1024, f"peak {peak - base} B traced during 100 runs"
-    assert current - base < 1024, f"{current - base} B retained after 100 runs"
+    allocs = assert_allocates_nothing(lambda: s.executor.run_views(feeds))
     # numba's parallel loops allocate their schedule (two small arrays per call) and
-    # free it before returning; nothing numba allocates may outlive a run. A step makes
-    # up to 4 parallel calls (an int8 conv: weight decode, im2col, GEMM, and a band more).
-    allocs = nrt_after.alloc - nrt_before.alloc
-    assert allocs == nrt_after.free - nrt_before.free, "numba memory retained across runs"
+    # free it before returning. A step makes up to 4 parallel calls (an int8 conv:
+    # weight decode, im2col, GEMM, and a band more).
     assert allocs <= 110 * 2 * 4 * len(s.executor.steps), allocs
