@@ -103,12 +103,14 @@ def _scratch_needs(kernels: dict[str, dict]) -> dict[str, int]:
     return out
 
 
+def tensor_bytes(g: Graph, t: str) -> int:
+    """Bytes arena tensor ``t`` of ``g`` takes (its shape times its dtype's size)."""
+    return int(np.prod(g.shapes[t], dtype=np.int64)) * np.dtype(TENSOR_DTYPES[g.dtype(t)]).itemsize
+
+
 def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
     kernels = choose_kernels(g, backends)
-    nbytes = {
-        t: int(np.prod(s, dtype=np.int64)) * np.dtype(TENSOR_DTYPES[g.dtype(t)]).itemsize
-        for t, s in g.shapes.items()
-    }
+    nbytes = {t: tensor_bytes(g, t) for t in g.shapes}
     end = len(g.nodes)
     born = {t: -1 for t in g.inputs}
     used = {t: -1 for t in g.shapes}

@@ -102,10 +102,10 @@ class LLMSession:
         """Feed one token to sequence ``slot``; the logits [vocab] after it (the same
         arena view every time: read it before the next run). The steady-state decode
         loop: checks by comparison, writes into fixed buffers, allocates nothing."""
-        if not (0 <= slot < self.slots and 0 <= token < self.vocab):
+        if not (0 <= slot < self.slots and 0 <= token < self.vocab) or (
+            self.positions[slot] >= self.ctx
+        ):
             self._tokens([token], slot)  # raises, naming what is wrong
-        if self.positions[slot] >= self.ctx:
-            self._tokens([token], slot)
         f = self._feeds["decode"]
         f["slot"].fill(-1)
         f["ids"][slot], f["pos"][slot], f["slot"][slot] = token, self.positions[slot], slot

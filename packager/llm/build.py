@@ -23,7 +23,7 @@ from ...runtime.text import TOKENIZER
 from ..build import BuildResult, build_info
 from ..ir import PackError
 from ..manifest import make_manifest
-from ..plan import plan_memory
+from ..plan import plan_memory, tensor_bytes
 from ..quantize import quantize_graph
 from ..writer import write_bundle
 from . import DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
@@ -121,9 +121,7 @@ def build_llm(
     arena = max(p.arena_bytes for p in plans.values())
     for p in plans.values():
         p.arena_bytes = arena  # one arena for both graphs
-    kv_bytes = sum(
-        int(np.prod(g0.shapes[t])) * (2 if kv == "f16" else 4) for t in g0.state
-    )
+    kv_bytes = sum(tensor_bytes(g0, t) for t in g0.state)
     log(
         f"      arena {arena / 1e6:.2f} MB, of which KV cache {kv_bytes / 1e6:.2f} MB "
         f"({slots} slot(s) x {ctx} positions, {kv})"
