@@ -8,7 +8,7 @@ second, scales included) and, per row, the ratio to ONNX Runtime's kernel for th
 storage: ``MatMul`` for fp32, ``MatMulNBits`` (4 bits, block 32, fp32 scales, the
 default zero point 8: its Q4_0-like path) for int4. edgepack runs its registry's CPU
 ``linear`` kernels bound the way the runtime binds them (kernels/registry.py): fp32
-BLAS, int8 ``linear_q``, int4 the fused ``gemv_q4``, fp16/bf16 a decode into scratch
+BLAS, int8 ``gemv_i8``, int4 the fused ``gemv_q4``, fp16/bf16 a decode into scratch
 then BLAS.
 
     python scripts/bench_gemv.py                       # writes docs/benchmarks/gemv.md + png

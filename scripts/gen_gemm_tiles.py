@@ -814,7 +814,7 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
 '''
 
 
-# Output rows of the int4 GEMV sharing each load of x (linear_q's choice for int8).
+# Output rows of the int4 GEMV sharing each load of x (gemv.gemv_i8's choice for int8).
 Q4_ROWS = 4
 
 

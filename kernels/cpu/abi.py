@@ -37,8 +37,8 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "to_channels_first": ("to_channels_first", v(arr(f4, 3), arr(f4, 3))),
         "epilogue_cols": ("epilogue_cols", v(arr(f4, 2), w1, w1, i8, i8, f4, f4)),
         "act_into": ("act_into", v(arr(f4, 1), arr(f4, 1), i8, f4, f4)),
-        "linear_q": (
-            "linear_q",
+        "gemv_i8": (
+            "gemv.gemv_i8",
             v(arr(f4, 2), arr(i1, 2, ro=True), w1, w1, arr(f4, 2), i8, i8, f4, f4),
         ),
         "maxpool": ("maxpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),

@@ -44,7 +44,7 @@ def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple
     return scratch[offset : offset + n].view(np.float32).reshape(shape), offset + n
 
 
-# Weight types the depthwise kernels and linear_q read in place (int8 widened in
+# Weight types the depthwise kernels and gemv_i8 read in place (int8 widened in
 # registers); every other non-float32 weight is widened into scratch first.
 _READ_IN_PLACE = ("f32", "i8")
 
@@ -522,8 +522,8 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 
 
 def _linear_path(wdt: str) -> str:
-    """``gemv_i8`` (linear_q reads int8 weights), ``blas`` (float32) or ``decode_blas``
-    (fp16/bf16 widened into scratch first)."""
+    """``gemv_i8`` (int8 weights read in place, kernels/cpu/gemv.py), ``blas`` (float32)
+    or ``decode_blas`` (fp16/bf16 widened into scratch first)."""
     return {"i8": "gemv_i8", "f32": "blas"}.get(wdt, "decode_blas")
 
 
@@ -549,7 +549,7 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     act, a, b = _act(attrs)
     path = _linear_path(wtypes.of_array(w))
     if path == "gemv_i8":
-        kern = K.linear_q
+        kern = K.gemv_i8
 
         def step_q() -> None:
             kern(x2, w, b_, s_, y2, flags, act, a, b)

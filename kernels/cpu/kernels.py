@@ -538,46 +538,6 @@ def dwconv3_s2(x, w, bias, scale, res, out, planes, flags, act, a, b):
 
 
 @njit(parallel=True, cache=True)
-def linear_q(x, w, bias, scale, y, flags, act, a, b):
-    """y[M,N] = act(x[M,K] @ w[N,K].T * scale + bias) reading int8 weights directly.
-
-    Four output rows share each load of x: at batch 1 this is a GEMV bound by the
-    weight read, and the int8 weights are a quarter of the fp32 bytes.
-    """
-    m_, k_ = x.shape
-    n_ = w.shape[0]
-    nb = (n_ + 3) // 4
-    for blk in prange(nb):
-        n0 = blk * 4
-        for m in range(m_):
-            if n0 + 4 <= n_:
-                a0 = np.float32(0)
-                a1 = np.float32(0)
-                a2 = np.float32(0)
-                a3 = np.float32(0)
-                for k in range(k_):
-                    xv = x[m, k]
-                    a0 += xv * np.float32(w[n0, k])
-                    a1 += xv * np.float32(w[n0 + 1, k])
-                    a2 += xv * np.float32(w[n0 + 2, k])
-                    a3 += xv * np.float32(w[n0 + 3, k])
-                accs = (a0, a1, a2, a3)
-                for t in range(4):
-                    n = n0 + t
-                    s = scale[n] if flags & HAS_SCALE else np.float32(1)
-                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-                    y[m, n] = act_scalar(accs[t] * s + bb, act, a, b)
-            else:
-                for n in range(n0, n_):
-                    acc = np.float32(0)
-                    for k in range(k_):
-                        acc += x[m, k] * np.float32(w[n, k])
-                    s = scale[n] if flags & HAS_SCALE else np.float32(1)
-                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-                    y[m, n] = act_scalar(acc * s + bb, act, a, b)
-
-
-@njit(parallel=True, cache=True)
 def maxpool(x, out, kh, kw, sh, sw, pt, pl, dh, dw):
     """x[C,H,W] -> out[C,oh,ow]; padding never wins (it is -inf in ONNX semantics).
 

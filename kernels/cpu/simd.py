@@ -159,6 +159,21 @@ class Ops:
 
         i8v = ir.VectorType(ir.IntType(8), lanes)
 
+        @intrinsic
+        def vloadb(typingctx, arr, idx):
+            """arr's int8 elements idx .. idx+lanes-1 widened to float32, exactly (one
+            vpmovsxbd + vcvtdq2ps; a masked int8 load has no AVX2 form and LLVM splits it
+            lane by lane, so whole vectors take this plain load)."""
+
+            def codegen(context, builder, sig, args):
+                p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                raw = builder.load(builder.bitcast(p, i8v.as_pointer()), align=1)
+                return builder.sitofp(raw, lvt)
+
+            return vt(arr, idx), codegen
+
+        self.vloadb = vloadb
+
         def nibbles(shift: bool):
             @intrinsic
             def vnib(typingctx, arr, idx):
@@ -192,7 +207,28 @@ class Ops:
 
             return types.float32(vt), codegen
 
+        @intrinsic
+        def vsum_tree(typingctx, v):
+            """The lanes of v added up pairwise: upper half onto lower half until one lane
+            is left (log2(lanes) dependent adds instead of lanes - 1; the order is fixed,
+            so the result is the same on every CPU for the same lane count)."""
+
+            def codegen(context, builder, sig, args):
+                acc, n = args[0], lanes
+                while n > 1:
+                    h = n // 2
+                    und = ir.Constant(ir.VectorType(F32, n), ir.Undefined)
+                    lo = builder.shuffle_vector(acc, und, ir.Constant(ir.VectorType(I32, h),
+                                                                      list(range(h))))
+                    hi = builder.shuffle_vector(acc, und, ir.Constant(ir.VectorType(I32, h),
+                                                                      list(range(h, n))))
+                    acc, n = builder.fadd(lo, hi), h
+                return builder.extract_element(acc, ir.Constant(I32, 0))
+
+            return types.float32(vt), codegen
+
         self.vnib_lo, self.vnib_hi, self.vsum = nibbles(False), nibbles(True), vsum
+        self.vsum_tree = vsum_tree
 
         @intrinsic
         def vbload(typingctx, arr, idx):
