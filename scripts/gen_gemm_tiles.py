@@ -824,87 +824,115 @@ def gemv_q4_source(lanes: int, nv: int) -> str:
     steps = 16 // lanes  # vectors per half of a 32-weight run (a run is 16 bytes)
     # AVX-512, AVX2 and NEON convert halves in hardware; SSE-only x86 takes the table
     h2f = "half_to_f32" if (lanes, nv) == (4, 2) else "half_bits_to_f32"
+    r = Q4_ROWS
 
-    def rows_fn(r: int) -> str:
+    def run_body(full: bool, indent: str) -> str:
         body = []
         for t in range(steps):
             o = t * lanes
             for v, at in (("xl", o), ("xh", 16 + o)):
-                body.append(f"            {v} = vload{s}(x, xk + {at}) if full else "
-                            f"vload_n{s}(x, xk + {at}, nl - {at})")
-            body.append(f"            xs = vadd{s}(xs, vadd{s}(xl, xh))")
+                load = (f"vload{s}(x, xk + {at})" if full
+                        else f"vload_n{s}(x, xk + {at}, nl - {at})")
+                body.append(f"{v} = {load}")
+            body.append(f"xs = vadd{s}(xs, vadd{s}(xl, xh))")
             for i in range(r):
-                wo = f"wo + {i * 1} * half + b0 + {o}" if i else f"wo + b0 + {o}"
-                body.append(f"            a{i} = vfma{s}(vnib_lo{s}(w, {wo}), xl, a{i})")
-                body.append(f"            a{i} = vfma{s}(vnib_hi{s}(w, {wo}), xh, a{i})")
-        inner = "\n".join(body)
-        zeros = "\n".join(f"    t{i} = vzero{s}()" for i in range(r))
-        accz = "\n".join(f"        a{i} = vzero{s}()" for i in range(r))
-        fold = "\n".join(
-            f"        t{i} = vfma{s}(vsplat{s}({h2f}(scale[n0 + {i}, g])), "
-            f"vsub{s}(a{i}, xs8), t{i})"
-            for i in range(r)
-        )
-        out = ", ".join(f"vsum{s}(t{i})" for i in range(r))
-        return f'''
+                body.append(f"a{i} = vfma{s}(vnib_lo{s}(w, o{i} + b0 + {o}), xl, a{i})")
+                body.append(f"a{i} = vfma{s}(vnib_hi{s}(w, o{i} + b0 + {o}), xh, a{i})")
+        if full:
+            body += [f"prefetch(w, o{i} + b0 + pf)" for i in range(r)]
+        return "\n".join(indent + line for line in body)
+
+    zeros = "\n".join(f"    t{i} = vzero{s}()" for i in range(r))
+    accz = "\n".join(f"        a{i} = vzero{s}()" for i in range(r))
+    fold = "\n".join(
+        f"        sc = vsplat{s}({h2f}(sload{s}(scale, c{i} + g)))\n"
+        f"        t{i} = vfma{s}(sc, vsub{s}(a{i}, xs8), t{i})"
+        for i in range(r)
+    )
+    offs = ", ".join([f"o{i}" for i in range(r)] + [f"c{i}" for i in range(r)])
+    out = ", ".join(f"vsum_tree{s}(t{i})" for i in range(r))
+    stores = "\n".join(f"                sstore{s}(y, yo + {i}, d{i})" for i in range(1, r))
+    rows = "\n".join(f"        q{i} = min(n0 + {i}, n_ - 1)" for i in range(1, r))
+    offsets = "\n".join(f"        o{i}, c{i} = q{i} * half, q{i} * gs" for i in range(1, r))
+    douts = ", ".join(f"d{i}" for i in range(r))
+    partial = "\n".join(
+        f"                if last > {i}:\n                    sstore{s}(y, yo + {i}, d{i})"
+        for i in range(1, r - 1)
+    )
+    return f'''
 
 @njit(inline="always")
-def _q4rows{r}{s}(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+{r - 1}.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
+def _q4rows{r}{s}(x, xo, w, scale, {offs}, k_, group, pf):
+    """The dot products of x's row at flat offset xo with {r} int4 rows: row i's packed
+    bytes start at flat offset oi of w, its group scales at ci of scale. Codes are
+    summed as stored (0..15) and 8 * sum(x) is taken off once per group, one
+    subtraction a group instead of one a weight. Whole runs of 32 weights take plain
+    loads and prefetch their rows pf bytes ahead (from DRAM the hardware prefetcher
+    alone left the kernel waiting); the last run, where K ends inside it, masked ones."""
+    gs = scale.shape[1]
     runs = (k_ + 31) // 32
+    whole = k_ // 32
     per = group // 32
 {zeros}
-    for g in range(scale.shape[1]):
+    for g in range(gs):
 {accz}
         xs = vzero{s}()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+        r0 = g * per
+        r1 = min(runs, r0 + per)
+        for run in range(r0, min(r1, whole)):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-{inner}
+{run_body(True, "            ")}
+        for run in range(max(r0, whole), r1):
+            xk = xo + run * 32
+            b0 = run * 16
+            nl = k_ - run * 32
+{run_body(False, "            ")}
         xs8 = vmul{s}(xs, vsplat{s}(8.0))
 {fold}
     return {out}
-'''
 
-    return (
-        rows_fn(Q4_ROWS)
-        + rows_fn(1)
-        + f'''
 
 @njit(parallel=True, cache=True)
 def gemv_q4{s}(x, w, scale, bias, y, flags, act, a, b):
     """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
     [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
-    {Q4_ROWS} rows share each load of x, so at M = 1 the weights stream once; each row's
-    sum runs in vector lanes and is reduced once, at the end (so other lane counts
-    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    {r} rows share each load of x, so at M = 1 the weights stream once (rows past N
+    repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
+    vector lanes and is reduced once, at the end (so other lane counts round
+    differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
+    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
-    group = w.shape[1] * 2 // scale.shape[1]
-    nb = (n_ + {Q4_ROWS - 1}) // {Q4_ROWS}
+    half = w.shape[1]
+    group = half * 2 // scale.shape[1]
+    gs = scale.shape[1]
+    nb = (n_ + {r - 1}) // {r}
+    pf = max({r}, 12288 // max(half, 1)) * half  # gemv.PREFETCH_BYTES, whole rows
     for blk in prange(nb):
-        n0 = blk * {Q4_ROWS}
+        n0 = blk * {r}
+{rows}
+        o0, c0 = n0 * half, n0 * gs
+{offsets}
+        last = min({r}, n_ - n0)
         for m in range(m_):
-            xo = m * k_
-            if n0 + {Q4_ROWS} <= n_:
-                d = _q4rows{Q4_ROWS}{s}(x, xo, w, scale, n0, k_, group)
-                for i in range({Q4_ROWS}):
-                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
-                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            {douts} = _q4rows{r}{s}(x, m * k_, w, scale, {offs},
+                                     k_, group, pf)
+            yo = m * n_ + n0
+            sstore{s}(y, yo, d0)
+            if last == {r}:
+{stores}
             else:
-                for n in range(n0, n_):
-                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-                    d1 = _q4rows1{s}(x, xo, w, scale, n, k_, group)
-                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+{partial}
+    if flags & HAS_BIAS or act != 0:
+        for m in range(m_):
+            for n in range(n_):
+                v = y[m, n]
+                if flags & HAS_BIAS:
+                    v += bias[n]
+                y[m, n] = act_scalar(v, act, a, b)
 '''
-    )
 
 
 def source() -> str:
@@ -930,6 +958,7 @@ def source() -> str:
             "vnib_lo",
             "vnib_hi",
             "vsum",
+            "vsum_tree",
             "sload",
             "sstore",
         ):

@@ -73,6 +73,7 @@ vloadw_n_16x4 = _ops_16x4.vloadw_n
 vnib_lo_16x4 = _ops_16x4.vnib_lo
 vnib_hi_16x4 = _ops_16x4.vnib_hi
 vsum_16x4 = _ops_16x4.vsum
+vsum_tree_16x4 = _ops_16x4.vsum_tree
 sload_16x4 = _ops_16x4.sload
 sstore_16x4 = _ops_16x4.sstore
 
@@ -94,6 +95,7 @@ vloadw_n_8x2 = _ops_8x2.vloadw_n
 vnib_lo_8x2 = _ops_8x2.vnib_lo
 vnib_hi_8x2 = _ops_8x2.vnib_hi
 vsum_8x2 = _ops_8x2.vsum
+vsum_tree_8x2 = _ops_8x2.vsum_tree
 sload_8x2 = _ops_8x2.sload
 sstore_8x2 = _ops_8x2.sstore
 
@@ -115,6 +117,7 @@ vloadw_n_4x2 = _ops_4x2.vloadw_n
 vnib_lo_4x2 = _ops_4x2.vnib_lo
 vnib_hi_4x2 = _ops_4x2.vnib_hi
 vsum_4x2 = _ops_4x2.vsum
+vsum_tree_4x2 = _ops_4x2.vsum_tree
 sload_4x2 = _ops_4x2.sload
 sstore_4x2 = _ops_4x2.sstore
 
@@ -136,6 +139,7 @@ vloadw_n_4x4 = _ops_4x4.vloadw_n
 vnib_lo_4x4 = _ops_4x4.vnib_lo
 vnib_hi_4x4 = _ops_4x4.vnib_hi
 vsum_4x4 = _ops_4x4.vsum
+vsum_tree_4x4 = _ops_4x4.vsum_tree
 sload_4x4 = _ops_4x4.sload
 sstore_4x4 = _ops_4x4.sstore
 
@@ -2076,103 +2080,122 @@ def dw3_16x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a,
 
 
 @njit(inline="always")
-def _q4rows4_16x4(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
+def _q4rows4_16x4(x, xo, w, scale, o0, o1, o2, o3, c0, c1, c2, c3, k_, group, pf):
+    """The dot products of x's row at flat offset xo with 4 int4 rows: row i's packed
+    bytes start at flat offset oi of w, its group scales at ci of scale. Codes are
+    summed as stored (0..15) and 8 * sum(x) is taken off once per group, one
+    subtraction a group instead of one a weight. Whole runs of 32 weights take plain
+    loads and prefetch their rows pf bytes ahead (from DRAM the hardware prefetcher
+    alone left the kernel waiting); the last run, where K ends inside it, masked ones."""
+    gs = scale.shape[1]
     runs = (k_ + 31) // 32
+    whole = k_ // 32
     per = group // 32
     t0 = vzero_16x4()
     t1 = vzero_16x4()
     t2 = vzero_16x4()
     t3 = vzero_16x4()
-    for g in range(scale.shape[1]):
+    for g in range(gs):
         a0 = vzero_16x4()
         a1 = vzero_16x4()
         a2 = vzero_16x4()
         a3 = vzero_16x4()
         xs = vzero_16x4()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+        r0 = g * per
+        r1 = min(runs, r0 + per)
+        for run in range(r0, min(r1, whole)):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_16x4(x, xk + 0) if full else vload_n_16x4(x, xk + 0, nl - 0)
-            xh = vload_16x4(x, xk + 16) if full else vload_n_16x4(x, xk + 16, nl - 16)
+            xl = vload_16x4(x, xk + 0)
+            xh = vload_16x4(x, xk + 16)
             xs = vadd_16x4(xs, vadd_16x4(xl, xh))
-            a0 = vfma_16x4(vnib_lo_16x4(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_16x4(vnib_hi_16x4(w, wo + b0 + 0), xh, a0)
-            a1 = vfma_16x4(vnib_lo_16x4(w, wo + 1 * half + b0 + 0), xl, a1)
-            a1 = vfma_16x4(vnib_hi_16x4(w, wo + 1 * half + b0 + 0), xh, a1)
-            a2 = vfma_16x4(vnib_lo_16x4(w, wo + 2 * half + b0 + 0), xl, a2)
-            a2 = vfma_16x4(vnib_hi_16x4(w, wo + 2 * half + b0 + 0), xh, a2)
-            a3 = vfma_16x4(vnib_lo_16x4(w, wo + 3 * half + b0 + 0), xl, a3)
-            a3 = vfma_16x4(vnib_hi_16x4(w, wo + 3 * half + b0 + 0), xh, a3)
-        xs8 = vmul_16x4(xs, vsplat_16x4(8.0))
-        t0 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_16x4(a0, xs8), t0)
-        t1 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 1, g])), vsub_16x4(a1, xs8), t1)
-        t2 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 2, g])), vsub_16x4(a2, xs8), t2)
-        t3 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 3, g])), vsub_16x4(a3, xs8), t3)
-    return vsum_16x4(t0), vsum_16x4(t1), vsum_16x4(t2), vsum_16x4(t3)
-
-
-@njit(inline="always")
-def _q4rows1_16x4(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
-    runs = (k_ + 31) // 32
-    per = group // 32
-    t0 = vzero_16x4()
-    for g in range(scale.shape[1]):
-        a0 = vzero_16x4()
-        xs = vzero_16x4()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+            a0 = vfma_16x4(vnib_lo_16x4(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_16x4(vnib_hi_16x4(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_16x4(vnib_lo_16x4(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_16x4(vnib_hi_16x4(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_16x4(vnib_lo_16x4(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_16x4(vnib_hi_16x4(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_16x4(vnib_lo_16x4(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_16x4(vnib_hi_16x4(w, o3 + b0 + 0), xh, a3)
+            prefetch(w, o0 + b0 + pf)
+            prefetch(w, o1 + b0 + pf)
+            prefetch(w, o2 + b0 + pf)
+            prefetch(w, o3 + b0 + pf)
+        for run in range(max(r0, whole), r1):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_16x4(x, xk + 0) if full else vload_n_16x4(x, xk + 0, nl - 0)
-            xh = vload_16x4(x, xk + 16) if full else vload_n_16x4(x, xk + 16, nl - 16)
+            nl = k_ - run * 32
+            xl = vload_n_16x4(x, xk + 0, nl - 0)
+            xh = vload_n_16x4(x, xk + 16, nl - 16)
             xs = vadd_16x4(xs, vadd_16x4(xl, xh))
-            a0 = vfma_16x4(vnib_lo_16x4(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_16x4(vnib_hi_16x4(w, wo + b0 + 0), xh, a0)
+            a0 = vfma_16x4(vnib_lo_16x4(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_16x4(vnib_hi_16x4(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_16x4(vnib_lo_16x4(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_16x4(vnib_hi_16x4(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_16x4(vnib_lo_16x4(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_16x4(vnib_hi_16x4(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_16x4(vnib_lo_16x4(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_16x4(vnib_hi_16x4(w, o3 + b0 + 0), xh, a3)
         xs8 = vmul_16x4(xs, vsplat_16x4(8.0))
-        t0 = vfma_16x4(vsplat_16x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_16x4(a0, xs8), t0)
-    return vsum_16x4(t0)
+        sc = vsplat_16x4(half_bits_to_f32(sload_16x4(scale, c0 + g)))
+        t0 = vfma_16x4(sc, vsub_16x4(a0, xs8), t0)
+        sc = vsplat_16x4(half_bits_to_f32(sload_16x4(scale, c1 + g)))
+        t1 = vfma_16x4(sc, vsub_16x4(a1, xs8), t1)
+        sc = vsplat_16x4(half_bits_to_f32(sload_16x4(scale, c2 + g)))
+        t2 = vfma_16x4(sc, vsub_16x4(a2, xs8), t2)
+        sc = vsplat_16x4(half_bits_to_f32(sload_16x4(scale, c3 + g)))
+        t3 = vfma_16x4(sc, vsub_16x4(a3, xs8), t3)
+    return vsum_tree_16x4(t0), vsum_tree_16x4(t1), vsum_tree_16x4(t2), vsum_tree_16x4(t3)
 
 
 @njit(parallel=True, cache=True)
 def gemv_q4_16x4(x, w, scale, bias, y, flags, act, a, b):
     """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
     [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
-    4 rows share each load of x, so at M = 1 the weights stream once; each row's
-    sum runs in vector lanes and is reduced once, at the end (so other lane counts
-    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    4 rows share each load of x, so at M = 1 the weights stream once (rows past N
+    repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
+    vector lanes and is reduced once, at the end (so other lane counts round
+    differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
+    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
-    group = w.shape[1] * 2 // scale.shape[1]
+    half = w.shape[1]
+    group = half * 2 // scale.shape[1]
+    gs = scale.shape[1]
     nb = (n_ + 3) // 4
+    pf = max(4, 12288 // max(half, 1)) * half  # gemv.PREFETCH_BYTES, whole rows
     for blk in prange(nb):
         n0 = blk * 4
+        q1 = min(n0 + 1, n_ - 1)
+        q2 = min(n0 + 2, n_ - 1)
+        q3 = min(n0 + 3, n_ - 1)
+        o0, c0 = n0 * half, n0 * gs
+        o1, c1 = q1 * half, q1 * gs
+        o2, c2 = q2 * half, q2 * gs
+        o3, c3 = q3 * half, q3 * gs
+        last = min(4, n_ - n0)
         for m in range(m_):
-            xo = m * k_
-            if n0 + 4 <= n_:
-                d = _q4rows4_16x4(x, xo, w, scale, n0, k_, group)
-                for i in range(4):
-                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
-                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            d0, d1, d2, d3 = _q4rows4_16x4(x, m * k_, w, scale, o0, o1, o2, o3, c0, c1, c2, c3,
+                                     k_, group, pf)
+            yo = m * n_ + n0
+            sstore_16x4(y, yo, d0)
+            if last == 4:
+                sstore_16x4(y, yo + 1, d1)
+                sstore_16x4(y, yo + 2, d2)
+                sstore_16x4(y, yo + 3, d3)
             else:
-                for n in range(n0, n_):
-                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-                    d1 = _q4rows1_16x4(x, xo, w, scale, n, k_, group)
-                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+                if last > 1:
+                    sstore_16x4(y, yo + 1, d1)
+                if last > 2:
+                    sstore_16x4(y, yo + 2, d2)
+    if flags & HAS_BIAS or act != 0:
+        for m in range(m_):
+            for n in range(n_):
+                v = y[m, n]
+                if flags & HAS_BIAS:
+                    v += bias[n]
+                y[m, n] = act_scalar(v, act, a, b)
 
 
 
@@ -3241,119 +3264,144 @@ def dw3_8x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
 
 
 @njit(inline="always")
-def _q4rows4_8x2(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
+def _q4rows4_8x2(x, xo, w, scale, o0, o1, o2, o3, c0, c1, c2, c3, k_, group, pf):
+    """The dot products of x's row at flat offset xo with 4 int4 rows: row i's packed
+    bytes start at flat offset oi of w, its group scales at ci of scale. Codes are
+    summed as stored (0..15) and 8 * sum(x) is taken off once per group, one
+    subtraction a group instead of one a weight. Whole runs of 32 weights take plain
+    loads and prefetch their rows pf bytes ahead (from DRAM the hardware prefetcher
+    alone left the kernel waiting); the last run, where K ends inside it, masked ones."""
+    gs = scale.shape[1]
     runs = (k_ + 31) // 32
+    whole = k_ // 32
     per = group // 32
     t0 = vzero_8x2()
     t1 = vzero_8x2()
     t2 = vzero_8x2()
     t3 = vzero_8x2()
-    for g in range(scale.shape[1]):
+    for g in range(gs):
         a0 = vzero_8x2()
         a1 = vzero_8x2()
         a2 = vzero_8x2()
         a3 = vzero_8x2()
         xs = vzero_8x2()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+        r0 = g * per
+        r1 = min(runs, r0 + per)
+        for run in range(r0, min(r1, whole)):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_8x2(x, xk + 0) if full else vload_n_8x2(x, xk + 0, nl - 0)
-            xh = vload_8x2(x, xk + 16) if full else vload_n_8x2(x, xk + 16, nl - 16)
+            xl = vload_8x2(x, xk + 0)
+            xh = vload_8x2(x, xk + 16)
             xs = vadd_8x2(xs, vadd_8x2(xl, xh))
-            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 0), xh, a0)
-            a1 = vfma_8x2(vnib_lo_8x2(w, wo + 1 * half + b0 + 0), xl, a1)
-            a1 = vfma_8x2(vnib_hi_8x2(w, wo + 1 * half + b0 + 0), xh, a1)
-            a2 = vfma_8x2(vnib_lo_8x2(w, wo + 2 * half + b0 + 0), xl, a2)
-            a2 = vfma_8x2(vnib_hi_8x2(w, wo + 2 * half + b0 + 0), xh, a2)
-            a3 = vfma_8x2(vnib_lo_8x2(w, wo + 3 * half + b0 + 0), xl, a3)
-            a3 = vfma_8x2(vnib_hi_8x2(w, wo + 3 * half + b0 + 0), xh, a3)
-            xl = vload_8x2(x, xk + 8) if full else vload_n_8x2(x, xk + 8, nl - 8)
-            xh = vload_8x2(x, xk + 24) if full else vload_n_8x2(x, xk + 24, nl - 24)
+            a0 = vfma_8x2(vnib_lo_8x2(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_8x2(vnib_lo_8x2(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_8x2(vnib_hi_8x2(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_8x2(vnib_lo_8x2(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_8x2(vnib_hi_8x2(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_8x2(vnib_lo_8x2(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_8x2(vnib_hi_8x2(w, o3 + b0 + 0), xh, a3)
+            xl = vload_8x2(x, xk + 8)
+            xh = vload_8x2(x, xk + 24)
             xs = vadd_8x2(xs, vadd_8x2(xl, xh))
-            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 8), xl, a0)
-            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 8), xh, a0)
-            a1 = vfma_8x2(vnib_lo_8x2(w, wo + 1 * half + b0 + 8), xl, a1)
-            a1 = vfma_8x2(vnib_hi_8x2(w, wo + 1 * half + b0 + 8), xh, a1)
-            a2 = vfma_8x2(vnib_lo_8x2(w, wo + 2 * half + b0 + 8), xl, a2)
-            a2 = vfma_8x2(vnib_hi_8x2(w, wo + 2 * half + b0 + 8), xh, a2)
-            a3 = vfma_8x2(vnib_lo_8x2(w, wo + 3 * half + b0 + 8), xl, a3)
-            a3 = vfma_8x2(vnib_hi_8x2(w, wo + 3 * half + b0 + 8), xh, a3)
-        xs8 = vmul_8x2(xs, vsplat_8x2(8.0))
-        t0 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 0, g])), vsub_8x2(a0, xs8), t0)
-        t1 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 1, g])), vsub_8x2(a1, xs8), t1)
-        t2 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 2, g])), vsub_8x2(a2, xs8), t2)
-        t3 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 3, g])), vsub_8x2(a3, xs8), t3)
-    return vsum_8x2(t0), vsum_8x2(t1), vsum_8x2(t2), vsum_8x2(t3)
-
-
-@njit(inline="always")
-def _q4rows1_8x2(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
-    runs = (k_ + 31) // 32
-    per = group // 32
-    t0 = vzero_8x2()
-    for g in range(scale.shape[1]):
-        a0 = vzero_8x2()
-        xs = vzero_8x2()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+            a0 = vfma_8x2(vnib_lo_8x2(w, o0 + b0 + 8), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, o0 + b0 + 8), xh, a0)
+            a1 = vfma_8x2(vnib_lo_8x2(w, o1 + b0 + 8), xl, a1)
+            a1 = vfma_8x2(vnib_hi_8x2(w, o1 + b0 + 8), xh, a1)
+            a2 = vfma_8x2(vnib_lo_8x2(w, o2 + b0 + 8), xl, a2)
+            a2 = vfma_8x2(vnib_hi_8x2(w, o2 + b0 + 8), xh, a2)
+            a3 = vfma_8x2(vnib_lo_8x2(w, o3 + b0 + 8), xl, a3)
+            a3 = vfma_8x2(vnib_hi_8x2(w, o3 + b0 + 8), xh, a3)
+            prefetch(w, o0 + b0 + pf)
+            prefetch(w, o1 + b0 + pf)
+            prefetch(w, o2 + b0 + pf)
+            prefetch(w, o3 + b0 + pf)
+        for run in range(max(r0, whole), r1):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_8x2(x, xk + 0) if full else vload_n_8x2(x, xk + 0, nl - 0)
-            xh = vload_8x2(x, xk + 16) if full else vload_n_8x2(x, xk + 16, nl - 16)
+            nl = k_ - run * 32
+            xl = vload_n_8x2(x, xk + 0, nl - 0)
+            xh = vload_n_8x2(x, xk + 16, nl - 16)
             xs = vadd_8x2(xs, vadd_8x2(xl, xh))
-            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 0), xh, a0)
-            xl = vload_8x2(x, xk + 8) if full else vload_n_8x2(x, xk + 8, nl - 8)
-            xh = vload_8x2(x, xk + 24) if full else vload_n_8x2(x, xk + 24, nl - 24)
+            a0 = vfma_8x2(vnib_lo_8x2(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_8x2(vnib_lo_8x2(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_8x2(vnib_hi_8x2(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_8x2(vnib_lo_8x2(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_8x2(vnib_hi_8x2(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_8x2(vnib_lo_8x2(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_8x2(vnib_hi_8x2(w, o3 + b0 + 0), xh, a3)
+            xl = vload_n_8x2(x, xk + 8, nl - 8)
+            xh = vload_n_8x2(x, xk + 24, nl - 24)
             xs = vadd_8x2(xs, vadd_8x2(xl, xh))
-            a0 = vfma_8x2(vnib_lo_8x2(w, wo + b0 + 8), xl, a0)
-            a0 = vfma_8x2(vnib_hi_8x2(w, wo + b0 + 8), xh, a0)
+            a0 = vfma_8x2(vnib_lo_8x2(w, o0 + b0 + 8), xl, a0)
+            a0 = vfma_8x2(vnib_hi_8x2(w, o0 + b0 + 8), xh, a0)
+            a1 = vfma_8x2(vnib_lo_8x2(w, o1 + b0 + 8), xl, a1)
+            a1 = vfma_8x2(vnib_hi_8x2(w, o1 + b0 + 8), xh, a1)
+            a2 = vfma_8x2(vnib_lo_8x2(w, o2 + b0 + 8), xl, a2)
+            a2 = vfma_8x2(vnib_hi_8x2(w, o2 + b0 + 8), xh, a2)
+            a3 = vfma_8x2(vnib_lo_8x2(w, o3 + b0 + 8), xl, a3)
+            a3 = vfma_8x2(vnib_hi_8x2(w, o3 + b0 + 8), xh, a3)
         xs8 = vmul_8x2(xs, vsplat_8x2(8.0))
-        t0 = vfma_8x2(vsplat_8x2(half_bits_to_f32(scale[n0 + 0, g])), vsub_8x2(a0, xs8), t0)
-    return vsum_8x2(t0)
+        sc = vsplat_8x2(half_bits_to_f32(sload_8x2(scale, c0 + g)))
+        t0 = vfma_8x2(sc, vsub_8x2(a0, xs8), t0)
+        sc = vsplat_8x2(half_bits_to_f32(sload_8x2(scale, c1 + g)))
+        t1 = vfma_8x2(sc, vsub_8x2(a1, xs8), t1)
+        sc = vsplat_8x2(half_bits_to_f32(sload_8x2(scale, c2 + g)))
+        t2 = vfma_8x2(sc, vsub_8x2(a2, xs8), t2)
+        sc = vsplat_8x2(half_bits_to_f32(sload_8x2(scale, c3 + g)))
+        t3 = vfma_8x2(sc, vsub_8x2(a3, xs8), t3)
+    return vsum_tree_8x2(t0), vsum_tree_8x2(t1), vsum_tree_8x2(t2), vsum_tree_8x2(t3)
 
 
 @njit(parallel=True, cache=True)
 def gemv_q4_8x2(x, w, scale, bias, y, flags, act, a, b):
     """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
     [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
-    4 rows share each load of x, so at M = 1 the weights stream once; each row's
-    sum runs in vector lanes and is reduced once, at the end (so other lane counts
-    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    4 rows share each load of x, so at M = 1 the weights stream once (rows past N
+    repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
+    vector lanes and is reduced once, at the end (so other lane counts round
+    differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
+    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
-    group = w.shape[1] * 2 // scale.shape[1]
+    half = w.shape[1]
+    group = half * 2 // scale.shape[1]
+    gs = scale.shape[1]
     nb = (n_ + 3) // 4
+    pf = max(4, 12288 // max(half, 1)) * half  # gemv.PREFETCH_BYTES, whole rows
     for blk in prange(nb):
         n0 = blk * 4
+        q1 = min(n0 + 1, n_ - 1)
+        q2 = min(n0 + 2, n_ - 1)
+        q3 = min(n0 + 3, n_ - 1)
+        o0, c0 = n0 * half, n0 * gs
+        o1, c1 = q1 * half, q1 * gs
+        o2, c2 = q2 * half, q2 * gs
+        o3, c3 = q3 * half, q3 * gs
+        last = min(4, n_ - n0)
         for m in range(m_):
-            xo = m * k_
-            if n0 + 4 <= n_:
-                d = _q4rows4_8x2(x, xo, w, scale, n0, k_, group)
-                for i in range(4):
-                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
-                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            d0, d1, d2, d3 = _q4rows4_8x2(x, m * k_, w, scale, o0, o1, o2, o3, c0, c1, c2, c3,
+                                     k_, group, pf)
+            yo = m * n_ + n0
+            sstore_8x2(y, yo, d0)
+            if last == 4:
+                sstore_8x2(y, yo + 1, d1)
+                sstore_8x2(y, yo + 2, d2)
+                sstore_8x2(y, yo + 3, d3)
             else:
-                for n in range(n0, n_):
-                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-                    d1 = _q4rows1_8x2(x, xo, w, scale, n, k_, group)
-                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+                if last > 1:
+                    sstore_8x2(y, yo + 1, d1)
+                if last > 2:
+                    sstore_8x2(y, yo + 2, d2)
+    if flags & HAS_BIAS or act != 0:
+        for m in range(m_):
+            for n in range(n_):
+                v = y[m, n]
+                if flags & HAS_BIAS:
+                    v += bias[n]
+                y[m, n] = act_scalar(v, act, a, b)
 
 
 
@@ -4422,151 +4470,188 @@ def dw3_4x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
 
 
 @njit(inline="always")
-def _q4rows4_4x2(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
+def _q4rows4_4x2(x, xo, w, scale, o0, o1, o2, o3, c0, c1, c2, c3, k_, group, pf):
+    """The dot products of x's row at flat offset xo with 4 int4 rows: row i's packed
+    bytes start at flat offset oi of w, its group scales at ci of scale. Codes are
+    summed as stored (0..15) and 8 * sum(x) is taken off once per group, one
+    subtraction a group instead of one a weight. Whole runs of 32 weights take plain
+    loads and prefetch their rows pf bytes ahead (from DRAM the hardware prefetcher
+    alone left the kernel waiting); the last run, where K ends inside it, masked ones."""
+    gs = scale.shape[1]
     runs = (k_ + 31) // 32
+    whole = k_ // 32
     per = group // 32
     t0 = vzero_4x2()
     t1 = vzero_4x2()
     t2 = vzero_4x2()
     t3 = vzero_4x2()
-    for g in range(scale.shape[1]):
+    for g in range(gs):
         a0 = vzero_4x2()
         a1 = vzero_4x2()
         a2 = vzero_4x2()
         a3 = vzero_4x2()
         xs = vzero_4x2()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+        r0 = g * per
+        r1 = min(runs, r0 + per)
+        for run in range(r0, min(r1, whole)):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_4x2(x, xk + 0) if full else vload_n_4x2(x, xk + 0, nl - 0)
-            xh = vload_4x2(x, xk + 16) if full else vload_n_4x2(x, xk + 16, nl - 16)
+            xl = vload_4x2(x, xk + 0)
+            xh = vload_4x2(x, xk + 16)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 0), xh, a0)
-            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 0), xl, a1)
-            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 0), xh, a1)
-            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 0), xl, a2)
-            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 0), xh, a2)
-            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 0), xl, a3)
-            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 0), xh, a3)
-            xl = vload_4x2(x, xk + 4) if full else vload_n_4x2(x, xk + 4, nl - 4)
-            xh = vload_4x2(x, xk + 20) if full else vload_n_4x2(x, xk + 20, nl - 20)
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 0), xh, a3)
+            xl = vload_4x2(x, xk + 4)
+            xh = vload_4x2(x, xk + 20)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 4), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 4), xh, a0)
-            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 4), xl, a1)
-            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 4), xh, a1)
-            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 4), xl, a2)
-            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 4), xh, a2)
-            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 4), xl, a3)
-            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 4), xh, a3)
-            xl = vload_4x2(x, xk + 8) if full else vload_n_4x2(x, xk + 8, nl - 8)
-            xh = vload_4x2(x, xk + 24) if full else vload_n_4x2(x, xk + 24, nl - 24)
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 4), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 4), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 4), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 4), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 4), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 4), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 4), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 4), xh, a3)
+            xl = vload_4x2(x, xk + 8)
+            xh = vload_4x2(x, xk + 24)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 8), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 8), xh, a0)
-            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 8), xl, a1)
-            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 8), xh, a1)
-            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 8), xl, a2)
-            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 8), xh, a2)
-            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 8), xl, a3)
-            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 8), xh, a3)
-            xl = vload_4x2(x, xk + 12) if full else vload_n_4x2(x, xk + 12, nl - 12)
-            xh = vload_4x2(x, xk + 28) if full else vload_n_4x2(x, xk + 28, nl - 28)
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 8), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 8), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 8), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 8), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 8), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 8), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 8), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 8), xh, a3)
+            xl = vload_4x2(x, xk + 12)
+            xh = vload_4x2(x, xk + 28)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 12), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 12), xh, a0)
-            a1 = vfma_4x2(vnib_lo_4x2(w, wo + 1 * half + b0 + 12), xl, a1)
-            a1 = vfma_4x2(vnib_hi_4x2(w, wo + 1 * half + b0 + 12), xh, a1)
-            a2 = vfma_4x2(vnib_lo_4x2(w, wo + 2 * half + b0 + 12), xl, a2)
-            a2 = vfma_4x2(vnib_hi_4x2(w, wo + 2 * half + b0 + 12), xh, a2)
-            a3 = vfma_4x2(vnib_lo_4x2(w, wo + 3 * half + b0 + 12), xl, a3)
-            a3 = vfma_4x2(vnib_hi_4x2(w, wo + 3 * half + b0 + 12), xh, a3)
-        xs8 = vmul_4x2(xs, vsplat_4x2(8.0))
-        t0 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 0, g])), vsub_4x2(a0, xs8), t0)
-        t1 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 1, g])), vsub_4x2(a1, xs8), t1)
-        t2 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 2, g])), vsub_4x2(a2, xs8), t2)
-        t3 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 3, g])), vsub_4x2(a3, xs8), t3)
-    return vsum_4x2(t0), vsum_4x2(t1), vsum_4x2(t2), vsum_4x2(t3)
-
-
-@njit(inline="always")
-def _q4rows1_4x2(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
-    runs = (k_ + 31) // 32
-    per = group // 32
-    t0 = vzero_4x2()
-    for g in range(scale.shape[1]):
-        a0 = vzero_4x2()
-        xs = vzero_4x2()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 12), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 12), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 12), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 12), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 12), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 12), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 12), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 12), xh, a3)
+            prefetch(w, o0 + b0 + pf)
+            prefetch(w, o1 + b0 + pf)
+            prefetch(w, o2 + b0 + pf)
+            prefetch(w, o3 + b0 + pf)
+        for run in range(max(r0, whole), r1):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_4x2(x, xk + 0) if full else vload_n_4x2(x, xk + 0, nl - 0)
-            xh = vload_4x2(x, xk + 16) if full else vload_n_4x2(x, xk + 16, nl - 16)
+            nl = k_ - run * 32
+            xl = vload_n_4x2(x, xk + 0, nl - 0)
+            xh = vload_n_4x2(x, xk + 16, nl - 16)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 0), xh, a0)
-            xl = vload_4x2(x, xk + 4) if full else vload_n_4x2(x, xk + 4, nl - 4)
-            xh = vload_4x2(x, xk + 20) if full else vload_n_4x2(x, xk + 20, nl - 20)
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 0), xh, a3)
+            xl = vload_n_4x2(x, xk + 4, nl - 4)
+            xh = vload_n_4x2(x, xk + 20, nl - 20)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 4), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 4), xh, a0)
-            xl = vload_4x2(x, xk + 8) if full else vload_n_4x2(x, xk + 8, nl - 8)
-            xh = vload_4x2(x, xk + 24) if full else vload_n_4x2(x, xk + 24, nl - 24)
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 4), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 4), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 4), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 4), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 4), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 4), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 4), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 4), xh, a3)
+            xl = vload_n_4x2(x, xk + 8, nl - 8)
+            xh = vload_n_4x2(x, xk + 24, nl - 24)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 8), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 8), xh, a0)
-            xl = vload_4x2(x, xk + 12) if full else vload_n_4x2(x, xk + 12, nl - 12)
-            xh = vload_4x2(x, xk + 28) if full else vload_n_4x2(x, xk + 28, nl - 28)
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 8), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 8), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 8), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 8), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 8), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 8), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 8), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 8), xh, a3)
+            xl = vload_n_4x2(x, xk + 12, nl - 12)
+            xh = vload_n_4x2(x, xk + 28, nl - 28)
             xs = vadd_4x2(xs, vadd_4x2(xl, xh))
-            a0 = vfma_4x2(vnib_lo_4x2(w, wo + b0 + 12), xl, a0)
-            a0 = vfma_4x2(vnib_hi_4x2(w, wo + b0 + 12), xh, a0)
+            a0 = vfma_4x2(vnib_lo_4x2(w, o0 + b0 + 12), xl, a0)
+            a0 = vfma_4x2(vnib_hi_4x2(w, o0 + b0 + 12), xh, a0)
+            a1 = vfma_4x2(vnib_lo_4x2(w, o1 + b0 + 12), xl, a1)
+            a1 = vfma_4x2(vnib_hi_4x2(w, o1 + b0 + 12), xh, a1)
+            a2 = vfma_4x2(vnib_lo_4x2(w, o2 + b0 + 12), xl, a2)
+            a2 = vfma_4x2(vnib_hi_4x2(w, o2 + b0 + 12), xh, a2)
+            a3 = vfma_4x2(vnib_lo_4x2(w, o3 + b0 + 12), xl, a3)
+            a3 = vfma_4x2(vnib_hi_4x2(w, o3 + b0 + 12), xh, a3)
         xs8 = vmul_4x2(xs, vsplat_4x2(8.0))
-        t0 = vfma_4x2(vsplat_4x2(half_to_f32(scale[n0 + 0, g])), vsub_4x2(a0, xs8), t0)
-    return vsum_4x2(t0)
+        sc = vsplat_4x2(half_to_f32(sload_4x2(scale, c0 + g)))
+        t0 = vfma_4x2(sc, vsub_4x2(a0, xs8), t0)
+        sc = vsplat_4x2(half_to_f32(sload_4x2(scale, c1 + g)))
+        t1 = vfma_4x2(sc, vsub_4x2(a1, xs8), t1)
+        sc = vsplat_4x2(half_to_f32(sload_4x2(scale, c2 + g)))
+        t2 = vfma_4x2(sc, vsub_4x2(a2, xs8), t2)
+        sc = vsplat_4x2(half_to_f32(sload_4x2(scale, c3 + g)))
+        t3 = vfma_4x2(sc, vsub_4x2(a3, xs8), t3)
+    return vsum_tree_4x2(t0), vsum_tree_4x2(t1), vsum_tree_4x2(t2), vsum_tree_4x2(t3)
 
 
 @njit(parallel=True, cache=True)
 def gemv_q4_4x2(x, w, scale, bias, y, flags, act, a, b):
     """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
     [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
-    4 rows share each load of x, so at M = 1 the weights stream once; each row's
-    sum runs in vector lanes and is reduced once, at the end (so other lane counts
-    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    4 rows share each load of x, so at M = 1 the weights stream once (rows past N
+    repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
+    vector lanes and is reduced once, at the end (so other lane counts round
+    differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
+    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
-    group = w.shape[1] * 2 // scale.shape[1]
+    half = w.shape[1]
+    group = half * 2 // scale.shape[1]
+    gs = scale.shape[1]
     nb = (n_ + 3) // 4
+    pf = max(4, 12288 // max(half, 1)) * half  # gemv.PREFETCH_BYTES, whole rows
     for blk in prange(nb):
         n0 = blk * 4
+        q1 = min(n0 + 1, n_ - 1)
+        q2 = min(n0 + 2, n_ - 1)
+        q3 = min(n0 + 3, n_ - 1)
+        o0, c0 = n0 * half, n0 * gs
+        o1, c1 = q1 * half, q1 * gs
+        o2, c2 = q2 * half, q2 * gs
+        o3, c3 = q3 * half, q3 * gs
+        last = min(4, n_ - n0)
         for m in range(m_):
-            xo = m * k_
-            if n0 + 4 <= n_:
-                d = _q4rows4_4x2(x, xo, w, scale, n0, k_, group)
-                for i in range(4):
-                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
-                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            d0, d1, d2, d3 = _q4rows4_4x2(x, m * k_, w, scale, o0, o1, o2, o3, c0, c1, c2, c3,
+                                     k_, group, pf)
+            yo = m * n_ + n0
+            sstore_4x2(y, yo, d0)
+            if last == 4:
+                sstore_4x2(y, yo + 1, d1)
+                sstore_4x2(y, yo + 2, d2)
+                sstore_4x2(y, yo + 3, d3)
             else:
-                for n in range(n0, n_):
-                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-                    d1 = _q4rows1_4x2(x, xo, w, scale, n, k_, group)
-                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+                if last > 1:
+                    sstore_4x2(y, yo + 1, d1)
+                if last > 2:
+                    sstore_4x2(y, yo + 2, d2)
+    if flags & HAS_BIAS or act != 0:
+        for m in range(m_):
+            for n in range(n_):
+                v = y[m, n]
+                if flags & HAS_BIAS:
+                    v += bias[n]
+                y[m, n] = act_scalar(v, act, a, b)
 
 
 
@@ -6506,148 +6591,185 @@ def dw3_4x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
 
 
 @njit(inline="always")
-def _q4rows4_4x4(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+3.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
+def _q4rows4_4x4(x, xo, w, scale, o0, o1, o2, o3, c0, c1, c2, c3, k_, group, pf):
+    """The dot products of x's row at flat offset xo with 4 int4 rows: row i's packed
+    bytes start at flat offset oi of w, its group scales at ci of scale. Codes are
+    summed as stored (0..15) and 8 * sum(x) is taken off once per group, one
+    subtraction a group instead of one a weight. Whole runs of 32 weights take plain
+    loads and prefetch their rows pf bytes ahead (from DRAM the hardware prefetcher
+    alone left the kernel waiting); the last run, where K ends inside it, masked ones."""
+    gs = scale.shape[1]
     runs = (k_ + 31) // 32
+    whole = k_ // 32
     per = group // 32
     t0 = vzero_4x4()
     t1 = vzero_4x4()
     t2 = vzero_4x4()
     t3 = vzero_4x4()
-    for g in range(scale.shape[1]):
+    for g in range(gs):
         a0 = vzero_4x4()
         a1 = vzero_4x4()
         a2 = vzero_4x4()
         a3 = vzero_4x4()
         xs = vzero_4x4()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+        r0 = g * per
+        r1 = min(runs, r0 + per)
+        for run in range(r0, min(r1, whole)):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_4x4(x, xk + 0) if full else vload_n_4x4(x, xk + 0, nl - 0)
-            xh = vload_4x4(x, xk + 16) if full else vload_n_4x4(x, xk + 16, nl - 16)
+            xl = vload_4x4(x, xk + 0)
+            xh = vload_4x4(x, xk + 16)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 0), xh, a0)
-            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 0), xl, a1)
-            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 0), xh, a1)
-            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 0), xl, a2)
-            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 0), xh, a2)
-            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 0), xl, a3)
-            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 0), xh, a3)
-            xl = vload_4x4(x, xk + 4) if full else vload_n_4x4(x, xk + 4, nl - 4)
-            xh = vload_4x4(x, xk + 20) if full else vload_n_4x4(x, xk + 20, nl - 20)
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 0), xh, a3)
+            xl = vload_4x4(x, xk + 4)
+            xh = vload_4x4(x, xk + 20)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 4), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 4), xh, a0)
-            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 4), xl, a1)
-            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 4), xh, a1)
-            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 4), xl, a2)
-            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 4), xh, a2)
-            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 4), xl, a3)
-            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 4), xh, a3)
-            xl = vload_4x4(x, xk + 8) if full else vload_n_4x4(x, xk + 8, nl - 8)
-            xh = vload_4x4(x, xk + 24) if full else vload_n_4x4(x, xk + 24, nl - 24)
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 4), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 4), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 4), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 4), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 4), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 4), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 4), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 4), xh, a3)
+            xl = vload_4x4(x, xk + 8)
+            xh = vload_4x4(x, xk + 24)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 8), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 8), xh, a0)
-            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 8), xl, a1)
-            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 8), xh, a1)
-            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 8), xl, a2)
-            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 8), xh, a2)
-            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 8), xl, a3)
-            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 8), xh, a3)
-            xl = vload_4x4(x, xk + 12) if full else vload_n_4x4(x, xk + 12, nl - 12)
-            xh = vload_4x4(x, xk + 28) if full else vload_n_4x4(x, xk + 28, nl - 28)
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 8), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 8), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 8), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 8), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 8), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 8), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 8), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 8), xh, a3)
+            xl = vload_4x4(x, xk + 12)
+            xh = vload_4x4(x, xk + 28)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 12), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 12), xh, a0)
-            a1 = vfma_4x4(vnib_lo_4x4(w, wo + 1 * half + b0 + 12), xl, a1)
-            a1 = vfma_4x4(vnib_hi_4x4(w, wo + 1 * half + b0 + 12), xh, a1)
-            a2 = vfma_4x4(vnib_lo_4x4(w, wo + 2 * half + b0 + 12), xl, a2)
-            a2 = vfma_4x4(vnib_hi_4x4(w, wo + 2 * half + b0 + 12), xh, a2)
-            a3 = vfma_4x4(vnib_lo_4x4(w, wo + 3 * half + b0 + 12), xl, a3)
-            a3 = vfma_4x4(vnib_hi_4x4(w, wo + 3 * half + b0 + 12), xh, a3)
-        xs8 = vmul_4x4(xs, vsplat_4x4(8.0))
-        t0 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_4x4(a0, xs8), t0)
-        t1 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 1, g])), vsub_4x4(a1, xs8), t1)
-        t2 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 2, g])), vsub_4x4(a2, xs8), t2)
-        t3 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 3, g])), vsub_4x4(a3, xs8), t3)
-    return vsum_4x4(t0), vsum_4x4(t1), vsum_4x4(t2), vsum_4x4(t3)
-
-
-@njit(inline="always")
-def _q4rows1_4x4(x, xo, w, scale, n0, k_, group):
-    """The dot products of x's row at flat offset xo with int4 rows n0 .. n0+0.
-    Codes are summed as stored (0..15) and 8 * sum(x) is taken off once per group,
-    one subtraction a group instead of one a weight."""
-    half = w.shape[1]
-    wo = n0 * half
-    runs = (k_ + 31) // 32
-    per = group // 32
-    t0 = vzero_4x4()
-    for g in range(scale.shape[1]):
-        a0 = vzero_4x4()
-        xs = vzero_4x4()
-        for run in range(g * per, min(runs, (g + 1) * per)):
-            k0 = run * 32
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 12), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 12), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 12), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 12), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 12), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 12), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 12), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 12), xh, a3)
+            prefetch(w, o0 + b0 + pf)
+            prefetch(w, o1 + b0 + pf)
+            prefetch(w, o2 + b0 + pf)
+            prefetch(w, o3 + b0 + pf)
+        for run in range(max(r0, whole), r1):
+            xk = xo + run * 32
             b0 = run * 16
-            xk = xo + k0
-            nl = k_ - k0
-            full = nl >= 32
-            xl = vload_4x4(x, xk + 0) if full else vload_n_4x4(x, xk + 0, nl - 0)
-            xh = vload_4x4(x, xk + 16) if full else vload_n_4x4(x, xk + 16, nl - 16)
+            nl = k_ - run * 32
+            xl = vload_n_4x4(x, xk + 0, nl - 0)
+            xh = vload_n_4x4(x, xk + 16, nl - 16)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 0), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 0), xh, a0)
-            xl = vload_4x4(x, xk + 4) if full else vload_n_4x4(x, xk + 4, nl - 4)
-            xh = vload_4x4(x, xk + 20) if full else vload_n_4x4(x, xk + 20, nl - 20)
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 0), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 0), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 0), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 0), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 0), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 0), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 0), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 0), xh, a3)
+            xl = vload_n_4x4(x, xk + 4, nl - 4)
+            xh = vload_n_4x4(x, xk + 20, nl - 20)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 4), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 4), xh, a0)
-            xl = vload_4x4(x, xk + 8) if full else vload_n_4x4(x, xk + 8, nl - 8)
-            xh = vload_4x4(x, xk + 24) if full else vload_n_4x4(x, xk + 24, nl - 24)
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 4), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 4), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 4), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 4), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 4), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 4), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 4), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 4), xh, a3)
+            xl = vload_n_4x4(x, xk + 8, nl - 8)
+            xh = vload_n_4x4(x, xk + 24, nl - 24)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 8), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 8), xh, a0)
-            xl = vload_4x4(x, xk + 12) if full else vload_n_4x4(x, xk + 12, nl - 12)
-            xh = vload_4x4(x, xk + 28) if full else vload_n_4x4(x, xk + 28, nl - 28)
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 8), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 8), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 8), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 8), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 8), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 8), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 8), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 8), xh, a3)
+            xl = vload_n_4x4(x, xk + 12, nl - 12)
+            xh = vload_n_4x4(x, xk + 28, nl - 28)
             xs = vadd_4x4(xs, vadd_4x4(xl, xh))
-            a0 = vfma_4x4(vnib_lo_4x4(w, wo + b0 + 12), xl, a0)
-            a0 = vfma_4x4(vnib_hi_4x4(w, wo + b0 + 12), xh, a0)
+            a0 = vfma_4x4(vnib_lo_4x4(w, o0 + b0 + 12), xl, a0)
+            a0 = vfma_4x4(vnib_hi_4x4(w, o0 + b0 + 12), xh, a0)
+            a1 = vfma_4x4(vnib_lo_4x4(w, o1 + b0 + 12), xl, a1)
+            a1 = vfma_4x4(vnib_hi_4x4(w, o1 + b0 + 12), xh, a1)
+            a2 = vfma_4x4(vnib_lo_4x4(w, o2 + b0 + 12), xl, a2)
+            a2 = vfma_4x4(vnib_hi_4x4(w, o2 + b0 + 12), xh, a2)
+            a3 = vfma_4x4(vnib_lo_4x4(w, o3 + b0 + 12), xl, a3)
+            a3 = vfma_4x4(vnib_hi_4x4(w, o3 + b0 + 12), xh, a3)
         xs8 = vmul_4x4(xs, vsplat_4x4(8.0))
-        t0 = vfma_4x4(vsplat_4x4(half_bits_to_f32(scale[n0 + 0, g])), vsub_4x4(a0, xs8), t0)
-    return vsum_4x4(t0)
+        sc = vsplat_4x4(half_bits_to_f32(sload_4x4(scale, c0 + g)))
+        t0 = vfma_4x4(sc, vsub_4x4(a0, xs8), t0)
+        sc = vsplat_4x4(half_bits_to_f32(sload_4x4(scale, c1 + g)))
+        t1 = vfma_4x4(sc, vsub_4x4(a1, xs8), t1)
+        sc = vsplat_4x4(half_bits_to_f32(sload_4x4(scale, c2 + g)))
+        t2 = vfma_4x4(sc, vsub_4x4(a2, xs8), t2)
+        sc = vsplat_4x4(half_bits_to_f32(sload_4x4(scale, c3 + g)))
+        t3 = vfma_4x4(sc, vsub_4x4(a3, xs8), t3)
+    return vsum_tree_4x4(t0), vsum_tree_4x4(t1), vsum_tree_4x4(t2), vsum_tree_4x4(t3)
 
 
 @njit(parallel=True, cache=True)
 def gemv_q4_4x4(x, w, scale, bias, y, flags, act, a, b):
     """y[M, N] = act(x[M, K] @ dequant(w)[:, :K].T + bias): w the packed int4 weights
     [N, Kp/2] (uint8), scale their fp16 group scales [N, Kp/G] as uint16 (wtypes.py).
-    4 rows share each load of x, so at M = 1 the weights stream once; each row's
-    sum runs in vector lanes and is reduced once, at the end (so other lane counts
-    round differently: not bit-identical across tile shapes, unlike the GEMM)."""
+    4 rows share each load of x, so at M = 1 the weights stream once (rows past N
+    repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
+    vector lanes and is reduced once, at the end (so other lane counts round
+    differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
+    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
-    group = w.shape[1] * 2 // scale.shape[1]
+    half = w.shape[1]
+    group = half * 2 // scale.shape[1]
+    gs = scale.shape[1]
     nb = (n_ + 3) // 4
+    pf = max(4, 12288 // max(half, 1)) * half  # gemv.PREFETCH_BYTES, whole rows
     for blk in prange(nb):
         n0 = blk * 4
+        q1 = min(n0 + 1, n_ - 1)
+        q2 = min(n0 + 2, n_ - 1)
+        q3 = min(n0 + 3, n_ - 1)
+        o0, c0 = n0 * half, n0 * gs
+        o1, c1 = q1 * half, q1 * gs
+        o2, c2 = q2 * half, q2 * gs
+        o3, c3 = q3 * half, q3 * gs
+        last = min(4, n_ - n0)
         for m in range(m_):
-            xo = m * k_
-            if n0 + 4 <= n_:
-                d = _q4rows4_4x4(x, xo, w, scale, n0, k_, group)
-                for i in range(4):
-                    bb = bias[n0 + i] if flags & HAS_BIAS else np.float32(0)
-                    y[m, n0 + i] = act_scalar(d[i] + bb, act, a, b)
+            d0, d1, d2, d3 = _q4rows4_4x4(x, m * k_, w, scale, o0, o1, o2, o3, c0, c1, c2, c3,
+                                     k_, group, pf)
+            yo = m * n_ + n0
+            sstore_4x4(y, yo, d0)
+            if last == 4:
+                sstore_4x4(y, yo + 1, d1)
+                sstore_4x4(y, yo + 2, d2)
+                sstore_4x4(y, yo + 3, d3)
             else:
-                for n in range(n0, n_):
-                    bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-                    d1 = _q4rows1_4x4(x, xo, w, scale, n, k_, group)
-                    y[m, n] = act_scalar(d1 + bb, act, a, b)
+                if last > 1:
+                    sstore_4x4(y, yo + 1, d1)
+                if last > 2:
+                    sstore_4x4(y, yo + 2, d2)
+    if flags & HAS_BIAS or act != 0:
+        for m in range(m_):
+            for n in range(n_):
+                v = y[m, n]
+                if flags & HAS_BIAS:
+                    v += bias[n]
+                y[m, n] = act_scalar(v, act, a, b)
