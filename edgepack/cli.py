@@ -7,7 +7,7 @@ import sys
 
 from . import __version__
 from .kernels.wtypes import DEFAULT_GROUP, GROUP_SIZES, QUANT_MODES
-from .packager.llm import DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
+from .packager.llm import ACT_QUANT, DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
 from .packager.quantize import DEFAULT_MIN_WEIGHTS
 from .runtime.cli import ERRORS, add_runtime_commands, dispatch
 
@@ -63,7 +63,7 @@ def _build_llm(a: argparse.Namespace, private: bytes | None) -> int:
         raise ValueError("-o/--output is required")
     result = build_llm(a.model, a.output, quant=a.quant, quant_embed=a.quant_embed,
                        group_size=a.group_size, ctx=a.ctx, slots=a.slots, chunk=a.chunk,
-                       kv=a.kv)  # fmt: skip
+                       kv=a.kv, act_quant=a.act_quant)  # fmt: skip
     if private:
         from .packager.executable import append_trailer
 
@@ -198,6 +198,10 @@ def make_parser() -> argparse.ArgumentParser:
                      "a type the embedding lookup lacks keeps them wider)")
     llm.add_argument("--kv", choices=KV_DTYPES, default="f16",
                      help="KV cache element type (default f16)")
+    llm.add_argument("--act-quant", choices=ACT_QUANT, default="auto",
+                     help="activations of int4 linears: int8 in blocks of 32 with integer "
+                     "products (as llama.cpp's Q4_0), or none (float32); auto: int8 where "
+                     "the CPU has an integer dot instruction (default)")
     p.set_defaults(func=cmd_build)
     p = sub.add_parser(
         "targets",

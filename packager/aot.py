@@ -16,11 +16,17 @@ from ..kernels.cpu.abi import AOT_MODULE, aot_signatures
 
 
 def compile_kernels(
-    out_dir: str | Path, cpu_name: str = "host", gemm_shape: str | None = None
+    out_dir: str | Path,
+    cpu_name: str = "host",
+    gemm_shape: str | None = None,
+    features: str | None = None,
 ) -> Path:
     """Build ``edgepack_kernels*.so`` into ``out_dir`` for LLVM CPU ``cpu_name`` (which
     implies its features, e.g. ``x86-64-v3`` = AVX2 + FMA) with the GEMM tile shape
-    ``gemm_shape`` (default: the host's); returns its path."""
+    ``gemm_shape`` (default: the host's); returns its path. ``features`` (an LLVM feature
+    string, the target's ``llvm_features()``; default: the host's for ``host``, none
+    else) picks the integer-dot instructions (kernels/cpu/qdot.py), which the CPU name
+    alone does not tell the kernel source."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pycc's pending-deprecation notice
         from numba.pycc import CC
@@ -41,13 +47,25 @@ def compile_kernels(
         mod, _, name = fn.rpartition(".")
         where = importlib.import_module(f"{cpu_numba.__package__}.{mod}") if mod else cpu_numba
         cc.export(export, sig)(getattr(where, name).py_func)
+    from ..kernels.cpu import qdot
+
+    if features is None and cpu_name == "host":
+        from ..kernels.cpu.simd import host_features
+
+        features = ",".join(f"+{f}" for f in sorted(host_features()))
     t = time.perf_counter()
-    cc.compile()
+    before, qdot.BUILD_FEATURES[0] = qdot.BUILD_FEATURES[0], features or ""
+    try:
+        cc.compile()
+    finally:
+        qdot.BUILD_FEATURES[0] = before
     built = sorted(out.glob(f"{AOT_MODULE}*.so"))
     if not built:
         raise RuntimeError(f"pycc produced no {AOT_MODULE} module in {out}")
+    isa = qdot.dot_isa({f[1:] for f in (features or "").split(",") if f.startswith("+")})
     print(
-        f"compiled {len(aot_signatures(shape))} kernels for {cpu_name} (GEMM tiles {shape}) in "
+        f"compiled {len(aot_signatures(shape))} kernels for {cpu_name} (GEMM tiles {shape}, "
+        f"integer dot {isa}) in "
         f"{time.perf_counter() - t:.1f}s -> {built[-1].name}"
     )
     return built[-1]

@@ -76,6 +76,12 @@ def describe(bundle, file_size: int) -> str:
     out.append(
         f"quant:    {q.get('mode', 'fp32')}" + (f" ({q['scheme']})" if "scheme" in q else "")
     )
+    xq = Counter(n["attrs"]["xq"] for n in g["nodes"] if n["attrs"].get("xq"))
+    for block, count_xq in sorted(xq.items()):
+        out.append(
+            f"          activations int8 in blocks of {block} at {count_xq} linear(s) "
+            "(integer products); float32 elsewhere"
+        )
     if "llm" in m:
         from .llm_cli import llm_summary
 

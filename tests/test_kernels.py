@@ -93,6 +93,8 @@ class Case:
     inplace: bool = False  # output shares input 0's memory (the plan's in-place/alias rule)
     onnx: dict = field(default_factory=dict)  # extra ONNX-only attributes (ceil_mode)
     state: tuple[int, ...] = ()  # input slots the op writes (attention's KV caches)
+    dtypes: tuple[str, ...] = ()  # the weight types the case is for (empty: all)
+    backends: tuple[str, ...] = ()  # the backends that take it (empty: all)
 
 
 def _randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
@@ -272,16 +274,25 @@ def linear_case(
     bias: bool = True,
     act: str = "none",
     special: bool = False,
+    xq: int = 0,
 ) -> Case:
+    """``xq``: int8 activations in blocks of xq (int4 weights only: the kernels with
+    integer products; the others decline the attribute)."""
+
     def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
         k = xshape[-1]
         x = _randn(rng, *xshape)
+        if xq:  # a zero block and one of tiny values: scales 0 and ~1e-30
+            x.reshape(-1, k)[0, :xq] = 0
+            x.reshape(-1, k)[-1, -xq:] *= F32(1e-30)
         w = _randn(rng, n, k, scale=1.0 / np.sqrt(k))
         wq, scale = _store_weight(_with_specials(w) if special else w, dt)
         b = _randn(rng, n, scale=0.5) if bias else None
-        return [x, wq, b, scale], {"act": act, "act_args": list(ACT_ARGS[act]), **_wshape(w, dt)}
+        attrs = {"act": act, "act_args": list(ACT_ARGS[act]), **_wshape(w, dt)}
+        return [x, wq, b, scale], attrs | ({"xq": xq} if xq else {})
 
-    return Case(name, make, const=(1, 2, 3))
+    only = {"dtypes": ("i4",), "backends": ("cpu",)} if xq else {}
+    return Case(name, make, const=(1, 2, 3), **only)
 
 
 def matmul_case(name: str, ashape, bshape, act: str = "none") -> Case:
@@ -507,6 +518,14 @@ CASES: dict[str, list[Case]] = {
         linear_case("nobias_m1", (1, 16), 4, bias=False),
         linear_case("special_weights", (2, 16), 5, special=True),
         *[linear_case(f"act_{a}", (3, 24), 11, act=a) for a in _ACTS],
+        # int8 activations (qdot.gemv_q4_q8): whole pairs of blocks, an odd block count,
+        # K inside a block, more rows than the float GEMV takes, N not a multiple of 4
+        linear_case("xq_m1_k64_n10", (1, 64), 10, xq=32),
+        linear_case("xq_m1_k96_n7", (1, 96), 7, xq=32),
+        linear_case("xq_m5_k40_n13", (5, 40), 13, xq=32),
+        linear_case("xq_m40_k128_n9_relu", (40, 128), 9, act="relu", xq=32),
+        linear_case("xq_x3d_nobias", (2, 3, 70), 6, bias=False, xq=32),
+        linear_case("xq_special", (2, 64), 5, special=True, xq=32),
     ],
     "matmul": [
         matmul_case("2d", (3, 4), (4, 5)),
@@ -841,6 +860,8 @@ def _params(keys) -> list:
         for (op, dt, b) in keys
         for case in CASES.get(op, [])
         if registry.wants((b,), "channels_last") or not case.name.startswith("nhwc_")
+        if not case.dtypes or dt in case.dtypes
+        if not case.backends or b in case.backends
     ]
 
 
@@ -877,6 +898,21 @@ def test_every_kernel_has_cases(backend: str):
     for op, cases in CASES.items():
         names = [c.name for c in cases]
         assert len(names) == len(set(names)), f"duplicate case names for {op}"
+
+
+def test_only_integer_product_kernels_take_int8_activations():
+    # a linear node with xq computes with quantized activations (the reference rounds x
+    # so): a kernel without that product must decline it, or it would compute another
+    # function; the packager then binds the kernel that has it, or the reference
+    xq_cases = [c for c in CASES["linear"] if "xq" in _build("linear", "i4", c)[1]]
+    assert xq_cases
+    for (op, dt, b), k in registry.KERNELS.items():
+        if op != "linear" or b == "ref":
+            continue
+        for case in xq_cases:
+            attrs = _build("linear", dt, case)[1]
+            takes = (dt, b) in {(d, bk) for d in case.dtypes for bk in case.backends}
+            assert k.accepts(attrs) == takes, (k.name, dt, case.name)
 
 
 def test_every_op_has_a_definition_and_a_reference():

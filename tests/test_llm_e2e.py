@@ -163,20 +163,31 @@ def wide_llama(tmp_path_factory):
 # Measured on this random-weight model (a worst case: no structure for the scales to
 # follow): fp16 KL 3.8e-7 / 1.00, bf16 2.0e-5 / 1.00, int8 3.9e-4 / 0.97, int4 4.6e-2 /
 # 0.79.
-QUANT_BOUNDS = [("fp16", 1e-5, 1.0), ("bf16", 1e-3, 0.95), ("int8", 2e-3, 0.95),
-                ("int4", 1e-1, 0.7)]  # fmt: skip
+# int4 with int8 activations (the xq attribute, integer products): KL 4.7e-2 / 0.76, near
+# float activations (the weights' rounding dominates).
+QUANT_BOUNDS = [("fp16", "none", 1e-5, 1.0), ("bf16", "none", 1e-3, 0.95),
+                ("int8", "none", 2e-3, 0.95), ("int4", "none", 1e-1, 0.7),
+                ("int4", "int8", 1e-1, 0.7)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("mode", "kl_bound", "agree_bound"), QUANT_BOUNDS)
-def test_quantized_bundles_stay_close_to_fp32(wide_llama, mode, kl_bound, agree_bound):
-    ref_path, path = wide_llama / "fp32.epk", wide_llama / f"{mode}.epk"
+@pytest.mark.parametrize(("mode", "act", "kl_bound", "agree_bound"), QUANT_BOUNDS)
+def test_quantized_bundles_stay_close_to_fp32(wide_llama, mode, act, kl_bound, agree_bound):
+    ref_path, path = wide_llama / "fp32.epk", wide_llama / f"{mode}-{act}.epk"
     if not ref_path.exists():
         build_llm(wide_llama / "hf", ref_path, ctx=64, chunk=8, kv="f32", log=lambda s: None)
     r = build_llm(wide_llama / "hf", path, quant=mode, ctx=64, chunk=8, kv="f32",
-                  log=lambda s: None)  # fmt: skip
+                  act_quant=act, log=lambda s: None)  # fmt: skip
     types = {w["dtype"] for w in r.manifest["weights"].values()}
     want = {"fp16": "f16", "bf16": "bf16", "int8": "i8", "int4": "i4"}[mode]
     assert want in types
+    m = r.manifest
+    for graph in (m["graph"], m["llm"]["prefill"]["graph"]):
+        for n in graph["nodes"]:  # xq exactly on the int4 linears, and their kernel has it
+            i4 = n["op"] == "linear" and m["weights"][n["inputs"][1]]["dtype"] == "i4"
+            assert n["attrs"].get("xq") == (32 if i4 and act == "int8" else None), n["name"]
+            if n["attrs"].get("xq"):
+                assert n["kernel"]["variant"] == "gemv_q4_q8", n["kernel"]
+    assert m["quantization"]["activations"] == ("int8" if act == "int8" else "fp32")
     ref, q = LLMSession(ref_path), LLMSession(path)
     seq = [int(t) for t in np.random.default_rng(4).integers(0, VOCAB, 8)]
     a, b = ref.prefill(seq).copy(), q.prefill(seq).copy()

@@ -13,6 +13,31 @@ from __future__ import annotations
 # half an L2. Here, not in gemm_tiles, because planning scratch must not import numba.
 GEMM_XP_FLOATS = 65536
 
+# Activation block of the int8-activation int4 GEMV (qdot.gemv_q4_q8; a linear node's
+# ``xq``), and its scratch: here, not in qdot, for the same reason.
+XQ_BLOCK = 32
+
+
+def xq_scratch_layout(rows: int, k_padded: int) -> tuple[int, int]:
+    """(kp2, bytes) of gemv_q4_q8's scratch for ``rows`` rows of x and int4 weights padded
+    to ``k_padded``: the quantized rows (int8), the lanes' offsets (int32) and scales
+    (float32), kp2 bytes a row each, kp2 = k_padded rounded up to 64."""
+    kp2 = -(-k_padded // (2 * XQ_BLOCK)) * 2 * XQ_BLOCK
+    return kp2, 3 * rows * kp2
+
+
+def xq_scratch_views(scratch, rows: int, k_padded: int):
+    """(xq, nc, sx) carved from the front of ``scratch`` (uint8, 64-byte aligned)."""
+    import numpy as np
+
+    kp2, _ = xq_scratch_layout(rows, k_padded)
+    n = rows * kp2
+    xq = scratch[:n].view(np.int8).reshape(rows, kp2)
+    nc = scratch[n : 2 * n].view(np.int32).reshape(rows, kp2 // 4)
+    sx = scratch[2 * n : 3 * n].view(np.float32).reshape(rows, kp2 // 4)
+    return xq, nc, sx
+
+
 AOT_MODULE = "edgepack_kernels"
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
 # builds export the target's shape under the plain name.
@@ -41,6 +66,11 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             "gemv.gemv_i8",
             v(arr(f4, 2), arr(i1, 2, ro=True), w1, w1, arr(f4, 2), i8, i8, f4, f4),
         ),
+        "gemv_q4_q8": (
+            "qdot.gemv_q4_q8",
+            v(arr(f4, 2, ro=True), arr(u1, 2, ro=True), arr(u2, 2, ro=True), w1, arr(f4, 2),
+              arr(i1, 2), arr(T.int32, 2), arr(f4, 2), i8, i8, f4, f4),
+        ),  # fmt: skip
         "maxpool": ("maxpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "avgpool": ("avgpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 9))),
         "global_avgpool": ("global_avgpool", v(arr(f4, 2), arr(f4, 1))),

@@ -25,7 +25,7 @@ from ..flags import PER_COL
 from ..layout import PANEL
 from ..ops import args as _args
 from ..registry import Bound, Kernel, Spec, register
-from .abi import GEMM_XP_FLOATS
+from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
 from .native import K, kernel_threads, resolved
 
 F32 = np.dtype(np.float32)
@@ -934,7 +934,9 @@ _cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch, variant=_dw_variant)
 _cpu("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
 _cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
-_cpu("linear", _bind_linear, _ALL_W, _linear_scratch, variant=_linear_variant)
+# float activations only: a node with xq (int8 activations) falls to a kernel that has them
+_cpu("linear", _bind_linear, _ALL_W, _linear_scratch, lambda a: not a.get("xq"),
+     _linear_variant)  # fmt: skip
 _cpu("matmul", _bind_matmul)
 _cpu("binary", _bind_binary)
 _cpu("unary", _bind_unary)
@@ -990,13 +992,18 @@ def _q4_rows(x_shape: Sequence[int]) -> int:
 
 
 def _q4_linear_variant(ins, outs, attrs) -> str:
+    if attrs.get("xq"):  # int8 activations: integer dot products at any row count
+        return "gemv_q4_q8"
     if _q4_rows(ins[0][0]) <= Q4_GEMV_MAX_ROWS:
         return "gemv_q4"
     return _q4_linear_decoded.variant(ins, outs, attrs)
 
 
 def _q4_linear_scratch(ins, outs, attrs) -> int:
-    if _q4_linear_variant(ins, outs, attrs) == "gemv_q4":
+    variant = _q4_linear_variant(ins, outs, attrs)
+    if variant == "gemv_q4_q8":
+        return xq_scratch_layout(_q4_rows(ins[0][0]), ins[1][0][1] * 2)[1]
+    if variant == "gemv_q4":
         return 0
     return _q4_linear_decoded.scratch(ins, outs, attrs)
 
@@ -1004,6 +1011,8 @@ def _q4_linear_scratch(ins, outs, attrs) -> int:
 def _bind_q4_linear(ins, outs, scratch, attrs) -> Bound:
     io = _args("linear", ins)
     x, w, bias, scale = io.x, io.w, io.bias, io.scale
+    if attrs.get("xq"):
+        return _bind_q4_q8_linear(x, w, bias, scale, outs[0], scratch, attrs)
     if _q4_rows(x.shape) > Q4_GEMV_MAX_ROWS:  # _q4_linear_variant's rule
         return _q4_linear_decoded.bind(ins, outs, scratch, attrs)
     y = outs[0]
@@ -1017,8 +1026,24 @@ def _bind_q4_linear(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(*args)
 
 
+def _bind_q4_q8_linear(x, w, bias, scale, y, scratch, attrs) -> Bound:
+    x2 = _readonly(x.reshape(-1, x.shape[-1]))
+    y2 = y.reshape(-1, w.shape[0])
+    xq, nc, sx = xq_scratch_views(scratch, x2.shape[0], w.shape[1] * 2)
+    b_ = bias if bias is not None else _DUMMY1
+    flags = _flags(bias, None, None)
+    args = (x2, w, _readonly(scale.view(np.uint16)), b_, y2, xq, nc, sx, flags, *_act(attrs))
+    kern, args = _bound(K.gemv_q4_q8, args)
+    return lambda: kern(*args)
+
+
+def _q4_linear_takes(attrs: dict) -> bool:
+    return attrs.get("xq", 0) in (0, XQ_BLOCK)
+
+
 _cpu("conv", _q4_conv.bind, ("i4",), _q4_conv.scratch, _conv_takes, _q4_conv.variant)
-_cpu("linear", _bind_q4_linear, ("i4",), _q4_linear_scratch, variant=_q4_linear_variant)
+_cpu("linear", _bind_q4_linear, ("i4",), _q4_linear_scratch, _q4_linear_takes,
+     _q4_linear_variant)  # fmt: skip
 
 
 # --- decoder-LLM ops (kernels/cpu/llm.py) --------------------------------------------

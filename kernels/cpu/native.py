@@ -53,7 +53,7 @@ def load_kernels() -> SimpleNamespace:
     # each made ResNet-18 take 188 ms instead of 60 (scripts/bench_cnn.py, 2 threads):
     # idle OpenMP threads must sleep. Read when numba first loads its OpenMP pool.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from . import gemm_tiles, gemv
+    from . import gemm_tiles, gemv, qdot
     from . import kernels as cpu_numba
     from . import llm as cpu_llm
     from . import nhwc as cpu_nhwc
@@ -61,7 +61,7 @@ def load_kernels() -> SimpleNamespace:
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
     names.update({k: getattr(cpu_nhwc, k) for k in dir(cpu_nhwc) if k.endswith("_nhwc")})
     names.update({k: getattr(cpu_llm, k) for k in cpu_llm.KERNELS})
-    names["gemv_i8"] = gemv.gemv_i8
+    names["gemv_i8"], names["gemv_q4_q8"] = gemv.gemv_i8, qdot.gemv_q4_q8
     shape = gemm_shape()
     for name in GEMM_TILE_KERNELS:
         names[name] = getattr(gemm_tiles, f"{name}_{shape}")

@@ -488,15 +488,22 @@ def _q4_decode(w, scale, dst, rows, cols):
 # into scratch in the channels-first layout, then runs the float32 kernel
 # (kernels/decoded.py).
 _ALL_W = tuple(r.name for r in wtypes.ROWS if r.decoders.get("cuda", "") != "own")
+
+
+def _float_x(attrs: dict) -> bool:
+    """Float activations only: no int8-activation (``xq``) product here."""
+    return not attrs.get("xq")
+
+
 for _op, _bind, _scr in (
     ("conv", _bind_conv, _conv_scratch),
     ("linear", _bind_linear, _linear_scratch),
 ):
     _k4 = decoded(_op, Kernel(f"cuda.{_op}", _bind, _scr), _q4_decode, _f32_slot, f"cuda.{_op}")
-    _cuda(_op, _k4.bind, ("i4",), _k4.scratch)
+    _cuda(_op, _k4.bind, ("i4",), _k4.scratch, _float_x)
 _cuda("conv", _bind_conv, _ALL_W, _conv_scratch)
 _cuda("dwconv", _bind_dwconv, _ALL_W, _dw_scratch)
-_cuda("linear", _bind_linear, _ALL_W, _linear_scratch)
+_cuda("linear", _bind_linear, _ALL_W, _linear_scratch, _float_x)
 _cuda("matmul", _bind_matmul)
 _cuda("binary", _bind_binary)
 _cuda("unary", _bind_unary)

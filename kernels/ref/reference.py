@@ -110,10 +110,35 @@ def conv_wino(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return conv([io.x, w, io.bias, io.scale, io.residual], attrs)
 
 
+# Activation blocks a linear node's ``xq`` attribute may name (kernels/cpu/qdot.py).
+XQ_BLOCKS = (32,)
+
+
+def quantize_activations(x: Array, block: int) -> Array:
+    """x [..., K] rounded as a linear node with ``xq = block`` computes with it: each
+    block of ``block`` values along K to int8 codes q = rint(x / d), d = max|x| / 127
+    (float32), then q * d (ggml's Q8_0)."""
+    if block not in XQ_BLOCKS:
+        raise ValueError(f"linear xq={block}: activation blocks of {XQ_BLOCKS} only")
+    x = np.asarray(x, np.float32)
+    k = x.shape[-1]
+    kp = -(-k // block) * block
+    flat = np.zeros((int(np.prod(x.shape[:-1], dtype=np.int64)), kp), np.float32)
+    flat[:, :k] = x.reshape(-1, k)
+    b = flat.reshape(flat.shape[0], kp // block, block)
+    d = np.abs(b).max(axis=2, keepdims=True) / np.float32(127)
+    safe = np.where(d > 0, d, np.float32(1))
+    q = np.where(d > 0, np.clip(np.rint(b / safe), -127, 127), 0).astype(np.float32)
+    return (q * d).reshape(flat.shape)[:, :k].reshape(x.shape)
+
+
 def linear(inputs: Sequence[Array | None], attrs: dict) -> Array:
-    """y = x @ w.T + bias. inputs: x[..., K], w[N, K], bias[N]?, scale[N]?"""
+    """y = x @ w.T + bias. inputs: x[..., K], w[N, K], bias[N]?, scale[N]?; with attribute
+    ``xq`` the products take x as ``quantize_activations`` rounds it."""
     io = args("linear", inputs)
     x, bias = io.x, io.bias
+    if attrs.get("xq"):
+        x = quantize_activations(x, int(attrs["xq"]))
     w = dequantize(io.w, io.scale)
     y = x.astype(np.float64) @ w.astype(np.float64).T
     if bias is not None:

@@ -12,3 +12,4 @@ rope.py computes the RoPE tables, graph.py writes the graphs, build.py packs the
 DEFAULT_CTX = 2048
 DEFAULT_CHUNK = 32  # prompt rows per prefill run: bounds the arena, not the prompt
 KV_DTYPES = ("f16", "f32")
+ACT_QUANT = ("auto", "int8", "none")  # activations of int4 linears (build_llm's act_quant)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...kernels import registry
+from ...kernels.cpu.abi import XQ_BLOCK
 from ...kernels.ops import WEIGHT_OPS
 from ...kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, bf16_to_f32, by_quant
 from ...runtime.text import TOKENIZER
@@ -26,7 +28,7 @@ from ..manifest import make_manifest
 from ..plan import plan_memory, tensor_bytes
 from ..quantize import quantize_graph
 from ..writer import write_bundle
-from . import DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
+from . import ACT_QUANT, DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
 from .arch import decoder_spec
 from .graph import EMBED, ROPE_COS, ROPE_SIN, decoder_graph, fused_weights
 from .hf import load_folder, load_text
@@ -42,6 +44,18 @@ def _quant_of(types: dict) -> str:
     weights = {t: n for t, n in types.items() if t != "F32"} or types
     top = max(weights, key=weights.get)
     return _GGUF_QUANT.get(top, "int4" if top.startswith(("Q4", "Q3", "Q2", "IQ")) else "int8")
+
+
+def _int8_activations(mode: str, backends: Sequence[str]) -> bool:
+    if mode != "auto":
+        return mode == "int8"
+    k = registry.lookup("linear", "i4", backends[0])
+    if k is None or not k.accepts({"xq": XQ_BLOCK}):
+        return False
+    from ...kernels.cpu.qdot import dot_isa
+    from ...kernels.cpu.simd import host_features
+
+    return dot_isa(host_features()) != "generic"  # plain widening products lose to floats
 
 
 def _as_f32(weights: dict) -> Callable[[str], np.ndarray]:
@@ -69,9 +83,16 @@ def build_llm(
     chunk: int = DEFAULT_CHUNK,
     kv: str = "f16",
     backends: Sequence[str] = ("cpu", "ref"),
+    act_quant: str = "auto",
     log: Callable[[str], None] = print,
 ) -> BuildResult:
+    """``act_quant``: ``int8`` quantizes the activations int4 linears read to int8 in
+    blocks of 32 (the ``xq`` attribute: integer products, ggml's Q8_0 activations),
+    ``none`` keeps them float32; ``auto`` takes int8 where the first backend has the
+    integer product and the CPU an integer dot instruction (VNNI, AVX2, dotprod)."""
     t0 = time.perf_counter()
+    if act_quant not in ACT_QUANT:
+        raise PackError(f"--act-quant {act_quant!r}: choose from {', '.join(ACT_QUANT)}")
     for q in (quant, quant_embed):
         if q is not None and q not in QUANT_MODES:
             raise PackError(f"--quant {q!r}; choose from {', '.join(QUANT_MODES)}")
@@ -109,6 +130,12 @@ def build_llm(
                           group_size, embed_mode)
         for k, rows in (("prefill", chunk), ("decode", slots))
     }  # fmt: skip
+    xq = _int8_activations(act_quant, backends) and "int4" in (quant, quant_embed)
+    if xq:
+        for g in graphs.values():
+            for n in g.nodes:
+                if n.op == "linear" and g.wtype(n.input("w")) == "i4":
+                    n.attrs["xq"] = XQ_BLOCK
     g0 = graphs["decode"]
     if tokenizer is not None:  # no node reads it; mapped and checksummed with the weights
         g0.consts[TOKENIZER] = np.frombuffer(tokenizer, np.uint8)
@@ -144,6 +171,7 @@ def build_llm(
             "mode": quant,
             **({"source_types": arrived} if arrived else {}),
             "embed": quant_embed or quant,
+            "activations": "int8" if xq else "fp32",
             "scheme": by_quant(quant).describe,
         }
         | ({"group_size": group_size} if "int4" in (quant, quant_embed) else {}),
