@@ -153,6 +153,13 @@ def _concat_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return tuple(out)
 
 
+def _rows_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, start, count = ins[0], int(attrs["start"]), int(attrs["count"])
+    if not x or start < 0 or count < 1 or start + count > x[0]:
+        raise OpError(f"rows {start}..{start + count - 1} of a tensor of shape {x}")
+    return (count, *x[1:])
+
+
 def _reduce_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x = ins[0]
     axes = {a % len(x) for a in attrs["axes"]}
@@ -249,6 +256,7 @@ OPS: dict[str, OpDef] = {
         _op("reshape", ("x",), _reshape_shape, attrs=("shape",)),
         _op("transpose", ("x",), _transpose_shape, attrs=("perm",)),
         _op("concat", ("*parts",), _concat_shape, attrs=("axis",)),
+        _op("rows", ("x",), _rows_shape, attrs=("start", "count")),
         _op("reduce_mean", ("x",), _reduce_shape, attrs=("axes", "keepdims")),
         _op("pad", ("x",), _pad_shape, attrs=("pads",)),
         # Decoder LLMs (docs/bundle-format.md, "LLM ops"): tokens are rows.

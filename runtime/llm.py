@@ -90,12 +90,16 @@ class LLMSession:
             part = t[c0 : c0 + self.chunk]
             n = part.size
             start = self.positions[slot]
-            f["ids"][:n], f["ids"][n:] = part, 0
-            f["pos"][:n], f["pos"][n:] = np.arange(start, start + n), 0
-            f["slot"][:n], f["slot"][n:] = slot, -1  # idle rows store and attend nothing
+            # A chunk's tokens fill its last n rows, so the last token is the graph's
+            # last row (the one whose logits a bundle's prefill computes; older bundles
+            # give every row's). Idle rows (slot -1) store and attend nothing.
+            lo = self.chunk - n
+            f["ids"][:lo], f["ids"][lo:] = 0, part
+            f["pos"][:lo], f["pos"][lo:] = 0, np.arange(start, start + n)
+            f["slot"][:lo], f["slot"][lo:] = -1, slot
             (out,) = self.prefill_ex.run_views(f)
             self.positions[slot] += n
-            logits = out[n - 1]
+            logits = out[-1]
         return logits
 
     def step(self, token: int, slot: int = 0) -> np.ndarray:

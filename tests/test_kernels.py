@@ -55,6 +55,7 @@ TOL: dict[str, tuple[float, float]] = {
     "reshape": (0.0, 0.0),
     "transpose": (0.0, 0.0),
     "concat": (0.0, 0.0),
+    "rows": (0.0, 0.0),
     "reduce_mean": (1e-5, 1e-6),
     "pad": (0.0, 0.0),
     "mbconv": (2e-4, 2e-4),  # three convs in a row
@@ -649,6 +650,11 @@ CASES: dict[str, list[Case]] = {
         shape_case("axis2", [(2, 3, 1, 5), (2, 3, 4, 5)], {"axis": 2}),
         shape_case("axis3", [(2, 3, 4, 2), (2, 3, 4, 5), (2, 3, 4, 1)], {"axis": 3}),
         shape_case("2d_axis_neg1", [(3, 4), (3, 6)], {"axis": -1}),
+    ],
+    "rows": [
+        shape_case("last", [(8, 5)], {"start": 7, "count": 1}),
+        shape_case("middle_3d", [(6, 3, 4)], {"start": 2, "count": 3}),
+        shape_case("all", [(4, 7)], {"start": 0, "count": 4}),
     ],
     "reduce_mean": [
         shape_case("hw_keep", [(2, 3, 4, 5)], {"axes": [2, 3], "keepdims": 1}),

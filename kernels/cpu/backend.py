@@ -728,6 +728,12 @@ def _bind_transpose(ins, outs, scratch, attrs) -> Bound:
     return lambda: np.copyto(y, src)
 
 
+def _bind_rows(ins, outs, scratch, attrs) -> Bound:
+    start, y = int(attrs["start"]), outs[0]
+    src = ins[0][start : start + y.shape[0]]
+    return lambda: np.copyto(y, src)
+
+
 def _bind_concat(ins, outs, scratch, attrs) -> Bound:
     y = outs[0]
     ax = attrs["axis"] % y.ndim
@@ -948,6 +954,7 @@ _cpu("channel_affine", _bind_channel_affine)
 _cpu("reshape", _bind_reshape)
 _cpu("transpose", _bind_transpose)
 _cpu("concat", _bind_concat)
+_cpu("rows", _bind_rows)
 _cpu("reduce_mean", _bind_reduce_mean)
 # Pad: constant mode only on this backend; reflect/edge pads run on the reference
 # kernel (the packager records that choice in the bundle).

@@ -418,6 +418,11 @@ def _bind_transpose(ins, outs, scratch, attrs) -> Bound:
     return _copy_step(d, ins[0].transpose(attrs["perm"]), outs[0])
 
 
+def _bind_rows(ins, outs, scratch, attrs) -> Bound:
+    start, y = int(attrs["start"]), outs[0]
+    return _copy_step(_d(), ins[0][start : start + y.shape[0]], y)
+
+
 def _bind_concat(ins, outs, scratch, attrs) -> Bound:
     d = _d()
     y = outs[0]
@@ -515,6 +520,7 @@ _cuda("channel_affine", _bind_channel_affine)
 _cuda("reshape", _bind_reshape)
 _cuda("transpose", _bind_transpose)
 _cuda("concat", _bind_concat)
+_cuda("rows", _bind_rows)
 _cuda("reduce_mean", _bind_reduce_mean)
 _cuda("pad", _bind_pad, accepts=lambda a: a.get("mode", "constant") in _PAD_MODE)
 

@@ -230,6 +230,11 @@ def transpose(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.ascontiguousarray(np.transpose(inputs[0], attrs["perm"]))
 
 
+def rows(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    start = int(attrs["start"])
+    return np.ascontiguousarray(inputs[0][start : start + int(attrs["count"])])
+
+
 def concat(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.concatenate([i for i in inputs if i is not None], axis=attrs["axis"])
 
@@ -295,6 +300,7 @@ REFERENCE: dict[str, RefFn] = {
     "reshape": reshape,
     "transpose": transpose,
     "concat": concat,
+    "rows": rows,
     "reduce_mean": reduce_mean,
     "pad": pad,
     "mbconv": mbconv,

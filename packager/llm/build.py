@@ -126,8 +126,8 @@ def build_llm(
     # keeps them wider than the layers, too); a tied table gets one type both take.
     embed_mode = {EMBED: quant_embed or quant, "lm_head.weight": quant_embed or quant}
     graphs = {
-        k: quantize_graph(decoder_graph(spec, consts, rows, ctx, slots, kv), quant, 0,
-                          group_size, embed_mode)
+        k: quantize_graph(decoder_graph(spec, consts, rows, ctx, slots, kv, k == "prefill"),
+                          quant, 0, group_size, embed_mode)
         for k, rows in (("prefill", chunk), ("decode", slots))
     }  # fmt: skip
     xq = _int8_activations(act_quant, backends) and "int4" in (quant, quant_embed)
