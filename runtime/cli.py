@@ -120,6 +120,28 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    from .session import open_located
+
+    bundle = open_located(a.bundle, pubkey(a), getattr(a, "verify_weights", True))
+    if "llm" in bundle.manifest:
+        from .llm import LLMSession
+        from .llm_bench import bench_llm, format_bench, profile_llm
+
+        s = LLMSession(bundle, threads=a.threads)
+        if a.profile:
+            print(profile_llm(s, a.depth[0], a.r * 5))
+            return 0
+        from .threads import set_threads
+
+        threads = a.threads or set_threads(None)
+        m = bundle.manifest
+        print(
+            f"{getattr(a.bundle, 'path', a.bundle)}: {m['llm']['spec']['arch']}, "
+            f"{m.get('quantization', {}).get('mode', 'fp32')}, {a.r} repeat(s), "
+            f"{threads if threads is not None else 'default'} thread(s)"
+        )
+        print(format_bench(bench_llm(s, a.pp, a.tg, a.depth, a.r)))
+        return 0
     s = open_session(a)
     rng = np.random.default_rng(0)
     feeds = {i["name"]: rng.standard_normal(i["shape"]).astype(np.float32) for i in s.inputs}
@@ -231,6 +253,15 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
         action="store_true",
         help="time every op (fused group) instead; slowest first, with shares",
     )
+    llm = p.add_argument_group("language-model bundles (llama-bench's tests)")
+    llm.add_argument("--pp", type=_int_at_least(0), default=512,
+                     help="prompt tokens of the pp test (default 512; 0: none)")
+    llm.add_argument("--tg", type=_int_at_least(0), default=128,
+                     help="decode steps of the tg tests (default 128; 0: none)")
+    llm.add_argument("--depth", type=_int_at_least(0), nargs="+", default=[0, 512, 2048],
+                     help="context before the tg tests (default 0 512 2048; those past "
+                     "the bundle's --ctx are skipped; --profile: the first)")
+    llm.add_argument("-r", type=positive_int, default=3, help="repeats (default 3)")
     p.set_defaults(func=cmd_bench)
 
     from .llm_cli import add_generate_arguments, cmd_generate

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from .bundle import Bundle
 from .executor import Executor
 from .session import open_located
 from .threads import set_threads
@@ -33,7 +34,8 @@ class LLMSession:
         require_signature: bytes | None = None,
     ) -> None:
         set_threads(threads)
-        self.bundle = open_located(path, require_signature)
+        # an already opened bundle (the CLI's, after a look at its manifest) or a path
+        self.bundle = path if isinstance(path, Bundle) else open_located(path, require_signature)
         m = self.bundle.manifest
         if "llm" not in m:
             raise LLMError(f"{path}: not a language-model bundle (no llm section)")

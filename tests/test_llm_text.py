@@ -135,6 +135,17 @@ def test_cli_build_info_generate(bundle, tmp_path):
     assert "prompt: " in r.stderr and "tok/s" in r.stderr
     r = _cli("generate", out, "-p", " ".join(["w1"] * 40))
     assert r.returncode == 1 and "exceed the context of 32" in r.stderr
+    # bench in llama-bench's terms; depths past the context are left out
+    r = _cli("bench", out, "--pp", "12", "--tg", "8", "--depth", "0", "16", "30", "-r", "2")
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0] + (ln.split()[2] if "@" in ln else ""): ln
+             for ln in r.stdout.splitlines()[2:]}  # fmt: skip
+    assert set(lines) == {"pp12", "tg8", "tg8d16"}, r.stdout
+    assert all(float(ln.split()[-1]) > 0 for k, ln in lines.items() if k.startswith("tg"))
+    r = _cli("bench", out, "--profile", "--depth", "5", "-r", "1")
+    assert r.returncode == 0, r.stderr
+    assert "decode step at depth 5:" in r.stdout and "prompt chunk of 8 tokens" in r.stdout
+    assert "attention/f32" in r.stdout and "lm_head" in r.stdout
 
 
 def test_a_runtime_without_the_text_packages_says_what_to_install(bundle, monkeypatch):
