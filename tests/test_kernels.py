@@ -764,6 +764,8 @@ CASES.update({
         attention_case("decode_f16_gqa3", [(1, 17), (0, 0)], cache=np.float16, h=9, hkv=3),
         attention_case("window", _CHUNK, window=4),
         attention_case("softcap_mha", [(0, 7), (1, 2)], h=4, hkv=4, softcap=20.0),
+        # a head size that is not a multiple of 8: the scalar path
+        attention_case("head_dim_12_gqa", [(0, 9), (1, 3)], h=4, hkv=2, d=12),
     ],
 })  # fmt: skip
 

@@ -109,7 +109,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
     for name, cdt in (("f32", f4), ("f16", u2)):  # KV caches: float32, or halves' bits
         sigs[f"attention_rows_{name}"] = (
             "llm.attention_rows",
-            v(f2w, arr(u4, 2), ids, ids, arr(cdt, 4), arr(cdt, 4), f2w, arr(f8, 1), arr(f4, 1),
+            v(f2w, arr(u4, 2), ids, ids, arr(cdt, 4), arr(cdt, 4), f2w, arr(f4, 1), arr(f4, 1),
               i8, i8, i8, f8, i8, f8, b1),
         )  # fmt: skip
     a2 = arr(f4, 2, "A")  # GEMM operands may be bands of a larger plane

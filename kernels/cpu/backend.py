@@ -1091,10 +1091,16 @@ def _bind_embed(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(*args)
 
 
+def _attention_group(attrs) -> int:
+    return int(attrs["heads"]) // int(attrs["kv_heads"])
+
+
 def _attention_scratch(ins, outs, attrs) -> int:
-    # the scores of one head over the cache (float64), one head's weighted sum (float32)
+    # the scores over the cache and the weighted sums of the query heads one kv head
+    # serves (float32)
     ctx = _args("attention", ins).k_cache[0][1]
-    return up64(8 * ctx) + up64(4 * int(attrs["head_dim"]))
+    g = _attention_group(attrs)
+    return up64(4 * g * ctx) + up64(4 * g * int(attrs["head_dim"]))
 
 
 def _bind_attention(ins, outs, scratch, attrs) -> Bound:
@@ -1103,9 +1109,9 @@ def _bind_attention(ins, outs, scratch, attrs) -> Bound:
     half = kc.dtype == np.float16
     if half:  # numba has no CPU float16: the caches' bits
         kc, vc = kc.view(np.uint16), vc.view(np.uint16)
-    ctx, hd = kc.shape[1], int(attrs["head_dim"])
-    sc = scratch[: 8 * ctx].view(np.float64)
-    acc = scratch[up64(8 * ctx) : up64(8 * ctx) + 4 * hd].view(np.float32)
+    ctx, hd, g = kc.shape[1], int(attrs["head_dim"]), _attention_group(attrs)
+    sc = scratch[: 4 * g * ctx].view(np.float32)
+    acc = scratch[up64(4 * g * ctx) : up64(4 * g * ctx) + 4 * g * hd].view(np.float32)
     call = (
         io.qkv, io.qkv.view(np.uint32), io.pos, io.slot, kc, vc, outs[0], sc, acc,
         int(attrs["heads"]), int(attrs["kv_heads"]), hd, float(attrs["scale"]),

@@ -310,6 +310,41 @@ class Ops:
             return vt(arr, idx), codegen
 
         self.vloadh = vloadh
+
+        @intrinsic
+        def vrint(typingctx, v):
+            """Each lane rounded to the nearest integer, ties to even (vroundps)."""
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(lvt, [lvt])
+                name = f"llvm.rint.v{lanes}f32"
+                return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name),
+                                    args)  # fmt: skip
+
+            return vt(vt), codegen
+
+        @intrinsic
+        def vpow2i(typingctx, n):
+            """2**n for lanes holding integers in -126 .. 127, built from the exponent bits."""
+
+            def codegen(context, builder, sig, args):
+                vi = ir.VectorType(I32, lanes)
+                e = builder.add(builder.fptosi(args[0], vi), ir.Constant(vi, [127] * lanes))
+                return builder.bitcast(builder.shl(e, ir.Constant(vi, [23] * lanes)), lvt)
+
+            return vt(vt), codegen
+
+        @intrinsic
+        def vkeep_n(typingctx, v, n):
+            """v's first n lanes, zeros after."""
+
+            def codegen(context, builder, sig, args):
+                m = first_n(context, builder, args[1], sig.args[1])
+                return builder.select(m, args[0], ir.Constant(lvt, [0.0] * lanes))
+
+            return vt(vt, n), codegen
+
+        self.vrint, self.vpow2i, self.vkeep_n = vrint, vpow2i, vkeep_n
         self.sload, self.sstore = sload, sstore
         self.vload, self.vstore, self.vbload, self.vsplat = vload, vstore, vbload, vsplat
         self.vload_n, self.vstore_n, self.vloadw_n = vload_n, vstore_n, vloadw_n
