@@ -8,7 +8,8 @@ second, scales included) and, per row, the ratio to ONNX Runtime's kernel for th
 storage: ``MatMul`` for fp32, ``MatMulNBits`` (4 bits, block 32, fp32 scales, the
 default zero point 8: its Q4_0-like path) for int4. edgepack runs its registry's CPU
 ``linear`` kernels bound the way the runtime binds them (kernels/registry.py): fp32
-BLAS, int8 ``gemv_i8``, int4 the fused ``gemv_q4``, fp16/bf16 a decode into scratch
+BLAS, int8/fp16/bf16 the explicit-SIMD ``gemv`` (weights widened in registers), int4 the
+fused ``gemv_q4`` (i4q8: the integer ``gemv_q4_q8``), fp16/bf16 above 8 rows a decode into scratch
 then BLAS.
 
     python scripts/bench_gemv.py                       # writes docs/benchmarks/gemv.md + png
@@ -33,8 +34,11 @@ REPO = Path(__file__).resolve().parent.parent
 # (N, K): SmolLM2-135M's projections (576 wide, MLP 1536, vocab 49152) and a 7B-class
 # 4096 x 4096 (bigger than any cache)
 SHAPES = [(1536, 576), (576, 1536), (49152, 576), (4096, 4096)]
-EDGEPACK = ("f32", "bf16", "f16", "i8", "i4")
-PEER = {"f32": "ort-fp32", "i4": "ort-int4"}  # the ORT kernel each type is compared with
+# i4q8: int4 weights with int8 activations (a linear node's xq, kernels/cpu/qdot.py)
+EDGEPACK = ("f32", "bf16", "f16", "i8", "i4", "i4q8")
+# the ORT kernel each is compared with; ort-int4-q8 is MatMulNBits at accuracy_level 4
+# (its int8-activation path, as llama.cpp's Q4_0 x Q8_0)
+PEER = {"f32": "ort-fp32", "i4": "ort-int4", "i4q8": "ort-int4-q8"}
 
 
 def _edgepack_linear(dtype: str, w: np.ndarray, x: np.ndarray, group: int):
@@ -42,6 +46,8 @@ def _edgepack_linear(dtype: str, w: np.ndarray, x: np.ndarray, group: int):
     from edgepack.kernels.registry import lookup
     from edgepack.runtime.executor import aligned_arena
 
+    xq = dtype == "i4q8"
+    dtype = "i4" if xq else dtype
     stored, scale = wtypes.QUANTIZE[dtype](w, group)
     for a in (stored, scale):
         if a is not None:
@@ -50,6 +56,8 @@ def _edgepack_linear(dtype: str, w: np.ndarray, x: np.ndarray, group: int):
     attrs = {"act": "none", "act_args": [0.0, 0.0]}
     if dtype == "i4":
         attrs["wshape"] = list(w.shape)
+    if xq:
+        attrs["xq"] = 32
     ins = [x, stored, None, scale]
     specs = [
         (x.shape, "f32"),
@@ -89,7 +97,11 @@ def _ort_fp32(w: np.ndarray, threads: int):
     return _ort_session(m, threads), w.nbytes
 
 
-def _ort_int4(w: np.ndarray, threads: int, block: int = 32):
+def _ort_int4_q8(w: np.ndarray, threads: int):
+    return _ort_int4(w, threads, accuracy_level=4)
+
+
+def _ort_int4(w: np.ndarray, threads: int, block: int = 32, accuracy_level: int = 0):
     """MatMulNBits with ORT's layout: per row n, blocks of ``block`` weights, two per
     byte (element 2i in the low nibble), q = round(w / s) + 8 with s = max|w| / -8 of
     the block as in wtypes' int4 (same codes, only the byte order differs)."""
@@ -112,6 +124,7 @@ def _ort_int4(w: np.ndarray, threads: int, block: int = 32):
         N=n,
         bits=4,
         block_size=block,
+        **({"accuracy_level": accuracy_level} if accuracy_level else {}),
     )
     g = helper.make_graph(
         [node],
@@ -143,7 +156,8 @@ def measure(n: int, k: int, rounds: int, per_round: int, threads: int, group: in
     for dtype in EDGEPACK:
         step, y, nbytes = _edgepack_linear(dtype, w, x, group)
         engines[f"edgepack-{dtype}"] = (step, nbytes, lambda y=y: y.copy())
-    for name, make in (("ort-fp32", _ort_fp32), ("ort-int4", _ort_int4)):
+    for name, make in (("ort-fp32", _ort_fp32), ("ort-int4", _ort_int4),
+                       ("ort-int4-q8", _ort_int4_q8)):  # fmt: skip
         sess, nbytes = make(w, threads)
         feed = {"x": x}
         out: list[np.ndarray] = []

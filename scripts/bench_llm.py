@@ -107,31 +107,15 @@ def _edgepack_worker(bundle: str, threads: int, reps: int) -> None:
     s.step(int(np.argmax(first)))
     ttft = time.perf_counter() - t0
     out = {"ttft_s": ttft}
-    s.reset()
-    prompt = rng.integers(0, vocab, 512)
-    pp = []
-    for _ in range(reps):
-        s.reset()
-        t = time.perf_counter()
-        s.prefill(prompt)
-        pp.append(512 / (time.perf_counter() - t))
-    out["pp512"] = float(np.median(pp))
-    for depth in DEPTHS:
-        if depth + 129 > s.ctx:
-            continue
-        rates, steps = [], []
-        for _ in range(reps):
-            s.reset()
-            s.prefill(rng.integers(0, vocab, max(depth, 1)))
-            tok = 1
-            t = time.perf_counter()
-            for _ in range(128):
-                ts = time.perf_counter()
-                tok = int(np.argmax(s.step(tok)))
-                steps.append(time.perf_counter() - ts)
-            rates.append(128 / (time.perf_counter() - t))
-        out[f"tg128@d{depth}"] = float(np.median(rates))
-        out[f"tg128@d{depth}_p99_ms"] = float(np.percentile(steps, 99) * 1e3)
+    # the rows `edgepack bench` prints (runtime/llm_bench.py), under llama-bench's names
+    from edgepack.runtime.llm_bench import bench_llm
+
+    for r in bench_llm(s, 512, 128, DEPTHS, reps):
+        name = r.test.replace(" @ ", "@") if "@" in r.test else f"{r.test}@d0"
+        key = "pp512" if r.test == "pp512" else name
+        out[key] = r.tps
+        if r.p99_ms is not None:
+            out[f"{key}_p99_ms"] = r.p99_ms
     # VmHWM, this process's own peak: getrusage's ru_maxrss keeps the parent's across exec
     status = Path("/proc/self/status").read_text().splitlines()
     hwm = next(ln for ln in status if ln.startswith("VmHWM:"))

@@ -814,7 +814,7 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
 '''
 
 
-# Output rows of the int4 GEMV sharing each load of x (gemv.gemv_i8's choice for int8).
+# Output rows of the int4 GEMV sharing each load of x (gemv.gemv's choice for int8).
 Q4_ROWS = 4
 
 
@@ -901,7 +901,7 @@ def gemv_q4{s}(x, w, scale, bias, y, flags, act, a, b):
     repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
     vector lanes and is reduced once, at the end (so other lane counts round
     differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
-    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    activation are a pass of their own over y, as in gemv.gemv (there its branches
     in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]

@@ -1,5 +1,5 @@
-"""Decoder LLMs end to end through the bundle: a random-weight Llama made and saved by
-transformers -> build_llm -> .epk on disk -> mmap -> prefill in chunks + decode steps
+"""Decoder LLMs end to end through the bundle: random-weight Llama and Qwen2 models made
+and saved by transformers -> build_llm -> .epk on disk -> mmap -> prefill in chunks + decode steps
 over the planned KV cache, against transformers' logits on the same weights."""
 
 from __future__ import annotations
@@ -13,22 +13,29 @@ from conftest import assert_allocates_nothing
 from edgepack.packager.ir import PackError
 from edgepack.packager.llm.build import build_llm
 from edgepack.runtime.llm import LLMError, LLMSession
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 pytestmark = pytest.mark.cpu
 
 VOCAB = 96
 
 
-def _llama(path, tied: bool, bias: bool, seed: int = 0):
+def _llama(path, tied: bool, bias: bool, seed: int = 0, arch: str = "llama"):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    config, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                         "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]  # fmt: skip
+    cfg = config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, tie_word_embeddings=tied, attention_bias=bias,
+        rms_norm_eps=1e-5, tie_word_embeddings=tied,
         initializer_range=0.25,  # large enough that attention is far from uniform
+        **({"attention_bias": bias} if arch == "llama" else {}),
     )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # biases start at zero: give them values a dropped one would miss
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
 
@@ -42,11 +49,15 @@ def _close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
     np.testing.assert_allclose(got, want, rtol=rel, atol=rel * float(np.abs(want).max()))
 
 
-@pytest.fixture(scope="module", params=[(True, False), (False, True)], ids=["tied", "untied_bias"])
+@pytest.fixture(
+    scope="module",
+    params=[("llama", True, False), ("llama", False, True), ("qwen2", True, True)],
+    ids=["tied", "untied_bias", "qwen2"],
+)
 def llama(request, tmp_path_factory):
-    tied, bias = request.param
-    d = tmp_path_factory.mktemp("llama")
-    model = _llama(d / "hf", tied, bias)
+    arch, tied, bias = request.param
+    d = tmp_path_factory.mktemp(arch)
+    model = _llama(d / "hf", tied, bias, arch=arch)
     out = d / "llama.epk"
     build_llm(d / "hf", out, ctx=64, slots=2, chunk=4, kv="f32", log=lambda s: None)
     return model, out
@@ -121,6 +132,7 @@ def test_unsupported_configs_fail_the_build_naming_the_value(tmp_path):
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
         ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
     ):
         cfg_path.write_text(json.dumps({**cfg, **change}))
         with pytest.raises(PackError, match=message):

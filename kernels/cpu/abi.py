@@ -62,10 +62,13 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "to_channels_first": ("to_channels_first", v(arr(f4, 3), arr(f4, 3))),
         "epilogue_cols": ("epilogue_cols", v(arr(f4, 2), w1, w1, i8, i8, f4, f4)),
         "act_into": ("act_into", v(arr(f4, 1), arr(f4, 1), i8, f4, f4)),
-        "gemv_i8": (
-            "gemv.gemv_i8",
-            v(arr(f4, 2), arr(i1, 2, ro=True), w1, w1, arr(f4, 2), i8, i8, f4, f4),
-        ),
+        **{
+            f"gemv_{name}": (  # int8, fp16 (uint16 bits), bf16 (int16 bits): gemv.py
+                "gemv.gemv",
+                v(arr(f4, 2, ro=True), arr(wdt, 2, ro=True), w1, w1, arr(f4, 2), i8, i8, f4, f4),
+            )
+            for name, wdt in (("i8", i1), ("f16", u2), ("bf16", T.int16))
+        },
         "gemv_q4_q8": (
             "qdot.gemv_q4_q8",
             v(arr(f4, 2, ro=True), arr(u1, 2, ro=True), arr(u2, 2, ro=True), w1, arr(f4, 2),

@@ -44,7 +44,7 @@ def _f32_slot(scratch: np.ndarray, offset: int, shape: tuple[int, ...]) -> tuple
     return scratch[offset : offset + n].view(np.float32).reshape(shape), offset + n
 
 
-# Weight types the depthwise kernels and gemv_i8 read in place (int8 widened in
+# Weight types the depthwise kernels read in place (int8 widened in
 # registers); every other non-float32 weight is widened into scratch first.
 _READ_IN_PLACE = ("f32", "i8")
 
@@ -521,19 +521,31 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 # --- linear -----------------------------------------------------------------------
 
 
-def _linear_path(wdt: str) -> str:
-    """``gemv_i8`` (int8 weights read in place, kernels/cpu/gemv.py), ``blas`` (float32)
-    or ``decode_blas`` (fp16/bf16 widened into scratch first)."""
-    return {"i8": "gemv_i8", "f32": "blas"}.get(wdt, "decode_blas")
+# Rows of x up to which fp16/bf16 linears run the GEMV (weights widened in registers,
+# kernels/cpu/gemv.py); above, they are widened once a run into scratch for BLAS, whose
+# GEMM outruns a GEMV per row. int8 takes the GEMV at any row count: BLAS has no int8.
+HALF_GEMV_MAX_ROWS = 8
+
+
+def _linear_path(wdt: str, rows: int) -> str:
+    """``gemv_<wdt>`` (weights read in place, kernels/cpu/gemv.py), ``blas`` (float32) or
+    ``decode_blas`` (fp16/bf16 at more than HALF_GEMV_MAX_ROWS rows: widened into
+    scratch first)."""
+    if wdt == "f32":
+        return "blas"
+    if wdt == "i8" or rows <= HALF_GEMV_MAX_ROWS:
+        return f"gemv_{wdt}"
+    return "decode_blas"
 
 
 def _linear_variant(ins, outs, attrs) -> str:
-    return _linear_path(_args("linear", ins).w[1])
+    x, w = _args("linear", ins).x, _args("linear", ins).w
+    return _linear_path(w[1], int(np.prod(x[0][:-1], dtype=np.int64)))
 
 
 def _linear_scratch(ins, outs, attrs) -> int:
-    wshape, wdt = _args("linear", ins).w
-    return 0 if wdt in _READ_IN_PLACE else _nbytes(wshape)
+    wshape = _args("linear", ins).w[0]
+    return _nbytes(wshape) if _linear_variant(ins, outs, attrs) == "decode_blas" else 0
 
 
 def _bind_linear(ins, outs, scratch, attrs) -> Bound:
@@ -547,14 +559,13 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
-    path = _linear_path(wtypes.of_array(w))
-    if path == "gemv_i8":
-        kern = K.gemv_i8
-
-        def step_q() -> None:
-            kern(x2, w, b_, s_, y2, flags, act, a, b)
-
-        return step_q
+    wdt = wtypes.of_array(w)
+    path = _linear_path(wdt, x2.shape[0])
+    if path.startswith("gemv"):
+        # halves as uint16 bits, bf16 as int16 bits (how gemv.py tells them apart)
+        wv = w.view({"f16": np.uint16, "bf16": np.int16}.get(wdt, w.dtype))
+        kern, args = _bound(K.gemv, (_readonly(x2), wv, b_, s_, y2, flags, act, a, b))
+        return lambda: kern(*args)
     decode = None
     if path == "decode_blas":
         wf = _f32_slot(scratch, 0, w.shape)[0]

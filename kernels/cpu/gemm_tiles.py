@@ -2156,7 +2156,7 @@ def gemv_q4_16x4(x, w, scale, bias, y, flags, act, a, b):
     repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
     vector lanes and is reduced once, at the end (so other lane counts round
     differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
-    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    activation are a pass of their own over y, as in gemv.gemv (there its branches
     in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
@@ -3362,7 +3362,7 @@ def gemv_q4_8x2(x, w, scale, bias, y, flags, act, a, b):
     repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
     vector lanes and is reduced once, at the end (so other lane counts round
     differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
-    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    activation are a pass of their own over y, as in gemv.gemv (there its branches
     in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
@@ -4612,7 +4612,7 @@ def gemv_q4_4x2(x, w, scale, bias, y, flags, act, a, b):
     repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
     vector lanes and is reduced once, at the end (so other lane counts round
     differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
-    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    activation are a pass of their own over y, as in gemv.gemv (there its branches
     in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]
@@ -6733,7 +6733,7 @@ def gemv_q4_4x4(x, w, scale, bias, y, flags, act, a, b):
     repeat the last: loads stay inside w, no branch in the loop); each row's sum runs in
     vector lanes and is reduced once, at the end (so other lane counts round
     differently: not bit-identical across tile shapes, unlike the GEMM). Bias and
-    activation are a pass of their own over y, as in gemv.gemv_i8 (there its branches
+    activation are a pass of their own over y, as in gemv.gemv (there its branches
     in the block loop had cost a third of the time)."""
     m_, k_ = x.shape
     n_ = w.shape[0]

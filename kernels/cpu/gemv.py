@@ -1,4 +1,5 @@
-"""The int8 matrix-vector product on explicit vectors (``linear`` with int8 weights).
+"""The matrix-vector product on explicit vectors (``linear`` with int8, fp16 or bf16
+weights, read in place).
 
 A decoder LLM at batch 1 is a chain of GEMVs bound by the weights' bytes. The plain
 loop this replaces (kernels.linear_q) kept one float chain per row, which
@@ -8,14 +9,16 @@ lanes (simd.Ops(16) on every CPU: AVX-512 one zmm, AVX2 two ymm, NEON four q
 registers), so the order of every addition, and hence every bit, is the same on all
 CPUs and in the JIT and AOT builds; the lanes are reduced once, at the end.
 
-Weights stay int8 and are widened exactly in registers (vloadb: vpmovsxbd +
-vcvtdq2ps); four output rows share each load of x, and each row keeps two
-accumulators (even and odd vectors of a 32-weight step) so eight independent FMA
-chains hide the FMA latency. A row's lanes are added pairwise (vsum_tree: four
-dependent adds, not fifteen) and the scale/bias/activation epilogue is a separate pass
-over y: on 576-wide rows the block's own setup, reduction and epilogue branches had
-cost as much as its dot products, and the serial build (what 1-thread runs and AOT
-executables use) had run 1.5x slower than the parallel one because of them.
+Weights stay as stored and are widened exactly in registers (simd vloadw: int8 one
+vpmovsxbd + vcvtdq2ps, fp16 one vcvtph2ps, bf16 a shift; bf16 arrives viewed as int16,
+fp16 as uint16, which is how the kernel tells them apart). Four output rows share each
+load of x, and each row keeps two accumulators (even and odd vectors of a 32-weight
+step), so eight independent FMA chains hide the FMA latency. A row's lanes are added
+pairwise (vsum_tree: four dependent adds, not fifteen), and the scale/bias/activation
+epilogue is a separate pass over y: on 576-wide rows the block's own setup, reduction
+and epilogue branches had cost as much as its dot products, and the serial build (what
+1-thread runs and AOT executables use) had run 1.5x slower than the parallel one
+because of them.
 
 1 thread, this box (AVX-512 EPYC), medians: 21 GB/s of weights on 1536 x 576, 29 on
 576 x 1536 and 21 on the 49152 x 576 output projection from DRAM (the AVX2 build the
@@ -38,7 +41,7 @@ ROWS = 4  # output rows sharing each load of x
 # one thread; 4 to 32 rows ahead (2 to 18 KB) gave 11.7, 20.3, 20.9 and 21.6 GB/s.
 PREFETCH_BYTES = 12288
 _V = Ops(LANES)
-vload, vload_n, vloadb, vloadw_n = _V.vload, _V.vload_n, _V.vloadb, _V.vloadw_n
+vload, vload_n, vloadw, vloadw_n = _V.vload, _V.vload_n, _V.vloadw, _V.vloadw_n
 sload, sstore = _V.sload, _V.sstore
 vfma, vadd, vsum, vzero = _V.vfma, _V.vadd, _V.vsum_tree, _V.vzero
 
@@ -58,14 +61,14 @@ def _dot4(x, xo, w, o0, o1, o2, o3, k_, pf):
         prefetch(w, o1 + pf + k)
         prefetch(w, o2 + pf + k)
         prefetch(w, o3 + pf + k)
-        a0 = vfma(vloadb(w, o0 + k), xa, a0)
-        b0 = vfma(vloadb(w, o0 + k + 16), xb, b0)
-        a1 = vfma(vloadb(w, o1 + k), xa, a1)
-        b1 = vfma(vloadb(w, o1 + k + 16), xb, b1)
-        a2 = vfma(vloadb(w, o2 + k), xa, a2)
-        b2 = vfma(vloadb(w, o2 + k + 16), xb, b2)
-        a3 = vfma(vloadb(w, o3 + k), xa, a3)
-        b3 = vfma(vloadb(w, o3 + k + 16), xb, b3)
+        a0 = vfma(vloadw(w, o0 + k), xa, a0)
+        b0 = vfma(vloadw(w, o0 + k + 16), xb, b0)
+        a1 = vfma(vloadw(w, o1 + k), xa, a1)
+        b1 = vfma(vloadw(w, o1 + k + 16), xb, b1)
+        a2 = vfma(vloadw(w, o2 + k), xa, a2)
+        b2 = vfma(vloadw(w, o2 + k + 16), xb, b2)
+        a3 = vfma(vloadw(w, o3 + k), xa, a3)
+        b3 = vfma(vloadw(w, o3 + k + 16), xb, b3)
     for k in range(kv, k_, 16):  # the last K % 32 weights: masked, nothing past K read
         n = k_ - k
         xa = vload_n(x, xo + k, n)
@@ -77,10 +80,11 @@ def _dot4(x, xo, w, o0, o1, o2, o3, k_, pf):
 
 
 @njit(parallel=True, cache=True)
-def gemv_i8(x, w, bias, scale, y, flags, act, a, b):
-    """y[M, N] = act(x[M, K] @ w[N, K].T * scale + bias) reading int8 weights in place
-    (x, w and y C-contiguous). At M = 1 every weight is read once; for M > 1 a block's
-    four weight rows (4 K bytes) stay in L1 while each row of x passes them."""
+def gemv(x, w, bias, scale, y, flags, act, a, b):
+    """y[M, N] = act(x[M, K] @ w[N, K].T * scale + bias) reading int8 (int8), fp16
+    (uint16 bits) or bf16 (int16 bits) weights in place (x, w and y C-contiguous). At
+    M = 1 every weight is read once; for M > 1 a block's four weight rows stay in L1
+    while each row of x passes them."""
     m_, k_ = x.shape
     n_ = w.shape[0]
     nb = (n_ + ROWS - 1) // ROWS

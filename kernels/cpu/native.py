@@ -23,6 +23,9 @@ def _aot_namespace(mod) -> SimpleNamespace:
     ns = {name: getattr(mod, name) for name in dir(mod) if not name.startswith("_")}
     for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc", "dw3", "embed_rows"):
         ns[name] = _by_weight_dtype(ns.pop(f"{name}_f32"), ns.pop(f"{name}_i8"))
+    by_w = {np.dtype(t): ns.pop(f"gemv_{n}") for t, n in ((np.int8, "i8"), (np.uint16, "f16"),
+                                                              (np.int16, "bf16"))}  # fmt: skip
+    ns["gemv"] = lambda x, w, *rest: by_w[w.dtype](x, w, *rest)
     f32, f16 = ns.pop("attention_rows_f32"), ns.pop("attention_rows_f16")
     ns["attention_rows"] = lambda *a: (f16 if a[4].dtype == np.uint16 else f32)(*a)  # caches
     return SimpleNamespace(build="aot", **ns)
@@ -61,7 +64,7 @@ def load_kernels() -> SimpleNamespace:
     names = {k: getattr(cpu_numba, k) for k in dir(cpu_numba) if not k.startswith("_")}
     names.update({k: getattr(cpu_nhwc, k) for k in dir(cpu_nhwc) if k.endswith("_nhwc")})
     names.update({k: getattr(cpu_llm, k) for k in cpu_llm.KERNELS})
-    names["gemv_i8"], names["gemv_q4_q8"] = gemv.gemv_i8, qdot.gemv_q4_q8
+    names["gemv"], names["gemv_q4_q8"] = gemv.gemv, qdot.gemv_q4_q8
     shape = gemm_shape()
     for name in GEMM_TILE_KERNELS:
         names[name] = getattr(gemm_tiles, f"{name}_{shape}")

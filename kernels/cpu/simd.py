@@ -52,6 +52,24 @@ def _splat(builder, scalar, lanes: int):
     )
 
 
+def _widen(builder, v, dtype, lanes: int):
+    """A vector of stored weights as float32, exactly: float32 as it is, int8 by value,
+    uint16 as IEEE half bits (vcvtph2ps / fcvtl), int16 as bfloat16 bits (the upper half
+    of a float32: a shift)."""
+    lvt = ir.VectorType(F32, lanes)
+    if isinstance(dtype, types.Float):
+        return v
+    if dtype == types.uint16:
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), lanes)), lvt)
+    if dtype == types.int16:
+        vi = ir.VectorType(I32, lanes)
+        wide = builder.shl(builder.zext(v, vi), ir.Constant(vi, [16] * lanes))
+        return builder.bitcast(wide, lvt)
+    if dtype == types.int8:
+        return builder.sitofp(v, lvt)
+    raise TypeError(f"no weight widening from {dtype}")
+
+
 def _to_f32(builder, value, dtype):
     if isinstance(dtype, types.Float):
         return value if dtype.bitwidth == 32 else builder.fptrunc(value, F32)
@@ -136,8 +154,8 @@ class Ops:
 
         @intrinsic
         def vloadw_n(typingctx, arr, idx, n):
-            """vload_n from float32 or int8 weights, widened to float32 (int8 to the
-            integer's value, exactly)."""
+            """vload_n from stored weights, widened to float32 (``_widen``: float32, int8,
+            fp16 bits as uint16, bf16 bits as int16)."""
 
             def codegen(context, builder, sig, args):
                 p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
@@ -153,26 +171,30 @@ class Ops:
                 zeros = ir.Constant(vty, [0.0 if floats else 0] * lanes)
                 align = ir.Constant(I32, 4 if floats else dt.bitwidth // 8)
                 v = builder.call(fn, [p, align, m, zeros])
-                return v if floats else builder.sitofp(v, lvt)
+                return _widen(builder, v, dt, lanes)
 
             return vt(arr, idx, n), codegen
 
         i8v = ir.VectorType(ir.IntType(8), lanes)
 
         @intrinsic
-        def vloadb(typingctx, arr, idx):
-            """arr's int8 elements idx .. idx+lanes-1 widened to float32, exactly (one
-            vpmovsxbd + vcvtdq2ps; a masked int8 load has no AVX2 form and LLVM splits it
-            lane by lane, so whole vectors take this plain load)."""
+        def vloadw(typingctx, arr, idx):
+            """arr's stored weights idx .. idx+lanes-1 widened to float32 (``_widen``:
+            int8 one vpmovsxbd + vcvtdq2ps, fp16 one vcvtph2ps, bf16 a shift). A masked
+            int8 or int16 load has no AVX2 form and LLVM splits it lane by lane, so whole
+            vectors take this plain load."""
 
             def codegen(context, builder, sig, args):
+                dt = sig.args[0].dtype
                 p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                raw = builder.load(builder.bitcast(p, i8v.as_pointer()), align=1)
-                return builder.sitofp(raw, lvt)
+                ety = F32 if isinstance(dt, types.Float) else ir.IntType(dt.bitwidth)
+                vty = ir.VectorType(ety, lanes)
+                raw = builder.load(builder.bitcast(p, vty.as_pointer()), align=dt.bitwidth // 8)
+                return _widen(builder, raw, dt, lanes)
 
             return vt(arr, idx), codegen
 
-        self.vloadb = vloadb
+        self.vloadw = vloadw
 
         def nibbles(shift: bool):
             @intrinsic

@@ -19,11 +19,17 @@ class Arch:
     these fields, never on a model type)."""
 
     qkv_bias: str  # "config" (attention_bias), "always" (Qwen2) or "never"
+    o_bias: str  # the output projection's: "config" (Llama's attention_bias) or "never"
     act: str  # the MLP's gate activation (kernels/ops.py GATE_ACTS)
+    # config keys whose truthy value changes the model in a way the graph does not do
+    refuse: tuple[str, ...] = ("mlp_bias",)
 
 
 ARCHS: dict[str, Arch] = {
-    "llama": Arch(qkv_bias="config", act="silu"),
+    "llama": Arch(qkv_bias="config", o_bias="config", act="silu"),
+    # Qwen2 / Qwen2.5: biases on q, k and v only; a sliding window only when enabled
+    "qwen2": Arch(qkv_bias="always", o_bias="never", act="silu",
+                  refuse=("mlp_bias", "use_sliding_window")),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -40,6 +46,7 @@ class DecoderSpec:
     vocab: int
     norm_eps: float
     qkv_bias: bool
+    o_bias: bool
     tied: bool
     act: str
     rope_theta: float
@@ -85,8 +92,9 @@ def decoder_spec(cfg: dict) -> DecoderSpec:
     act = cfg.get("hidden_act", "silu")
     if act != arch.act:
         raise PackError(f"config.json: hidden_act {act!r} is not supported for {mt}")
-    if cfg.get("mlp_bias"):
-        raise PackError("config.json: mlp_bias is not supported")
+    for k in arch.refuse:
+        if cfg.get(k):
+            raise PackError(f"config.json: {k} = {cfg[k]!r} is not supported for {mt}")
     hidden, heads = _need(cfg, "hidden_size"), _need(cfg, "num_attention_heads")
     kv = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -105,6 +113,7 @@ def decoder_spec(cfg: dict) -> DecoderSpec:
         vocab=_need(cfg, "vocab_size"),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qkv_bias=bias[arch.qkv_bias],
+        o_bias=bias[arch.o_bias],
         tied=bool(cfg.get("tie_word_embeddings", False)),
         act=act,
         rope_theta=theta,

@@ -40,6 +40,8 @@ def fused_weights(spec: DecoderSpec, w) -> dict[str, np.ndarray]:
         if spec.qkv_bias:
             out[a + "qkv_proj.bias"] = np.concatenate([w(a + f"{x}_proj.bias") for x in "qkv"])
         out[a + "o_proj.weight"] = w(a + "o_proj.weight")
+        if spec.o_bias:
+            out[a + "o_proj.bias"] = w(a + "o_proj.bias")
         out[p + "post_attention_layernorm.weight"] = w(p + "post_attention_layernorm.weight")
         m = p + "mlp."
         out[m + "gate_up_proj.weight"] = np.concatenate(
@@ -107,7 +109,8 @@ def decoder_graph(
                  {"heads": h + hkv, "head_dim": d})  # fmt: skip
         attn = {"heads": h, "kv_heads": hkv, "head_dim": d, "scale": d**-0.5, "window": 0}
         att = node("attention", f"l{i}.attn", [r, "pos", "slot", kc, vc], (rows, h * d), attn)
-        x = add(f"l{i}.attn_res", x, linear(f"l{i}.o", att, a + "o_proj.weight"))
+        o_bias = a + "o_proj.bias" if spec.o_bias else ""
+        x = add(f"l{i}.attn_res", x, linear(f"l{i}.o", att, a + "o_proj.weight", o_bias))
         n = norm(f"l{i}.mlp_norm", x, p + "post_attention_layernorm.weight")
         gu = linear(f"l{i}.gate_up", n, m + "gate_up_proj.weight")
         act = node("glu", f"l{i}.glu", [gu], (rows, spec.ffn), {"act": spec.act})
