@@ -90,7 +90,7 @@ def describe(bundle, file_size: int) -> str:
         from .errortable import format_error_table
 
         out.append(f"quantization error vs fp32 ({q['error'].get('calibration', '')}):")
-        out.append(format_error_table(q["error"]))
+        out.append(format_error_table(q["error"], limit=8 if "llm" in m else None))
     return "\n".join(out)
 
 

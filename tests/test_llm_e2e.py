@@ -200,6 +200,12 @@ def test_quantized_bundles_stay_close_to_fp32(wide_llama, mode, act, kl_bound, a
             if n["attrs"].get("xq"):
                 assert n["kernel"]["variant"] == "gemv_q4_q8", n["kernel"]
     assert m["quantization"]["activations"] == ("int8" if act == "int8" else "fp32")
+    # the pack-time table: every node, and the next-token figures on the same footing as
+    # this test's (the table reads seeded ids: the test model has no tokenizer)
+    err = m["quantization"]["error"]
+    assert len(err["layers"]) == len(m["graph"]["nodes"]) and err["tokens"] == 64
+    assert 0 <= err["kl"] < kl_bound and err["top1"] >= agree_bound - 0.1
+    assert err["ppl"] > 1 and err["ppl_fp32"] > 1 and "random token ids" in err["calibration"]
     ref, q = LLMSession(ref_path), LLMSession(path)
     seq = [int(t) for t in np.random.default_rng(4).integers(0, VOCAB, 8)]
     a, b = ref.prefill(seq).copy(), q.prefill(seq).copy()
@@ -212,6 +218,16 @@ def test_quantized_bundles_stay_close_to_fp32(wide_llama, mode, act, kl_bound, a
     print(f"{mode}: mean KL {np.mean(kls):.2e}, top-1 agreement {np.mean(agree):.3f}")
     assert np.mean(kls) < kl_bound and np.mean(agree) >= agree_bound
     assert r.bundle_bytes < ref_path.stat().st_size
+
+
+def test_max_error_gates_an_llm_build_on_kl(wide_llama, tmp_path):
+    with pytest.raises(PackError, match="mean KL divergence .* exceeds --max-error 1e-09"):
+        build_llm(wide_llama / "hf", tmp_path / "x.epk", quant="int4", ctx=16,
+                  max_error=1e-9, log=lambda s: None)  # fmt: skip
+    assert not (tmp_path / "x.epk").exists()
+    r = build_llm(wide_llama / "hf", tmp_path / "y.epk", quant="int8", ctx=16, max_error=0.5,
+                  log=lambda s: None)  # fmt: skip
+    assert r.manifest["quantization"]["error"]["kl"] < 0.5
 
 
 def test_the_decode_loop_allocates_nothing(llama):

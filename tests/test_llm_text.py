@@ -135,6 +135,14 @@ def test_cli_build_info_generate(bundle, tmp_path):
     assert "prompt: " in r.stderr and "tok/s" in r.stderr
     r = _cli("generate", out, "-p", " ".join(["w1"] * 40))
     assert r.returncode == 1 and "exceed the context of 32" in r.stderr
+    # a quantized build measures itself on the shipped text (the model's own tokenizer)
+    q8 = tmp_path / "q8.epk"
+    r = _cli("build", path.parent / "hf", "-o", q8, "--ctx", "32", "--quant", "int8",
+             "--max-error", "1.0")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "measure the error against fp32 on the shipped text" in r.stdout
+    r = _cli("info", q8)
+    assert r.returncode == 0 and "mean KL" in r.stdout and "perplexity" in r.stdout, r.stdout
     # bench in llama-bench's terms; depths past the context are left out
     r = _cli("bench", out, "--pp", "12", "--tg", "8", "--depth", "0", "16", "30", "-r", "2")
     assert r.returncode == 0, r.stderr

@@ -21,6 +21,7 @@ from ...kernels import registry
 from ...kernels.cpu.abi import XQ_BLOCK
 from ...kernels.ops import WEIGHT_OPS
 from ...kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, bf16_to_f32, by_quant
+from ...runtime.errortable import format_error_table
 from ...runtime.text import TOKENIZER
 from ..build import BuildResult, build_info
 from ..ir import PackError
@@ -84,12 +85,15 @@ def build_llm(
     kv: str = "f16",
     backends: Sequence[str] = ("cpu", "ref"),
     act_quant: str = "auto",
+    max_error: float | None = None,
     log: Callable[[str], None] = print,
 ) -> BuildResult:
     """``act_quant``: ``int8`` quantizes the activations int4 linears read to int8 in
     blocks of 32 (the ``xq`` attribute: integer products, ggml's Q8_0 activations),
     ``none`` keeps them float32; ``auto`` takes int8 where the first backend has the
-    integer product and the CPU an integer dot instruction (VNNI, AVX2, dotprod)."""
+    integer product and the CPU an integer dot instruction (VNNI, AVX2, dotprod).
+    A quantized build measures itself against fp32 on a shipped text (evaluate.py) and
+    records the table; ``max_error`` fails it when the mean KL divergence exceeds it."""
     t0 = time.perf_counter()
     if act_quant not in ACT_QUANT:
         raise PackError(f"--act-quant {act_quant!r}: choose from {', '.join(ACT_QUANT)}")
@@ -153,6 +157,21 @@ def build_llm(
         f"      arena {arena / 1e6:.2f} MB, of which KV cache {kv_bytes / 1e6:.2f} MB "
         f"({slots} slot(s) x {ctx} positions, {kv})"
     )
+    error = None
+    if (quant, quant_embed or quant) != ("fp32", "fp32"):
+        from .evaluate import EVAL_TOKENS, eval_tokens, evaluate
+
+        ids, what = eval_tokens(tokenizer, spec.vocab, min(EVAL_TOKENS, ctx))
+        log(f"      measure the error against fp32 on {what}")
+        ref = decoder_graph(spec, consts, slots, ctx, slots, kv)
+        error = evaluate(ref, g0, ids, backends)
+        error["calibration"] = what
+        log(format_error_table(error, limit=8))
+        if max_error is not None and error["kl"] > max_error:
+            raise PackError(
+                f"mean KL divergence {error['kl']:.3e} from the fp32 model exceeds "
+                f"--max-error {max_error:g}; try a wider --quant or --quant-embed"
+            )
     prefill = make_manifest(graphs["prefill"], plans["prefill"])
     llm = {
         "spec": asdict(spec),
@@ -173,6 +192,7 @@ def build_llm(
             "embed": quant_embed or quant,
             "activations": "int8" if xq else "fp32",
             "scheme": by_quant(quant).describe,
+            **({"error": error} if error else {}),
         }
         | ({"group_size": group_size} if "int4" in (quant, quant_embed) else {}),
         "llm": llm,
