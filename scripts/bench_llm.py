@@ -10,7 +10,8 @@ engines read the same weights. Reported per engine: prompt processing of 512 tok
 (pp512), decode of 128 tokens after an empty prompt (tg128) and after 512 and 2048
 tokens of context (tg128@d512, @d2048), as tokens per second (edgepack: the median over
 runs, and the P99 of single decode steps), plus time to first token (open + a 16-token
-prompt + the first token) and peak RSS of a separate process doing that. llama.cpp's
+prompt + the first token) and the peak RSS of that process at that point (llama.cpp:
+llama-simple generating one token). llama.cpp's
 figures are llama-bench's (the mean of -r runs). Writes docs/benchmarks/llm.md and a
 chart next to it.
 """
@@ -106,7 +107,7 @@ def _edgepack_worker(bundle: str, threads: int, reps: int) -> None:
     first = s.prefill(rng.integers(0, vocab, 16))
     s.step(int(np.argmax(first)))
     ttft = time.perf_counter() - t0
-    out = {"ttft_s": ttft}
+    out = {"ttft_s": ttft, "peak_rss_mb": _vm_hwm_mb()}  # as llama-simple's: one token in
     # the rows `edgepack bench` prints (runtime/llm_bench.py), under llama-bench's names
     from edgepack.runtime.llm_bench import bench_llm
 
@@ -116,20 +117,27 @@ def _edgepack_worker(bundle: str, threads: int, reps: int) -> None:
         out[key] = r.tps
         if r.p99_ms is not None:
             out[f"{key}_p99_ms"] = r.p99_ms
-    # VmHWM, this process's own peak: getrusage's ru_maxrss keeps the parent's across exec
-    status = Path("/proc/self/status").read_text().splitlines()
-    hwm = next(ln for ln in status if ln.startswith("VmHWM:"))
-    out["peak_rss_mb"] = int(hwm.split()[1]) / 1024
+    out["peak_rss_mb_after_runs"] = _vm_hwm_mb()  # the KV cache touched to depth 2048
     print(json.dumps(out))
 
 
-def edgepack_bench(bundle: Path, threads: int, reps: int) -> dict[str, float]:
+def _vm_hwm_mb() -> float:
+    """VmHWM, this process's own peak: getrusage's ru_maxrss keeps the parent's across
+    exec."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    return int(next(ln for ln in status if ln.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def edgepack_bench(bundle: Path, threads: int, reps: int, aot: Path | None) -> dict:
     env = dict(
         os.environ,
         NUMBA_NUM_THREADS=str(threads),
         OPENBLAS_NUM_THREADS=str(threads),
         OMP_NUM_THREADS=str(threads),
     )
+    if aot:  # the ahead-of-time kernels a device executable ships (packager/aot.py)
+        env["PYTHONPATH"] = os.pathsep.join([str(aot), env.get("PYTHONPATH", "")])
+        env["EDGEPACK_KERNELS"] = "aot"
     r = subprocess.run(
         [sys.executable, __file__, "--worker", str(bundle), str(threads), str(reps)],
         check=True,
@@ -244,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama", type=Path, default=Path.home() / ".cache/edgepack/llama.cpp")
     p.add_argument("--work", type=Path, default=Path("/tmp/edgepack-bench-llm"))
     p.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/llm.md")
+    p.add_argument("--aot", type=Path, default=None,
+                   help="a folder with the AOT kernel module (packager/aot.py's compile_kernels): "
+                   "edgepack runs as in a device executable, without numba's JIT")
     a = p.parse_args(argv)
     from edgepack.packager.llm.build import build_llm
 
@@ -259,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 "quant": q,
                 "threads": t,
                 "engine": "edgepack",
-                **edgepack_bench(bundle, t, a.reps),
+                **edgepack_bench(bundle, t, a.reps, a.aot),
             }
             lc = {
                 "quant": q,
@@ -286,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "llama.cpp": (a.llama / "commit").read_text().strip()
         or "vendored in llama-cpp-python 0.3.36",
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "edgepack kernels": f"AOT ({a.aot.name})" if a.aot else "numba JIT",
     }
     write_report(rows, a.out, machine)
     print(f"wrote {a.out}")
