@@ -184,10 +184,19 @@ def _last(ins: Sequence[Shape | None], attrs: dict, d: int) -> None:
         raise OpError(f"last axis {ins[0][-1]}, expected {d}")
 
 
+def norm_group(x_shape: Sequence[int], attrs: dict) -> int:
+    """Values normalized together: ``group`` (per-head q/k norms), else the last axis."""
+    return int(attrs.get("group", x_shape[-1]))
+
+
 def _norm_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     if attrs["kind"] not in NORM_KINDS:
         raise OpError(f"norm kind {attrs['kind']!r}; known: {', '.join(NORM_KINDS)}")
-    _last(ins, attrs, ins[1][-1])
+    n, g = ins[1][-1], norm_group(ins[0], attrs)
+    if "group" not in attrs:
+        _last(ins, attrs, n)
+    elif g < 1 or n % g or n > ins[0][-1]:
+        raise OpError(f"norm groups of {g} over {n} of {ins[0][-1]} columns")
     return tuple(ins[0])
 
 

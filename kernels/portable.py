@@ -36,23 +36,27 @@ def f32_bits_to_half(x):
     return h
 
 
-def norm_row(x, w, b, y, r, eps, layer, has_b):
-    """Row r of the ``norm`` op: (x - mean) / sqrt(mean((x - mean)²) + eps) * w (+ b),
-    mean 0 for RMSNorm; sums in float64 (x[r] float32 promotes against 0.0)."""
-    d = x.shape[1]
-    mean = 0.0
-    if layer:
-        s = 0.0
-        for i in range(d):
-            s += x[r, i]
-        mean = s / d
-    ss = 0.0
-    for i in range(d):
-        t = x[r, i] - mean
-        ss += t * t
-    inv = 1.0 / math.sqrt(ss / d + eps)
-    for i in range(d):
-        v = (x[r, i] - mean) * inv * w[i]
-        if has_b:
-            v += b[i]
-        y[r, i] = v
+def norm_row(x, w, b, y, r, eps, layer, has_b, group):
+    """Row r of the ``norm`` op: each run of ``group`` columns of the first len(w),
+    (x - mean) / sqrt(mean((x - mean)²) + eps) * w (+ b), mean 0 for RMSNorm; the
+    columns past len(w) copied. Sums in float64 (x[r] float32 promotes against 0.0)."""
+    n = w.shape[0]
+    for c0 in range(0, n, group):
+        mean = 0.0
+        if layer:
+            s = 0.0
+            for i in range(c0, c0 + group):
+                s += x[r, i]
+            mean = s / group
+        ss = 0.0
+        for i in range(c0, c0 + group):
+            t = x[r, i] - mean
+            ss += t * t
+        inv = 1.0 / math.sqrt(ss / group + eps)
+        for i in range(c0, c0 + group):
+            v = (x[r, i] - mean) * inv * w[i]
+            if has_b:
+                v += b[i]
+            y[r, i] = v
+    for i in range(n, x.shape[1]):
+        y[r, i] = x[r, i]

@@ -682,11 +682,15 @@ CASES: dict[str, list[Case]] = {
 
 
 
-def norm_case(name: str, shape, kind: str, bias: bool = False, inplace: bool = False) -> Case:
+def norm_case(name: str, shape, kind: str, bias: bool = False, inplace: bool = False,
+              group: int = 0, cols: int = 0) -> Case:  # fmt: skip
+    """``group``/``cols``: runs of ``group`` values over the first ``cols`` columns."""
+
     def make(rng, dt):
-        d = shape[-1]
+        d = cols or shape[-1]
         b = _randn(rng, d) if bias else None
-        return [_randn(rng, *shape, scale=3.0), _randn(rng, d), b], {"kind": kind, "eps": 1e-5}
+        attrs = {"kind": kind, "eps": 1e-5} | ({"group": group} if group else {})
+        return [_randn(rng, *shape, scale=3.0), _randn(rng, d), b], attrs
 
     return Case(name, make, const=(1, 2), inplace=inplace)
 
@@ -743,6 +747,10 @@ CASES.update({
         norm_case("rms_3d_inplace", (2, 3, 40), "rms", inplace=True),
         norm_case("layer_bias", (4, 48), "layer", bias=True),
         norm_case("layer_nobias", (1, 33), "layer"),
+        # per-head q/k norms of a q|k|v row (Qwen3): heads of 8, v's columns copied
+        norm_case("heads_of_qkv", (3, 48), "rms", group=8, cols=32),
+        norm_case("heads_inplace", (2, 40), "rms", inplace=True, group=8, cols=24),
+        norm_case("layer_groups", (2, 24), "layer", bias=True, group=6),
     ],
     "rope": [
         rope_case("qk_of_qkv", 6, 6, 2, 16, 8),

@@ -13,7 +13,14 @@ from conftest import assert_allocates_nothing
 from edgepack.packager.ir import PackError
 from edgepack.packager.llm.build import build_llm
 from edgepack.runtime.llm import LLMError, LLMSession
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -23,19 +30,23 @@ VOCAB = 96
 def _llama(path, tied: bool, bias: bool, seed: int = 0, arch: str = "llama"):
     torch.manual_seed(seed)
     config, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                         "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]  # fmt: skip
+                         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                         "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]  # fmt: skip
     cfg = config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         rms_norm_eps=1e-5, tie_word_embeddings=tied,
         initializer_range=0.25,  # large enough that attention is far from uniform
-        **({"attention_bias": bias} if arch == "llama" else {}),
+        **({"attention_bias": bias} if arch != "qwen2" else {}),
+        **({"head_dim": 16} if arch == "qwen3" else {}),
     )  # fmt: skip
     model = model_cls(cfg).eval()
-    with torch.no_grad():  # biases start at zero: give them values a dropped one would miss
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # biases start at zero, norms at one: give them values a
+        for name, p in model.named_parameters():  # dropped or misplaced one would show
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
 
@@ -51,8 +62,9 @@ def _close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
 
 @pytest.fixture(
     scope="module",
-    params=[("llama", True, False), ("llama", False, True), ("qwen2", True, True)],
-    ids=["tied", "untied_bias", "qwen2"],
+    params=[("llama", True, False), ("llama", False, True), ("qwen2", True, True),
+            ("qwen3", False, False)],
+    ids=["tied", "untied_bias", "qwen2", "qwen3"],
 )
 def llama(request, tmp_path_factory):
     arch, tied, bias = request.param

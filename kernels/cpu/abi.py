@@ -99,7 +99,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
     f8, b1, i4 = T.float64, T.boolean, T.int32
     f2w, ids = arr(f4, 2), arr(i4, 1)
     sigs.update({
-        "norm_rows": ("llm.norm_rows", v(f2w, w1, w1, f2w, f8, b1, b1)),
+        "norm_rows": ("llm.norm_rows", v(f2w, w1, w1, f2w, f8, b1, b1, i8)),
         "rope_rows": ("llm.rope_rows", v(f2w, ids, arr(f4, 2, ro=True), arr(f4, 2, ro=True),
                                          f2w, i8, i8)),
         "glu_rows": ("llm.glu_rows", v(f2w, f2w, i8)),

@@ -24,6 +24,7 @@ from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
 from ..ops import args as _args
+from ..ops import norm_group
 from ..registry import Bound, Kernel, Spec, register
 from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
 from .native import K, kernel_threads, resolved
@@ -1075,7 +1076,8 @@ def _bind_norm(ins, outs, scratch, attrs) -> Bound:
     io = _args("norm", ins)
     b = io.b if io.b is not None else _DUMMY1
     call = (_rows2(io.x), io.w, b, _rows2(outs[0]), float(attrs["eps"]))
-    kern, args = _bound(K.norm_rows, (*call, attrs["kind"] == "layer", io.b is not None))
+    flags = (attrs["kind"] == "layer", io.b is not None, norm_group(io.x.shape, attrs))
+    kern, args = _bound(K.norm_rows, (*call, *flags))
     return lambda: kern(*args)
 
 

@@ -59,11 +59,12 @@ _norm_row = njit(inline="always")(portable.norm_row)
 
 
 @njit(cache=True)
-def norm_rows(x, w, b, y, eps, layer, has_b):
-    """y[r] = (x[r] - mean) / sqrt(mean((x[r] - mean)²) + eps) * w (+ b); mean = 0 for
-    RMSNorm (``layer`` 0). x, y [R, D] (y may be x)."""
+def norm_rows(x, w, b, y, eps, layer, has_b, group):
+    """y[r] = (x[r] - mean) / sqrt(mean((x[r] - mean)²) + eps) * w (+ b) over each run of
+    ``group`` columns of the first len(w) (portable.norm_row); mean = 0 for RMSNorm
+    (``layer`` 0). x, y [R, D] (y may be x)."""
     for r in range(x.shape[0]):
-        _norm_row(x, w, b, y, r, eps, layer, has_b)
+        _norm_row(x, w, b, y, r, eps, layer, has_b, group)
 
 
 @njit(cache=True)

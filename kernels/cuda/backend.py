@@ -33,6 +33,7 @@ from ..binding import epilogue_flags as _flags
 from ..binding import nbytes as _nbytes
 from ..decoded import decoded
 from ..ops import args as _args
+from ..ops import norm_group
 from ..registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -538,7 +539,7 @@ def _bind_norm(ins, outs, scratch, attrs) -> Bound:
     b = d.arg(io.b) if io.b is not None else _dummies(d).v1
     x, y = _rows2(io.x), _rows2(outs[0])
     args = (d.arg(x), d.arg(io.w), b, d.arg(y), float(attrs["eps"]),
-            attrs["kind"] == "layer", io.b is not None)  # fmt: skip
+            attrs["kind"] == "layer", io.b is not None, norm_group(x.shape, attrs))  # fmt: skip
     kern = d.launch(_k().norm_rows, x.shape[0])
     return lambda: kern(*args)
 

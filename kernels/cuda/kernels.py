@@ -442,10 +442,11 @@ _norm_row = cuda.jit(device=True, inline=True)(portable.norm_row)
 
 
 @cuda.jit
-def norm_rows(x, w, b, y, eps, layer, has_b):
-    """One row per loop turn: (x - mean) / sqrt(mean((x - mean)²) + eps) * w (+ b)."""
+def norm_rows(x, w, b, y, eps, layer, has_b, group):
+    """One row per loop turn: (x - mean) / sqrt(mean((x - mean)²) + eps) * w (+ b) over
+    each run of ``group`` columns of the first len(w) (portable.norm_row)."""
     for r in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-        _norm_row(x, w, b, y, r, eps, layer, has_b)
+        _norm_row(x, w, b, y, r, eps, layer, has_b, group)
 
 
 @cuda.jit

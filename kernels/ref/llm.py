@@ -22,15 +22,21 @@ Array = np.ndarray
 
 def norm(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """RMSNorm (``kind`` rms: x / sqrt(mean(x²) + eps) * w) or LayerNorm (``layer``:
-    the mean removed first, plus ``b``), over the last axis."""
+    the mean removed first, plus ``b``), over the last axis; with ``group`` G over each
+    run of G values of the first len(w) columns (Qwen3's per-head q and k norms, their
+    weights tiled per head), the columns past them copied."""
     io = args("norm", inputs)
-    x = io.x.astype(np.float64)
+    n, g = io.w.shape[0], int(attrs.get("group", io.x.shape[-1]))
+    out = io.x.astype(np.float32).copy()
+    x = io.x[..., :n].astype(np.float64).reshape(*io.x.shape[:-1], n // g, g)
     if attrs["kind"] == "layer":
         x = x - x.mean(-1, keepdims=True)
-    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + float(attrs["eps"])) * io.w
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + float(attrs["eps"]))
+    y = y.reshape(*io.x.shape[:-1], n) * io.w
     if io.b is not None:
         y = y + io.b
-    return y.astype(np.float32)
+    out[..., :n] = y
+    return out
 
 
 def rope(inputs: Sequence[Array | None], attrs: dict) -> Array:

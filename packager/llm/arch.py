@@ -23,6 +23,7 @@ class Arch:
     act: str  # the MLP's gate activation (kernels/ops.py GATE_ACTS)
     # config keys whose truthy value changes the model in a way the graph does not do
     refuse: tuple[str, ...] = ("mlp_bias",)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
 
 
 ARCHS: dict[str, Arch] = {
@@ -30,6 +31,9 @@ ARCHS: dict[str, Arch] = {
     # Qwen2 / Qwen2.5: biases on q, k and v only; a sliding window only when enabled
     "qwen2": Arch(qkv_bias="always", o_bias="never", act="silu",
                   refuse=("mlp_bias", "use_sliding_window")),
+    # Qwen3: per-head q/k RMSNorms, biases as Llama's attention_bias
+    "qwen3": Arch(qkv_bias="config", o_bias="config", act="silu",
+                  refuse=("mlp_bias", "use_sliding_window"), qk_norm=True),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -47,6 +51,7 @@ class DecoderSpec:
     norm_eps: float
     qkv_bias: bool
     o_bias: bool
+    qk_norm: bool
     tied: bool
     act: str
     rope_theta: float
@@ -114,6 +119,7 @@ def decoder_spec(cfg: dict) -> DecoderSpec:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qkv_bias=bias[arch.qkv_bias],
         o_bias=bias[arch.o_bias],
+        qk_norm=arch.qk_norm,
         tied=bool(cfg.get("tie_word_embeddings", False)),
         act=act,
         rope_theta=theta,

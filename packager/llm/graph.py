@@ -3,7 +3,7 @@ prefill (a chunk of one prompt, T = chunk) and decode (T = one row per sequence 
 over the same constants and the same KV cache (the graphs' state).
 
 Per layer: norm -> one q/k/v projection (the three stored as one matrix, decided here)
--> rope on the q and k heads -> attention over the cache -> output projection -> residual
+-> (Qwen3) an RMSNorm of each q and k head -> rope on the q and k heads -> attention over the cache -> output projection -> residual
 add -> norm -> one gate/up projection -> glu -> down projection -> residual add. Then the
 final norm and the output projection (the embedding table itself when tied).
 
@@ -39,6 +39,11 @@ def fused_weights(spec: DecoderSpec, w) -> dict[str, np.ndarray]:
         out[a + "qkv_proj.weight"] = np.concatenate([w(a + f"{x}_proj.weight") for x in "qkv"])
         if spec.qkv_bias:
             out[a + "qkv_proj.bias"] = np.concatenate([w(a + f"{x}_proj.bias") for x in "qkv"])
+        if spec.qk_norm:  # one weight over q's and k's heads: each head's tiled (ops norm)
+            out[a + "qk_norm.weight"] = np.concatenate(
+                [np.tile(w(a + "q_norm.weight"), spec.heads),
+                 np.tile(w(a + "k_norm.weight"), spec.kv_heads)]
+            )  # fmt: skip
         out[a + "o_proj.weight"] = w(a + "o_proj.weight")
         if spec.o_bias:
             out[a + "o_proj.bias"] = w(a + "o_proj.bias")
@@ -105,6 +110,10 @@ def decoder_graph(
         n = norm(f"l{i}.attn_norm", x, p + "input_layernorm.weight")
         bias = a + "qkv_proj.bias" if spec.qkv_bias else ""
         qkv = linear(f"l{i}.qkv", n, a + "qkv_proj.weight", bias)
+        if spec.qk_norm:
+            qk = {"kind": "rms", "eps": spec.norm_eps, "group": d}
+            qkv = node("norm", f"l{i}.qk_norm", [qkv, a + "qk_norm.weight"],
+                       (rows, spec.qkv_width), qk)  # fmt: skip
         r = node("rope", f"l{i}.rope", [qkv, "pos", ROPE_COS, ROPE_SIN], (rows, spec.qkv_width),
                  {"heads": h + hkv, "head_dim": d})  # fmt: skip
         attn = {"heads": h, "kv_heads": hkv, "head_dim": d, "scale": d**-0.5, "window": 0}
