@@ -24,7 +24,7 @@ def compile_kernels(
     """Build ``edgepack_kernels*.so`` into ``out_dir`` for LLVM CPU ``cpu_name`` (which
     implies its features, e.g. ``x86-64-v3`` = AVX2 + FMA) with the GEMM tile shape
     ``gemm_shape`` (default: the host's); returns its path. ``features`` (an LLVM feature
-    string, the target's ``llvm_features()``; default: the host's for ``host``, none
+    string, the target's ``llvm_features``; default: the host's for ``host``, none
     else) picks the integer-dot instructions (kernels/cpu/qdot.py), which the CPU name
     alone does not tell the kernel source."""
     with warnings.catch_warnings():

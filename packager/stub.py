@@ -419,7 +419,7 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
 
         log(f"[1/4] compile kernels for {target.cpu} ({target.arch})")
         compile_kernels(aot, target.cpu, gemm_shape(set(target.cpu_features), target.arch),
-                        target.llvm_features())  # fmt: skip
+                        target.llvm_features)  # fmt: skip
         info = {
             "target": target.name,
             "arch": target.arch,
