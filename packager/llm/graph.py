@@ -3,12 +3,13 @@ prefill (a chunk of one prompt, T = chunk) and decode (T = one row per sequence 
 over the same constants and the same KV cache (the graphs' state).
 
 Per layer: norm -> one q/k/v projection (the three stored as one matrix, decided here)
--> (Qwen3) an RMSNorm of each q and k head -> rope on the q and k heads -> attention over the cache -> output projection -> residual
-add -> norm -> one gate/up projection -> glu -> down projection -> residual add. Then the
-final norm and the output projection (the embedding table itself when tied).
+-> (Qwen3) an RMSNorm of each q and k head -> rope on the q and k heads -> attention
+over the cache -> output projection -> residual add -> norm -> one gate/up projection
+-> glu -> down projection -> residual add. Then the final norm and the output
+projection (the embedding table itself when tied).
 
 Inputs: ``ids``, ``pos``, ``slot`` (int32 [T]; a row with slot -1 is idle). Output:
-``logits`` [T, vocab].
+``logits`` [T, vocab]; a prompt chunk's graph gives its last row's only, [1, vocab].
 """
 
 from __future__ import annotations
