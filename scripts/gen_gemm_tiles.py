@@ -73,8 +73,8 @@ from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
 from ..layout import PANEL
 from .kernels import (
     act_row,
-    act_scalar,
     half_to_f32,
+    linear_epilogue_row,
     nhwc_fill_row,
     nhwc_out_row,
     nhwc_row,
@@ -925,13 +925,9 @@ def gemv_q4{s}(x, w, scale, bias, y, flags, act, a, b):
 {stores}
             else:
 {partial}
-    if flags & HAS_BIAS or act != 0:
+    if flags & HAS_BIAS or act != 0:  # no scale: the weights' are in the products
         for m in range(m_):
-            for n in range(n_):
-                v = y[m, n]
-                if flags & HAS_BIAS:
-                    v += bias[n]
-                y[m, n] = act_scalar(v, act, a, b)
+            linear_epilogue_row(y[m], bias, bias, flags & HAS_BIAS, act, a, b)
 '''
 
 

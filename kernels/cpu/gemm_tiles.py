@@ -34,8 +34,8 @@ from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
 from ..layout import PANEL
 from .kernels import (
     act_row,
-    act_scalar,
     half_to_f32,
+    linear_epilogue_row,
     nhwc_fill_row,
     nhwc_out_row,
     nhwc_row,
@@ -2189,13 +2189,9 @@ def gemv_q4_16x4(x, w, scale, bias, y, flags, act, a, b):
                     sstore_16x4(y, yo + 1, d1)
                 if last > 2:
                     sstore_16x4(y, yo + 2, d2)
-    if flags & HAS_BIAS or act != 0:
+    if flags & HAS_BIAS or act != 0:  # no scale: the weights' are in the products
         for m in range(m_):
-            for n in range(n_):
-                v = y[m, n]
-                if flags & HAS_BIAS:
-                    v += bias[n]
-                y[m, n] = act_scalar(v, act, a, b)
+            linear_epilogue_row(y[m], bias, bias, flags & HAS_BIAS, act, a, b)
 
 
 
@@ -3395,13 +3391,9 @@ def gemv_q4_8x2(x, w, scale, bias, y, flags, act, a, b):
                     sstore_8x2(y, yo + 1, d1)
                 if last > 2:
                     sstore_8x2(y, yo + 2, d2)
-    if flags & HAS_BIAS or act != 0:
+    if flags & HAS_BIAS or act != 0:  # no scale: the weights' are in the products
         for m in range(m_):
-            for n in range(n_):
-                v = y[m, n]
-                if flags & HAS_BIAS:
-                    v += bias[n]
-                y[m, n] = act_scalar(v, act, a, b)
+            linear_epilogue_row(y[m], bias, bias, flags & HAS_BIAS, act, a, b)
 
 
 
@@ -4645,13 +4637,9 @@ def gemv_q4_4x2(x, w, scale, bias, y, flags, act, a, b):
                     sstore_4x2(y, yo + 1, d1)
                 if last > 2:
                     sstore_4x2(y, yo + 2, d2)
-    if flags & HAS_BIAS or act != 0:
+    if flags & HAS_BIAS or act != 0:  # no scale: the weights' are in the products
         for m in range(m_):
-            for n in range(n_):
-                v = y[m, n]
-                if flags & HAS_BIAS:
-                    v += bias[n]
-                y[m, n] = act_scalar(v, act, a, b)
+            linear_epilogue_row(y[m], bias, bias, flags & HAS_BIAS, act, a, b)
 
 
 
@@ -6766,10 +6754,6 @@ def gemv_q4_4x4(x, w, scale, bias, y, flags, act, a, b):
                     sstore_4x4(y, yo + 1, d1)
                 if last > 2:
                     sstore_4x4(y, yo + 2, d2)
-    if flags & HAS_BIAS or act != 0:
+    if flags & HAS_BIAS or act != 0:  # no scale: the weights' are in the products
         for m in range(m_):
-            for n in range(n_):
-                v = y[m, n]
-                if flags & HAS_BIAS:
-                    v += bias[n]
-                y[m, n] = act_scalar(v, act, a, b)
+            linear_epilogue_row(y[m], bias, bias, flags & HAS_BIAS, act, a, b)

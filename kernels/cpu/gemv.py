@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from ..flags import HAS_BIAS, HAS_SCALE
-from .kernels import act_scalar
+from .kernels import linear_epilogue_row
 from .simd import Ops, prefetch
 
 LANES = 16
@@ -114,10 +113,4 @@ def gemv(x, w, bias, scale, y, flags, act, a, b):
     # activation) cost as much as the dot products on 576-wide rows
     if flags != 0 or act != 0:
         for m in range(m_):
-            for n in range(n_):
-                v = y[m, n]
-                if flags & HAS_SCALE:
-                    v *= scale[n]
-                if flags & HAS_BIAS:
-                    v += bias[n]
-                y[m, n] = act_scalar(v, act, a, b)
+            linear_epilogue_row(y[m], bias, scale, flags, act, a, b)

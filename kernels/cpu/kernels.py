@@ -210,17 +210,22 @@ def epilogue_rows(y, bias, scale, res, flags, act, a, b):
         epilogue_row(y[r], s, bb, res[r * rstep], has_res, act, a, b)
 
 
+@njit(inline="always")
+def linear_epilogue_row(row, bias, scale, flags, act, a, b):
+    """In place on one output row of a linear layer: per-column scale and bias, then the
+    activation (the GEMV kernels' own pass over y, and epilogue_cols')."""
+    for n in range(row.shape[0]):
+        s = scale[n] if flags & HAS_SCALE else np.float32(1)
+        bb = bias[n] if flags & HAS_BIAS else np.float32(0)
+        row[n] = row[n] * s + bb
+    act_row(row, act, a, b)
+
+
 @njit(parallel=True, cache=True)
 def epilogue_cols(y, bias, scale, flags, act, a, b):
     """In place on y[M, N]: per-column scale and bias, activation (linear layers)."""
-    m_, n_ = y.shape
-    for m in prange(m_):
-        row = y[m]
-        for n in range(n_):
-            s = scale[n] if flags & HAS_SCALE else np.float32(1)
-            bb = bias[n] if flags & HAS_BIAS else np.float32(0)
-            row[n] = row[n] * s + bb
-        act_row(row, act, a, b)
+    for m in prange(y.shape[0]):
+        linear_epilogue_row(y[m], bias, scale, flags, act, a, b)
 
 
 @njit(parallel=True, cache=True)

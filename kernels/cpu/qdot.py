@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from ..flags import HAS_BIAS
 from .abi import XQ_BLOCK
-from .kernels import act_scalar
+from .kernels import linear_epilogue_row
 from .simd import F32, I32, F32Vec, Ops, _elem_ptr, prefetch
 
 LANES = 16
@@ -328,10 +328,6 @@ def gemv_q4_q8(x, w, scale, bias, y, xq, nc, sx, flags, act, a, b):
                 sstore(y, yo + 2, vsum(t2))
             if last > 3:
                 sstore(y, yo + 3, vsum(t3))
-    if flags & HAS_BIAS or act != 0:
+    if flags & HAS_BIAS or act != 0:  # no scale: the weights' are in the products
         for m in range(m_):
-            for n in range(n_):
-                v = y[m, n]
-                if flags & HAS_BIAS:
-                    v += bias[n]
-                y[m, n] = act_scalar(v, act, a, b)
+            linear_epilogue_row(y[m], bias, bias, flags & HAS_BIAS, act, a, b)
