@@ -91,8 +91,10 @@ def _tokenizer_json(fields: dict, path: Path) -> bytes:
             f"{path}: tokenizer {model!r} with pre-tokenizer {pre!r} is not supported "
             f"(edgepack rebuilds byte-level BPE with {', '.join(GPT2_PRES)})"
         )
-    tokens = fields["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise PackError(f"{path}: no tokenizer.ggml.tokens (a vocabulary is needed)")
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -127,6 +129,9 @@ def load_gguf(path: str | Path) -> tuple[dict, dict, bytes, dict, dict]:
     arch = fields.get("general.architecture")
     if arch not in ARCHS:
         raise PackError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCHS)})")
+
+    if not fields.get("tokenizer.ggml.tokens"):
+        raise PackError(f"{path}: no tokenizer.ggml.tokens (a vocabulary is needed)")
 
     def key(k: str, default=None):
         return fields.get(f"{arch}.{k}", default)
