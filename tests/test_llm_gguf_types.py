@@ -114,3 +114,20 @@ def test_every_gguf_tensor_type_imports_as_transformers_reads_it(tmp_path, qtype
     scale = float(np.abs(want).max())
     for k, g in zip([5, 6, 7, 8, 9], got):
         np.testing.assert_allclose(g, want[k], rtol=1e-4, atol=1e-4 * scale, err_msg=f"{k}")
+
+
+def test_q4_0_blocks_survive_int4_bit_for_bit(tmp_path):
+    # ggml's Q4_0 puts each block's largest magnitude at code -8 (d = max / -8), which is
+    # edgepack's int4 rule (kernels/wtypes.py): re-quantizing the dequantized blocks
+    # gives the same codes and fp16 scales, so --quant int4 loses nothing more
+    src = tmp_path / "q40.gguf"
+    _write_gguf(src, T.Q4_0, seed=3)
+    common = dict(ctx=32, chunk=8, kv="f32", quant_embed="fp32", log=lambda s: None)
+    build_llm(src, tmp_path / "f.epk", quant="fp32", **common)
+    r = build_llm(src, tmp_path / "q.epk", quant="int4", act_quant="none", **common)
+    assert {w["dtype"] for w in r.manifest["weights"].values()} >= {"i4"}
+    assert r.manifest["quantization"]["error"]["layers"]  # measured, and tiny:
+    assert r.manifest["quantization"]["error"]["max_output_rel_l2"] < 1e-5
+    ids = [5, 200, 17, 99, 3, 256]
+    a, b = LLMSession(tmp_path / "f.epk").prefill(ids), LLMSession(tmp_path / "q.epk").prefill(ids)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()))
