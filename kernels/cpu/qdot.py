@@ -224,6 +224,41 @@ def vhalves2(typingctx, h, o0, o1):
     return vt(h, o0, o1), codegen
 
 
+@intrinsic
+def vhalves2c(typingctx, h, o0):
+    """vhalves2(h, o0, o0 + 1) from one 32-bit load (group size 32: a pair's two blocks
+    have neighbouring scales)."""
+    vt = F32Vec(LANES)
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        two = _vec(_I16, 2)
+        bits = builder.load(builder.bitcast(p, two.as_pointer()), align=2)
+        feats = _features(context)
+        if "f16c" in feats or "avx512f" in feats or not any(f.startswith("sse") for f in feats):
+            v = builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), 2)), _vec(F32, 2))
+        else:
+            und = ir.Constant(_vec(F32, 2), ir.Undefined)
+            v = und
+            for i in range(2):
+                e = builder.extract_element(bits, ir.Constant(I32, i))
+                v = builder.insert_element(v, _half_bits_to_f32_soft(builder, e),
+                                           ir.Constant(I32, i))  # fmt: skip
+        pattern = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
+        return builder.shuffle_vector(v, ir.Constant(_vec(F32, 2), ir.Undefined),
+                                      _consts(I32, pattern))  # fmt: skip
+
+    return vt(h, o0), codegen
+
+
+@njit(inline="always")
+def _scales2(scale, c, g0, g1, gsh):
+    """A pair's lane scales (vhalves2), one load when the groups are 32 wide."""
+    if gsh == 0:
+        return vhalves2c(scale, c + g0)
+    return vhalves2(scale, c + g0, c + g1)
+
+
 @njit(inline="always")
 def _quantize_row(x, xo, k_, xq, qo, nc, so, sx):
     """x's row at flat offset xo (k_ values) into int8 blocks of 32 in the pair layout
@@ -294,13 +329,13 @@ def gemv_q4_q8(x, w, scale, bias, y, xq, nc, sx, flags, act, a, b):
                 g1 = (2 * p + 1) >> gsh
                 wb = p * BLOCK
                 t0 = vfma(q4dot2(w, o0 + wb, xq, xo, nc, lo),
-                          vmul(vhalves2(scale, c0 + g0, c0 + g1), lane), t0)
+                          vmul(_scales2(scale, c0, g0, g1, gsh), lane), t0)
                 t1 = vfma(q4dot2(w, o1 + wb, xq, xo, nc, lo),
-                          vmul(vhalves2(scale, c1 + g0, c1 + g1), lane), t1)
+                          vmul(_scales2(scale, c1, g0, g1, gsh), lane), t1)
                 t2 = vfma(q4dot2(w, o2 + wb, xq, xo, nc, lo),
-                          vmul(vhalves2(scale, c2 + g0, c2 + g1), lane), t2)
+                          vmul(_scales2(scale, c2, g0, g1, gsh), lane), t2)
                 t3 = vfma(q4dot2(w, o3 + wb, xq, xo, nc, lo),
-                          vmul(vhalves2(scale, c3 + g0, c3 + g1), lane), t3)
+                          vmul(_scales2(scale, c3, g0, g1, gsh), lane), t3)
                 prefetch(w, o0 + wb + pf)
                 prefetch(w, o1 + wb + pf)
                 prefetch(w, o2 + wb + pf)
