@@ -31,7 +31,7 @@ def cmd_build(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     if Path(a.model).is_dir() or a.model.endswith(".gguf"):  # a language model
-        return _build_llm(a, private)
+        return _build_llm(a, private, embed)
     if a.target:
         from .packager.target_build import build_for_target
         from .targets import load_target
@@ -54,16 +54,25 @@ def cmd_build(a: argparse.Namespace) -> int:
     return 0
 
 
-def _build_llm(a: argparse.Namespace, private: bytes | None) -> int:
+def _build_llm(a: argparse.Namespace, private: bytes | None, embed: bytes | None) -> int:
     from .packager.llm.build import build_llm
 
-    if a.target or a.stub or a.embed_pubkey:
-        raise ValueError("--target for language models is not implemented yet: build a .epk")
+    kw = dict(quant_embed=a.quant_embed, group_size=a.group_size, ctx=a.ctx, slots=a.slots,
+              chunk=a.chunk, kv=a.kv, act_quant=a.act_quant, max_error=a.max_error)  # fmt: skip
+    if a.target:  # the target's stub runs the bundle (run, info, bench; generate needs
+        from .packager.target_build import build_for_target  # tokenizers in the stub)
+        from .targets import load_target
+
+        target = load_target(a.target)
+        build_for_target(a.model, target, a.output, a.quant, a.stub, private, embed,
+                         builder=build_llm, cpu_features=target.llvm_features.replace(
+                             "+", "").split(","), **kw)  # fmt: skip
+        return 0
+    if a.stub or a.embed_pubkey:
+        raise ValueError("--stub and --embed-pubkey need --target (they make an executable)")
     if not a.output:
         raise ValueError("-o/--output is required")
-    result = build_llm(a.model, a.output, quant=a.quant, quant_embed=a.quant_embed,
-                       group_size=a.group_size, ctx=a.ctx, slots=a.slots, chunk=a.chunk,
-                       kv=a.kv, act_quant=a.act_quant, max_error=a.max_error)  # fmt: skip
+    result = build_llm(a.model, a.output, quant=a.quant, **kw)
     if private:
         from .packager.executable import append_trailer
 

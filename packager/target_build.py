@@ -74,14 +74,17 @@ def build_for_target(
     private_key: bytes | None = None,
     embed_pubkey: bytes | None = None,
     log: Callable[[str], None] = print,
+    builder: Callable[..., BuildResult] = build,
     **build_kw,
 ) -> Path:
+    """``builder``: ``build`` (ONNX models) or ``llm.build.build_llm`` (language models:
+    the same stub runs their bundle; the KV cache counts in the arena's budget)."""
     stub_path = find_stub(target, stub)
     meta = check_stub(stub_path, target)
     out = Path(out) if out else Path("dist") / f"{Path(model).stem}-{target.name}"
     with tempfile.TemporaryDirectory(prefix="edgepack-") as tmp:
         bundle = Path(tmp) / "model.epk"
-        result = build(
+        result = builder(
             model,
             bundle,
             quant=quant or target.default_quant,

@@ -462,3 +462,29 @@ def test_new_weight_types_in_the_executable_match_edgepack_run(
         assert np.array_equal(got, ref)
     else:
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_language_model_in_the_executable_matches_edgepack_run(tmp_path, stub_cache):
+    """An LLM bundle in the target's stub (--target): info, bench and run work inside
+    it, and its decode step (the AOT kernels: int8 GEMV, the int4 x int8 products on the
+    target's AVX2 family, attention, norms) gives the JIT build's logits bit for bit."""
+    from test_llm_e2e import _llama
+
+    _llama(tmp_path / "hf", tied=True, bias=True)
+    exe = tmp_path / "tiny-llm"
+    r = ep("build", tmp_path / "hf", "--target", TARGET, "--quant", "int4", "--ctx", "32",
+           "--chunk", "4", "-o", exe)  # fmt: skip
+    assert "executable for linux-x86_64" in r.stdout
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+    info = subprocess.run([str(exe), "info"], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert info.returncode == 0 and "KV cache" in info.stdout, info.stderr[-2000:]
+    assert "activations int8 in blocks of 32" in info.stdout  # the target has AVX2
+    args = [str(exe), "bench", "--pp", "4", "--tg", "3", "--depth", "0", "-r", "1"]
+    bench = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert bench.returncode == 0 and "tg3" in bench.stdout, bench.stderr[-2000:]
+    x = tmp_path / "step.npz"
+    np.savez(x, ids=np.array([7], np.int32), pos=np.array([0], np.int32),
+             slot=np.array([0], np.int32))  # fmt: skip
+    got, ref = _inside_and_jit(tmp_path, exe, x, "logits")
+    assert np.array_equal(got, ref)

@@ -23,8 +23,8 @@ from ..binding import up64
 from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
+from ..ops import GATE_ACTS, norm_group
 from ..ops import args as _args
-from ..ops import norm_group
 from ..registry import Bound, Kernel, Spec, register
 from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
 from .native import K, kernel_threads, resolved
@@ -1089,9 +1089,10 @@ def _bind_rope(ins, outs, scratch, attrs) -> Bound:
 
 
 def _bind_glu(ins, outs, scratch, attrs) -> Bound:
-    from .llm import GATE_CODES
-
-    kern, args = _bound(K.glu_rows, (_rows2(ins[0]), _rows2(outs[0]), GATE_CODES[attrs["act"]]))
+    # the gate's code is its place in ops.GATE_ACTS (llm.glu_rows); not imported from
+    # kernels/cpu/llm.py, which needs numba: AOT executables have none
+    code = GATE_ACTS.index(attrs["act"])
+    kern, args = _bound(K.glu_rows, (_rows2(ins[0]), _rows2(outs[0]), code))
     return lambda: kern(*args)
 
 

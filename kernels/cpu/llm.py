@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit
 
 from .. import portable
+from ..ops import GATE_ACTS
 from .kernels import half_to_f32
 from .simd import Ops, prefetch
 
@@ -99,7 +100,7 @@ def _gate(g, act):
     return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
 
 
-GATE_CODES = {"silu": 0, "gelu_tanh": 1}  # ops.GATE_ACTS, in order
+GATE_CODES = {a: i for i, a in enumerate(GATE_ACTS)}  # what glu_rows' ``act`` means
 
 
 @njit(cache=True)

@@ -47,7 +47,7 @@ def _quant_of(types: dict) -> str:
     return _GGUF_QUANT.get(top, "int4" if top.startswith(("Q4", "Q3", "Q2", "IQ")) else "int8")
 
 
-def _int8_activations(mode: str, backends: Sequence[str]) -> bool:
+def _int8_activations(mode: str, backends: Sequence[str], features=None) -> bool:
     if mode != "auto":
         return mode == "int8"
     k = registry.lookup("linear", "i4", backends[0])
@@ -56,7 +56,8 @@ def _int8_activations(mode: str, backends: Sequence[str]) -> bool:
     from ...kernels.cpu.qdot import dot_isa
     from ...kernels.cpu.simd import host_features
 
-    return dot_isa(host_features()) != "generic"  # plain widening products lose to floats
+    feats = set(features) if features is not None else host_features()
+    return dot_isa(feats) != "generic"  # plain widening products lose to floats
 
 
 def _as_f32(weights: dict) -> Callable[[str], np.ndarray]:
@@ -87,13 +88,16 @@ def build_llm(
     act_quant: str = "auto",
     max_error: float | None = None,
     log: Callable[[str], None] = print,
+    extra_manifest: dict | None = None,
+    cpu_features: Sequence[str] | None = None,
 ) -> BuildResult:
     """``act_quant``: ``int8`` quantizes the activations int4 linears read to int8 in
     blocks of 32 (the ``xq`` attribute: integer products, ggml's Q8_0 activations),
     ``none`` keeps them float32; ``auto`` takes int8 where the first backend has the
     integer product and the CPU an integer dot instruction (VNNI, AVX2, dotprod).
     A quantized build measures itself against fp32 on a shipped text (evaluate.py) and
-    records the table; ``max_error`` fails it when the mean KL divergence exceeds it."""
+    records the table; ``max_error`` fails it when the mean KL divergence exceeds it.
+    ``cpu_features`` (LLVM names: a target's) stand for the host's in ``auto``."""
     t0 = time.perf_counter()
     if act_quant not in ACT_QUANT:
         raise PackError(f"--act-quant {act_quant!r}: choose from {', '.join(ACT_QUANT)}")
@@ -134,7 +138,7 @@ def build_llm(
                           quant, 0, group_size, embed_mode)
         for k, rows in (("prefill", chunk), ("decode", slots))
     }  # fmt: skip
-    xq = _int8_activations(act_quant, backends) and "int4" in (quant, quant_embed)
+    xq = _int8_activations(act_quant, backends, cpu_features) and "int4" in (quant, quant_embed)
     if xq:
         for g in graphs.values():
             for n in g.nodes:
@@ -196,6 +200,7 @@ def build_llm(
         }
         | ({"group_size": group_size} if "int4" in (quant, quant_embed) else {}),
         "llm": llm,
+        **(extra_manifest or {}),
     }
     manifest = make_manifest(g0, plans["decode"], extra)
     log(f"[3/4] write {out}")
