@@ -80,7 +80,7 @@ def format_bench(rows: list[BenchRow]) -> str:
 def profile_llm(s: LLMSession, depth: int = 0, runs: int = 20) -> str:
     """Per-node times of the decode step after ``depth`` tokens of context, then of one
     prompt chunk at the same depth (runtime/profile.py's table for each)."""
-    depth = min(depth, s.ctx - s.chunk - 1)
+    depth = max(0, min(depth, s.ctx - s.chunk - 1))
     s.reset(0)
     if depth:
         s.prefill(_tokens(s, depth, 1))
