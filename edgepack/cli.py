@@ -65,8 +65,7 @@ def _build_llm(a: argparse.Namespace, private: bytes | None, embed: bytes | None
 
         target = load_target(a.target)
         build_for_target(a.model, target, a.output, a.quant, a.stub, private, embed,
-                         builder=build_llm, cpu_features=target.llvm_features.replace(
-                             "+", "").split(","), **kw)  # fmt: skip
+                         builder=build_llm, cpu_features=target.llvm_feature_names, **kw)
         return 0
     if a.stub or a.embed_pubkey:
         raise ValueError("--stub and --embed-pubkey need --target (they make an executable)")

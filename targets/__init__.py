@@ -125,10 +125,15 @@ class Target:
         return int(major), int(minor)
 
     @property
+    def llvm_feature_names(self) -> tuple[str, ...]:
+        """The features under LLVM's names, e.g. ``("neon", "dotprod")``."""
+        names = CPU_FEATURES[self.arch]
+        return tuple(names[f] for f in self.cpu_features)
+
+    @property
     def llvm_features(self) -> str:
         """The features as an LLVM/numba feature string, e.g. ``"+neon,+dotprod"``."""
-        names = CPU_FEATURES[self.arch]
-        return ",".join(f"+{names[f]}" for f in self.cpu_features)
+        return ",".join(f"+{f}" for f in self.llvm_feature_names)
 
     def as_dict(self) -> dict[str, Any]:
         """The target as its TOML fields (lists for arrays; no ``cuda`` key when absent)."""

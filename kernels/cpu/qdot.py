@@ -198,28 +198,35 @@ def _half_bits_to_f32_soft(builder, bits):
     return builder.bitcast(builder.or_(builder.bitcast(f, I32), sign), F32)
 
 
+def _spread_halves(builder, context, bits):
+    """<2 x i16> fp16 scale bits as [s0 x4, s1 x4, s0 x4, s1 x4] float32 (the lanes each
+    block's products occupy): vcvtph2ps (F16C) or fcvtl on aarch64, else the integer
+    conversion (SSE-only x86)."""
+    feats = _features(context)
+    two = _vec(F32, 2)
+    if "f16c" in feats or "avx512f" in feats or not any(f.startswith("sse") for f in feats):
+        v = builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), 2)), two)
+    else:
+        v = ir.Constant(two, ir.Undefined)
+        for i in range(2):
+            e = builder.extract_element(bits, ir.Constant(I32, i))
+            v = builder.insert_element(v, _half_bits_to_f32_soft(builder, e), ir.Constant(I32, i))
+    pattern = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
+    return builder.shuffle_vector(v, ir.Constant(two, ir.Undefined), _consts(I32, pattern))
+
+
 @intrinsic
 def vhalves2(typingctx, h, o0, o1):
-    """[h[o0] x4, h[o1] x4, h[o0] x4, h[o1] x4] as float32: the fp16 group scales (uint16
-    bits) of a pair's two blocks, spread over the lanes that block's products occupy."""
+    """The fp16 group scales (uint16 bits) h[o0] and h[o1] of a pair's two blocks, spread
+    over the lanes that block's products occupy (``_spread_halves``)."""
     vt = F32Vec(LANES)
 
     def codegen(context, builder, sig, args):
-        feats = _features(context)
-        hard = "f16c" in feats or "avx512f" in feats or not any(f.startswith("sse") for f in feats)
-        vals = []
+        bits = ir.Constant(_vec(_I16, 2), ir.Undefined)
         for i in (1, 2):
             p = _elem_ptr(context, builder, sig.args[0], args[0], args[i], sig.args[i])
-            bits = builder.load(p)
-            if hard:  # vcvtph2ps (F16C), fcvt on aarch64
-                vals.append(builder.fpext(builder.bitcast(bits, ir.HalfType()), F32))
-            else:
-                vals.append(_half_bits_to_f32_soft(builder, bits))
-        two = _vec(F32, 2)
-        v = builder.insert_element(ir.Constant(two, ir.Undefined), vals[0], ir.Constant(I32, 0))
-        v = builder.insert_element(v, vals[1], ir.Constant(I32, 1))
-        pattern = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
-        return builder.shuffle_vector(v, ir.Constant(two, ir.Undefined), _consts(I32, pattern))
+            bits = builder.insert_element(bits, builder.load(p), ir.Constant(I32, i - 1))
+        return _spread_halves(builder, context, bits)
 
     return vt(h, o0, o1), codegen
 
@@ -232,21 +239,8 @@ def vhalves2c(typingctx, h, o0):
 
     def codegen(context, builder, sig, args):
         p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        two = _vec(_I16, 2)
-        bits = builder.load(builder.bitcast(p, two.as_pointer()), align=2)
-        feats = _features(context)
-        if "f16c" in feats or "avx512f" in feats or not any(f.startswith("sse") for f in feats):
-            v = builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), 2)), _vec(F32, 2))
-        else:
-            und = ir.Constant(_vec(F32, 2), ir.Undefined)
-            v = und
-            for i in range(2):
-                e = builder.extract_element(bits, ir.Constant(I32, i))
-                v = builder.insert_element(v, _half_bits_to_f32_soft(builder, e),
-                                           ir.Constant(I32, i))  # fmt: skip
-        pattern = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
-        return builder.shuffle_vector(v, ir.Constant(_vec(F32, 2), ir.Undefined),
-                                      _consts(I32, pattern))  # fmt: skip
+        bits = builder.load(builder.bitcast(p, _vec(_I16, 2).as_pointer()), align=2)
+        return _spread_halves(builder, context, bits)
 
     return vt(h, o0), codegen
 
