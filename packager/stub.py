@@ -458,8 +458,11 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
         hidden, excludes = stub_modules(target)
         for mod in hidden:
             cmd += ["--hidden-import", mod]
-        # nacl's C binding loads through cffi's backend, which the import scan misses
-        for mod in ("nacl.signing", "_cffi_backend", "paho.mqtt.client", "threadpoolctl"):
+        # nacl's C binding loads through cffi's backend, which the import scan misses;
+        # tokenizers and jinja2 are imported lazily by generate (runtime/text.py)
+        optional = ("nacl.signing", "_cffi_backend", "paho.mqtt.client", "threadpoolctl",
+                    "tokenizers", "jinja2", "jinja2.sandbox")  # fmt: skip
+        for mod in optional:
             try:
                 __import__(mod)
                 cmd += ["--hidden-import", mod]

@@ -464,13 +464,33 @@ def test_new_weight_types_in_the_executable_match_edgepack_run(
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def _word_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer.json and a chat template for a test model's folder."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(vocab - 4)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    cfg = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
 def test_a_language_model_in_the_executable_matches_edgepack_run(tmp_path, stub_cache):
-    """An LLM bundle in the target's stub (--target): info, bench and run work inside
-    it, and its decode step (the AOT kernels: int8 GEMV, the int4 x int8 products on the
-    target's AVX2 family, attention, norms) gives the JIT build's logits bit for bit."""
-    from test_llm_e2e import _llama
+    """An LLM bundle in the target's stub (--target): info, bench, run and generate work
+    inside it, and its decode step (the AOT kernels: int8 GEMV, the int4 x int8 products
+    on the target's AVX2 family, attention, norms) gives the JIT build's logits bit for
+    bit, so a seeded sampled chat (the stub's tokenizers and jinja2) gives the same
+    text as ``edgepack generate`` on the executable."""
+    from test_llm_e2e import VOCAB, _llama
 
     _llama(tmp_path / "hf", tied=True, bias=True)
+    _word_tokenizer(tmp_path / "hf", VOCAB)
     exe = tmp_path / "tiny-llm"
     r = ep("build", tmp_path / "hf", "--target", TARGET, "--quant", "int4", "--ctx", "32",
            "--chunk", "4", "-o", exe)  # fmt: skip
@@ -488,3 +508,9 @@ def test_a_language_model_in_the_executable_matches_edgepack_run(tmp_path, stub_
              slot=np.array([0], np.int32))  # fmt: skip
     got, ref = _inside_and_jit(tmp_path, exe, x, "logits")
     assert np.array_equal(got, ref)
+    gen = ["generate", "-p", "w3 w17 w5", "--chat", "-n", "12", "--temp", "0.9", "--seed", "5"]
+    inside = subprocess.run([str(exe), *gen], capture_output=True, text=True, env=env,
+                            timeout=300)  # fmt: skip
+    assert inside.returncode == 0, inside.stderr[-2000:]
+    assert "decode:" in inside.stderr and inside.stdout.strip()
+    assert inside.stdout == ep(gen[0], exe, *gen[1:]).stdout
