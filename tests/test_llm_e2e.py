@@ -14,6 +14,8 @@ from edgepack.packager.ir import PackError
 from edgepack.packager.llm.build import build_llm
 from edgepack.runtime.llm import LLMError, LLMSession
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -27,26 +29,43 @@ pytestmark = pytest.mark.cpu
 VOCAB = 96
 
 
+# Gemma 3's own settings, small: a head size apart from hidden / heads, a query scale
+# apart from the head size, a window of 6 (shorter than the tests' sequences) on two of
+# three layers, linear RoPE scaling on the full layer and another base on the others.
+GEMMA = {
+    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 20, "sliding_window": 6,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+}  # fmt: skip
+
+
 def _llama(path, tied: bool, bias: bool, seed: int = 0, arch: str = "llama"):
     torch.manual_seed(seed)
     config, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                          "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                         "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]  # fmt: skip
-    cfg = config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, tie_word_embeddings=tied,
-        initializer_range=0.25,  # large enough that attention is far from uniform
+                         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[arch]  # fmt: skip
+    cfg = config(**{
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": tied,
+        "initializer_range": 0.25,  # large enough that attention is far from uniform
         **({"attention_bias": bias} if arch != "qwen2" else {}),
         **({"head_dim": 16} if arch == "qwen3" else {}),
-    )  # fmt: skip
+        **(GEMMA if arch == "gemma3" else {}),
+    })  # fmt: skip
     model = model_cls(cfg).eval()
-    with torch.no_grad():  # biases start at zero, norms at one: give them values a
-        for name, p in model.named_parameters():  # dropped or misplaced one would show
+    with torch.no_grad():  # biases start at zero, norms at one (Gemma's at 0, for 1 + w):
+        for name, p in model.named_parameters():  # values a dropped or misplaced one shows
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight") and arch == "gemma3":
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(path)
     return model
 
@@ -62,9 +81,14 @@ def _close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
 
 @pytest.fixture(
     scope="module",
-    params=[("llama", True, False), ("llama", False, True), ("qwen2", True, True),
-            ("qwen3", False, False)],
-    ids=["tied", "untied_bias", "qwen2", "qwen3"],
+    params=[
+        ("llama", True, False),
+        ("llama", False, True),
+        ("qwen2", True, True),
+        ("qwen3", False, False),
+        ("gemma3", True, False),
+    ],
+    ids=["tied", "untied_bias", "qwen2", "qwen3", "gemma3"],
 )
 def llama(request, tmp_path_factory):
     arch, tied, bias = request.param
@@ -111,9 +135,10 @@ def test_the_bundle_records_the_kv_cache_and_refuses_a_full_context(llama):
     s = LLMSession(path)
     llm = s.bundle.manifest["llm"]
     state = s.bundle.manifest["graph"]["state"]
-    assert len(state) == 2 * 2  # k and v per layer
-    # (k, v) x 2 layers, each [2 slots, 64 positions, 2 kv heads, 16] float32
-    assert llm["kv_bytes"] == 4 * (2 * 64 * 2 * 16) * 4
+    layers, d = llm["spec"]["layers"], llm["spec"]["head_dim"]
+    assert len(state) == 2 * layers  # k and v per layer
+    # (k, v) per layer, each [2 slots, 64 positions, 2 kv heads, d] float32
+    assert llm["kv_bytes"] == 2 * layers * (2 * 64 * 2 * d) * 4
     assert s.decode.arena is s.prefill_ex.arena  # one arena, one cache
     assert max(s.bundle.manifest["plan"]["tensors"][t] for t in state) < llm["kv_bytes"]
     with pytest.raises(LLMError, match="exceed the context of 64"):
@@ -149,6 +174,66 @@ def test_unsupported_configs_fail_the_build_naming_the_value(tmp_path):
         cfg_path.write_text(json.dumps({**cfg, **change}))
         with pytest.raises(PackError, match=message):
             build_llm(tmp_path / "hf", tmp_path / "x.epk", ctx=16, log=lambda s: None)
+
+
+def test_gemma3_configs_of_either_transformers_generation_give_one_spec(tmp_path):
+    """Hub configs written before transformers 5 give the RoPE bases as rope_theta and
+    rope_local_base_freq (scaling in rope_scaling, for the full layers only) and the
+    layer pattern as sliding_window_pattern; they mean what GEMMA's keys mean."""
+    from edgepack.packager.llm.arch import decoder_spec
+
+    _llama(tmp_path / "hf", tied=True, bias=False, arch="gemma3")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    old = {k: v for k, v in cfg.items() if k not in ("layer_types", "rope_parameters")}
+    old |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 2,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}}  # fmt: skip
+    new, legacy = decoder_spec(cfg), decoder_spec(old)
+    assert new == legacy
+    assert new.windows == (6, 0, 6) and new.attn_scale == 20**-0.5 and new.norm_offset == 1
+    assert new.rope == {"rope_type": "linear", "factor": 2.0} and new.rope_local_theta == 1e4
+    for change, message in (
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+        ({"layer_types": ["chunked_attention"] * 3}, "chunked_attention"),
+        ({"layer_types": ["full_attention"]}, "does not give 3 layers"),
+    ):
+        with pytest.raises(PackError, match=message):
+            decoder_spec({**cfg, **change})
+
+
+def test_a_multimodal_gemma3_folder_packs_its_language_model(tmp_path):
+    """Gemma 3's 4B and larger come as Gemma3ForConditionalGeneration (a vision tower
+    beside the decoder, names under language_model.): the text decoder is packed, and
+    its logits are the full model's on a text prompt."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(5)
+    text = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.25,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-5, **GEMMA}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                       eoi_token_index=VOCAB - 2)  # fmt: skip
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(tmp_path / "hf")
+    r = build_llm(tmp_path / "hf", tmp_path / "g.epk", ctx=32, chunk=4, kv="f32",
+                  log=lambda s: None)  # fmt: skip
+    assert r.manifest["llm"]["spec"]["arch"] == "gemma3_text"
+    assert not any("vision" in k for k in r.manifest["weights"])
+    s = LLMSession(tmp_path / "g.epk")
+    seq = [int(t) for t in np.random.default_rng(6).integers(0, VOCAB - 3, 9)]
+    got = s.prefill(seq)
+    for _ in range(8):
+        _close(got, _hf_logits(model, seq)[-1], 1e-4)
+        seq.append(int(np.argmax(got)))
+        got = s.step(seq[-1])
 
 
 def test_a_corrupt_safetensors_file_is_refused_before_mapping(tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,15 @@ from ..quantize import quantize_graph
 from ..writer import write_bundle
 from . import ACT_QUANT, DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
 from .arch import decoder_spec
-from .graph import EMBED, ROPE_COS, ROPE_SIN, decoder_graph, fused_weights
+from .graph import (
+    EMBED,
+    ROPE_COS,
+    ROPE_LOCAL_COS,
+    ROPE_LOCAL_SIN,
+    ROPE_SIN,
+    decoder_graph,
+    fused_weights,
+)
 from .hf import load_folder, load_text
 from .rope import tables
 
@@ -130,6 +138,9 @@ def build_llm(
         log(f"      --ctx {ctx} is beyond the model's {spec.max_positions} trained positions")
     consts = fused_weights(spec, _as_f32(weights))
     consts[ROPE_COS], consts[ROPE_SIN] = tables(spec, ctx)
+    if spec.rope_local_theta:  # Gemma 3's sliding layers rotate with their own base
+        local = replace(spec, rope_theta=spec.rope_local_theta, rope=spec.rope_local)
+        consts[ROPE_LOCAL_COS], consts[ROPE_LOCAL_SIN] = tables(local, ctx)
     # The embedding table and the output projection take --quant-embed (llama.cpp
     # keeps them wider than the layers, too); a tied table gets one type both take.
     embed_mode = {EMBED: quant_embed or quant, "lm_head.weight": quant_embed or quant}

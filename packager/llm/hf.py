@@ -69,7 +69,37 @@ def load_folder(folder: str | Path) -> tuple[dict, dict[str, tuple[np.ndarray, s
             if k in weights:
                 raise PackError(f"{p}: tensor {k!r} is also in another shard")
             weights[k] = v
-    return config, weights
+    return text_decoder(config, weights)
+
+
+# Multimodal folders whose language model edgepack packs: model_type -> (the text
+# decoder's model_type, weight-name prefixes of the decoder -> the text model's names).
+# The vision tower and projector are left out (a prompt of text needs neither).
+MULTIMODAL = {
+    "gemma3": ("gemma3_text", {"language_model.model.": "model.",
+                               "model.language_model.": "model.",
+                               "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}),
+}  # fmt: skip
+
+
+def text_decoder(config: dict, weights: dict) -> tuple[dict, dict]:
+    """(config, weights) of the text decoder: the folder's own, or for a multimodal
+    model (MULTIMODAL) its ``text_config`` and language-model weights under the text
+    model's names."""
+    if config.get("model_type") not in MULTIMODAL:
+        return config, weights
+    text_type, prefixes = MULTIMODAL[config["model_type"]]
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise PackError(f"config.json: a {config['model_type']} model without text_config")
+    text = {"tie_word_embeddings": config.get("tie_word_embeddings", True), **text,
+            "model_type": text_type}  # fmt: skip
+    kept = {}
+    for name, v in weights.items():
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            kept[prefixes[prefix] + name[len(prefix) :]] = v
+    return text, kept
 
 
 def _json(path: Path) -> dict:
