@@ -109,6 +109,9 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         sigs[f"embed_rows_{name}"] = (
             "llm.embed_rows", v(ids, arr(wdt, 2, ro=True), w1, f2w, f8, b1)
         )
+    sigs["embed_rows_half"] = (  # fp16 / bfloat16 tables: their bits
+        "llm.embed_rows_half", v(ids, arr(u2, 2, ro=True), f2w, arr(u4, 2), f8, b1)
+    )
     for name, cdt in (("f32", f4), ("f16", u2)):  # KV caches: float32, or halves' bits
         sigs[f"attention_rows_{name}"] = (
             "llm.attention_rows",

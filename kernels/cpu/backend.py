@@ -1098,10 +1098,13 @@ def _bind_glu(ins, outs, scratch, attrs) -> Bound:
 
 def _bind_embed(ins, outs, scratch, attrs) -> Bound:
     io = _args("embed", ins)
+    ids, y, mul = io.ids.reshape(-1), _rows2(outs[0]), float(attrs.get("mul", 1.0))
+    if io.w.itemsize == 2:  # fp16 (numba has no CPU float16: its bits) or bf16 bits
+        call = (ids, io.w.view(np.uint16), y, y.view(np.uint32), mul, io.w.dtype != np.float16)
+        kern, args = _bound(K.embed_rows_half, call)
+        return lambda: kern(*args)
     scale = io.scale if io.scale is not None else _DUMMY1
-    ids = io.ids.reshape(-1)
-    call = (ids, io.w, scale, _rows2(outs[0]), float(attrs.get("mul", 1.0)), io.scale is not None)
-    kern, args = _bound(K.embed_rows, call)
+    kern, args = _bound(K.embed_rows, (ids, io.w, scale, y, mul, io.scale is not None))
     return lambda: kern(*args)
 
 
@@ -1138,5 +1141,5 @@ def _bind_attention(ins, outs, scratch, attrs) -> Bound:
 _cpu("norm", _bind_norm)
 _cpu("rope", _bind_rope)
 _cpu("glu", _bind_glu)
-_cpu("embed", _bind_embed, ("f32", "i8"))
+_cpu("embed", _bind_embed, ("f32", "i8", "f16", "bf16"))
 _cpu("attention", _bind_attention, scratch=_attention_scratch)

@@ -127,6 +127,23 @@ def embed_rows(ids, w, scale, y, mul, has_scale):
 
 
 @njit(cache=True)
+def embed_rows_half(ids, bits, y, yu, mul, bf16):
+    """y[t] = w[ids[t]] * mul for a table of fp16 or bfloat16 bits (uint16): a bfloat16
+    is the top half of a float32 word, written through y's bits (yu) and read back."""
+    for t in range(ids.shape[0]):
+        r = ids[t]
+        if r < 0 or r >= bits.shape[0]:
+            raise IndexError("embed: a token id outside the embedding table")
+        for i in range(bits.shape[1]):
+            if bf16:
+                yu[t, i] = np.uint32(bits[r, i]) << np.uint32(16)
+                v = y[t, i]
+            else:
+                v = half_to_f32(bits[r, i])
+            y[t, i] = np.float64(v) * mul
+
+
+@njit(cache=True)
 def halves_from_f32(bits, out):
     """float32 values (their uint32 bits) -> halves (uint16 bits), flat arrays."""
     for i in range(bits.size):
@@ -297,4 +314,5 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
 
 
 # The kernels the backend binds (kernels/cpu/native.py; AOT signatures in abi.py).
-KERNELS = ("norm_rows", "rope_rows", "glu_rows", "embed_rows", "halves_from_f32", "attention_rows")
+KERNELS = ("norm_rows", "rope_rows", "glu_rows", "embed_rows", "embed_rows_half", "halves_from_f32",
+           "attention_rows")  # fmt: skip

@@ -564,9 +564,13 @@ def _bind_glu(ins, outs, scratch, attrs) -> Bound:
 def _bind_embed(ins, outs, scratch, attrs) -> Bound:
     d = _d()
     io = _args("embed", ins)
+    ids, y, mul = d.arg(io.ids.reshape(-1)), d.arg(_rows2(outs[0])), float(attrs.get("mul", 1.0))
+    if io.w.itemsize == 2:  # fp16 or bf16: their bits, widened per element
+        args = (ids, d.arg(io.w.view(np.uint16)), y, mul, io.w.dtype != np.float16)
+        kern = d.launch(_k().embed_rows_half, outs[0].size)
+        return lambda: kern(*args)
     scale = d.arg(io.scale) if io.scale is not None else _dummies(d).v1
-    args = (d.arg(io.ids.reshape(-1)), d.arg(io.w), scale, d.arg(_rows2(outs[0])),
-            float(attrs.get("mul", 1.0)), io.scale is not None)  # fmt: skip
+    args = (ids, d.arg(io.w), scale, y, mul, io.scale is not None)
     kern = d.launch(_k().embed_rows, outs[0].size)
     return lambda: kern(*args)
 
@@ -598,6 +602,6 @@ def _bind_attention(ins, outs, scratch, attrs) -> Bound:
 _cuda("norm", _bind_norm)
 _cuda("rope", _bind_rope)
 _cuda("glu", _bind_glu)
-_cuda("embed", _bind_embed, ("f32", "i8"))
+_cuda("embed", _bind_embed, ("f32", "i8", "f16", "bf16"))
 # one head's output sums in a local array of 256 (kernels.attention_rows)
 _cuda("attention", _bind_attention, accepts=lambda a: int(a["head_dim"]) <= 256)

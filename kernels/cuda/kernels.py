@@ -487,6 +487,33 @@ def glu_rows(x, y, act_code):
         y[r, i] = v * x[r, f + i]
 
 
+@cuda.jit(device=True, inline=True)
+def bf16_to_f32(b):
+    """bfloat16 bits -> float32 value, exactly (8 exponent bits as float32's, 7 of
+    mantissa)."""
+    e = (b >> 7) & 0xFF
+    m = b & 0x7F
+    if e == 255:
+        v = f32(math.inf) if m == 0 else f32(math.nan)
+    elif e == 0:
+        v = f32(m) * f32(2.0**-133)
+    else:
+        v = f32(m + 128) * f32(2.0 ** (e - 134))
+    return -v if b & 0x8000 else v
+
+
+@cuda.jit
+def embed_rows_half(ids, bits, y, mul, bf16):
+    """y[t] = w[ids[t]] * mul for a table of fp16 or bfloat16 bits (uint16)."""
+    d = bits.shape[1]
+    for q in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        t = q // d
+        i = q - t * d
+        h = int64(bits[ids[t], i])  # signed: the exponent arithmetic must not wrap
+        v = bf16_to_f32(h) if bf16 else half_to_f32(h)
+        y[t, i] = float64(v) * mul
+
+
 @cuda.jit
 def embed_rows(ids, w, scale, y, mul, has_scale):
     d = w.shape[1]
