@@ -1,0 +1,171 @@
+"""The ONNX backend node tests (the onnx package's own single-node cases) through the
+bundle: pack -> write -> mmap -> run, each case's outputs against the expected ones the
+onnx package ships, and ONNX Runtime on the same cases for the yardstick (issue 18).
+
+Every case ends one of four ways: ``pass``; ``refused`` (a PackError or a clean runtime
+refusal: one line naming the op); ``wrong`` (an answer that differs); ``crash`` (any
+other exception). Wrong answers and crashes fail the test outright; the pass count may
+only go up (PASS_FLOOR), and the refusals are reported by reason.
+
+The cases: non-expanded, opset <= 24 (the range edgepack reads), tensors of float,
+integer or bool type. Left out by design, because edgepack has no such tensors: string
+tensors (dtype object), sequences and optionals (Python lists / None as data), and the
+8-bit and 4-bit float types. ``python tests/test_onnx_conformance.py`` prints the table
+per op.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+
+pytestmark = pytest.mark.cpu
+
+MAX_OPSET = 24
+DTYPES = {
+    np.dtype(t)
+    for t in (
+        "float32",
+        "float16",
+        "float64",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+    )
+}
+# Measured on the selection below (onnx 1.23): a ratchet, raised as coverage grows.
+PASS_FLOOR = 45
+
+
+def _opset(model) -> int | None:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def select_cases() -> list:
+    from onnx.backend.test.loader import load_node_model_tests
+
+    with warnings.catch_warnings():  # the case generators overflow casts on purpose
+        warnings.simplefilter("ignore")
+        cases = load_node_model_tests()
+    out = []
+    for c in cases:
+        if "expanded" in c.name or not c.data_sets or (_opset(c.model) or 99) > MAX_OPSET:
+            continue
+        ins, outs = c.data_sets[0]
+        if all(isinstance(a, np.ndarray) and a.dtype in DTYPES for a in (*ins, *outs)):
+            out.append(c)
+    return out
+
+
+def _feeds(model, ins) -> dict:
+    init = {t.name for t in model.graph.initializer}
+    names = [v.name for v in model.graph.input if v.name not in init]
+    return dict(zip(names, ins))
+
+
+def _same(got, want: np.ndarray, rtol: float, atol: float) -> bool:
+    got = np.asarray(got)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if want.dtype.kind in "biu":
+        return bool(np.array_equal(got, want))
+    return bool(np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
+                            atol=atol, equal_nan=True))  # fmt: skip
+
+
+def run_edgepack(case, work: Path) -> tuple[str, str]:
+    """(outcome, detail) of one case through the bundle."""
+    from edgepack.packager.build import build
+    from edgepack.packager.ir import PackError
+    from edgepack.runtime.bundle import BundleError
+    from edgepack.runtime.session import Session
+
+    model_path, bundle = work / "model.onnx", work / "model.epk"
+    onnx.save(case.model, model_path)
+    ins, outs = case.data_sets[0]
+    try:
+        build(model_path, bundle, log=lambda s: None)
+        got = Session(bundle).run(_feeds(case.model, ins))
+    except (PackError, BundleError) as e:
+        return "refused", str(e)
+    except Exception as e:  # anything else is a defect
+        return "crash", f"{type(e).__name__}: {e}"
+    for o, want in zip(case.model.graph.output, outs):
+        if o.name not in got or not _same(got[o.name], want, case.rtol, case.atol):
+            g = got.get(o.name)
+            return "wrong", f"{o.name}: got {getattr(g, 'dtype', None)} {np.shape(g)}"
+    return "pass", ""
+
+
+def run_ort(case) -> bool:
+    import onnxruntime as ort
+
+    ins, outs = case.data_sets[0]
+    try:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 4
+        s = ort.InferenceSession(case.model.SerializeToString(), opts,
+                                 providers=["CPUExecutionProvider"])  # fmt: skip
+        got = s.run(None, _feeds(case.model, ins))
+    except Exception:
+        return False
+    return all(_same(g, w, case.rtol, case.atol) for g, w in zip(got, outs))
+
+
+def conformance(work: Path) -> list[dict]:
+    rows = []
+    for c in select_cases():
+        outcome, detail = run_edgepack(c, work)
+        op = c.model.graph.node[0].op_type if c.model.graph.node else "?"
+        rows.append({"case": c.name, "op": op, "outcome": outcome, "detail": detail,
+                     "ort": run_ort(c)})  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    by_op: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in rows:
+        by_op[r["op"]][r["outcome"]] += 1
+        by_op[r["op"]]["ort"] += r["ort"]
+    lines = ["| op | cases | pass | refused | wrong | crash | ORT pass |", "|---|" + "---:|" * 6]
+    for op in sorted(by_op):
+        c = by_op[op]
+        n = sum(c[k] for k in ("pass", "refused", "wrong", "crash"))
+        lines.append(f"| {op} | {n} | {c['pass']} | {c['refused']} | {c['wrong']} | "
+                     f"{c['crash']} | {c['ort']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def test_the_onnx_node_tests_through_the_bundle(tmp_path):
+    rows = conformance(tmp_path)
+    count = collections.Counter(r["outcome"] for r in rows)
+    ort_pass = sum(r["ort"] for r in rows)
+    both = sum(r["ort"] and r["outcome"] == "pass" for r in rows)
+    print(f"\n{len(rows)} cases: {dict(count)}; ORT passes {ort_pass}, edgepack {both} of those")
+    bad = [r for r in rows if r["outcome"] in ("wrong", "crash")]
+    assert not bad, "\n".join(f"{r['case']}: {r['outcome']}: {r['detail'][:300]}" for r in bad)
+    multi = [r for r in rows if r["outcome"] == "refused" and "\n" in r["detail"].strip()]
+    assert not multi, [r["case"] for r in multi]  # one clean line each
+    assert count["pass"] >= PASS_FLOOR
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        result = conformance(Path(d))
+    print(table(result))
+    print(collections.Counter(r["outcome"] for r in result), file=sys.stderr)
