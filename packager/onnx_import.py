@@ -1,4 +1,4 @@
-"""ONNX (opsets 13-21) -> edgepack IR, with static shapes and constant folding.
+"""ONNX (opsets 7-24; 7-12 converted to 13 first) -> edgepack IR, with static shapes and constant folding.
 
 One pass in ONNX's topological order. Each ONNX node is either folded to a constant
 (all its inputs known at pack time, e.g. shape arithmetic) or lowered to IR ops
@@ -21,7 +21,7 @@ from ..kernels.ops import OpError, output_shape
 from ..kernels.ref.reference import REFERENCE
 from .ir import Graph, Node, PackError
 
-MIN_OPSET, MAX_OPSET = 13, 21
+MIN_OPSET, MAX_OPSET = 13, 24
 
 
 class _Ctx:
@@ -333,7 +333,10 @@ def _reshape(ctx: _Ctx, ins, outs, a):
 
 def _flatten(ctx: _Ctx, ins, outs, a):
     xs = ctx.shape(ins[0])
-    ax = int(a.get("axis", 1)) % (len(xs) + 1) if xs else 0
+    ax = int(a.get("axis", 1))
+    if not -len(xs) <= ax <= len(xs):
+        raise ctx.fail(f"axis {ax} out of range for rank {len(xs)}")
+    ax = ax + len(xs) if ax < 0 else ax  # -1 is the last axis (not rank + 1 - 1)
     _reshape_to(ctx, ins[0], outs[0], (int(np.prod(xs[:ax])), int(np.prod(xs[ax:]))))
 
 
@@ -587,8 +590,8 @@ def import_onnx(
         opset = MIN_OPSET
     if opset is None or not (MIN_OPSET <= opset <= MAX_OPSET):
         raise PackError(
-            f"model uses ONNX opset {opset}; supported: {MIN_OPSET}-{MAX_OPSET} "
-            "(convert it with onnx.version_converter)"
+            f"model uses ONNX opset {opset}; supported: 7-{MAX_OPSET} (7-{MIN_OPSET - 1} are "
+            f"converted to {MIN_OPSET}; convert others with onnx.version_converter)"
         )
     others = [o.domain for o in model.opset_import if o.domain not in ("", "ai.onnx")]
     g0 = model.graph
@@ -604,6 +607,12 @@ def import_onnx(
     for inp in g0.input:
         if inp.name in inits:
             continue  # old-style models list initializers as inputs
+        kind = inp.type.WhichOneof("value")
+        if kind != "tensor_type":
+            raise PackError(
+                f"model input {inp.name!r} is of ONNX type {kind or 'unknown'}; edgepack "
+                "takes tensors (no sequences, maps or optionals)"
+            )
         tt = inp.type.tensor_type
         if tt.elem_type != onnx.TensorProto.FLOAT:
             raise PackError(

@@ -215,9 +215,11 @@ def test_opset18_reduce_and_pad(tmp_path):
     check(tmp_path, m, {"x": rand(1, 3, 4, 5)})
 
 
-def test_opset21_and_opset11_models(tmp_path):
-    m21 = model([node("Relu", ["x"], ["y"])], [("x", [2, 3])], ["y"], opset=21)
-    check(tmp_path, m21, {"x": rand(2, 3)})
+def test_opset21_24_and_opset11_models(tmp_path):
+    for opset in (21, 24):  # 22-24 changed these ops' type lists only (bf16, float8/4)
+        m = model([node("Relu", ["x"], ["r"]), node("MaxPool", ["r"], ["y"], kernel_shape=[2, 2])],
+                  [("x", [1, 2, 4, 4])], ["y"], opset=opset)  # fmt: skip
+        check(tmp_path, m, {"x": rand(1, 2, 4, 4)})
     m11 = model([node("Squeeze", ["x"], ["y"], axes=[0])], [("x", [1, 3])], ["y"], opset=11)
     m11.ir_version = 6
     check(tmp_path, m11, {"x": rand(1, 3)})
@@ -276,7 +278,7 @@ def test_dynamic_batch_and_input_shape(tmp_path):
         ),
         (
             lambda: model([node("Relu", ["x"], ["y"])], [("x", [2])], ["y"], opset=6),
-            "model uses ONNX opset 6; supported: 13-21",
+            "model uses ONNX opset 6; supported: 7-24",
         ),
     ],
 )
@@ -300,3 +302,25 @@ def test_unsupported_input_dtype(tmp_path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     with pytest.raises(PackError, match="'x' has dtype int64; only float32"):
         pack(path, tmp_path / "i.epk")
+
+
+@pytest.mark.parametrize("axis", [-1, -3, 0, 2, 3])
+def test_flatten_axes_as_onnx_runtime_reads_them(tmp_path, axis):
+    # a negative axis counts from the end: -1 of a rank-3 tensor is axis 2 (it had been
+    # read as axis % (rank + 1) = 3, a silently wrong shape)
+    m = model([node("Flatten", ["x"], ["y"], axis=axis)], [("x", [2, 3, 4])], ["y"])
+    got = check(tmp_path, m, {"x": rand(2, 3, 4)})
+    ax = axis % 3 if axis < 0 else axis
+    assert got["y"].shape == (int(np.prod((2, 3, 4)[:ax])), int(np.prod((2, 3, 4)[ax:])))
+
+
+def test_an_optional_graph_input_is_refused_in_one_line(tmp_path):
+    opt = helper.make_value_info(
+        "x", helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [2]))
+    )
+    g = helper.make_graph([node("Identity", ["x"], ["y"])], "t", [opt],
+                          [helper.make_tensor_value_info("y", F, None)])  # fmt: skip
+    path = tmp_path / "o.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with pytest.raises(PackError, match="'x' is of ONNX type optional_type; edgepack takes"):
+        pack(path, tmp_path / "o.epk")
