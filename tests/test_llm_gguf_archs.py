@@ -14,7 +14,9 @@ which transformers leaves out).
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 
 import numpy as np
 import pytest
@@ -86,12 +88,18 @@ def _spm_vocab() -> dict:
 
 
 def _write_gguf(path, arch: str, vocab: dict, *, head_dim=None, dtype=np.float32, tied=False,
-                layers=2, hidden=128, ffn=256, heads=4, kv=2, seed=0) -> None:  # fmt: skip
+                layers=2, hidden=128, ffn=256, heads=4, kv=2, seed=0, theta=1e6, keys=None,
+                tensors=None) -> None:  # fmt: skip
     """A tiny decoder of ``arch`` as llama.cpp writes one: Qwen2 with q/k/v biases, Qwen3
-    with q/k RMSNorm weights and ``attention.key_length``, random weights as ``dtype``."""
+    with q/k RMSNorm weights and ``attention.key_length``, Gemma 3 with those norms and
+    its post-attention and post-MLP ones (stored 1 + w, as the converter adds 1), random
+    weights as ``dtype``, but ``tensors`` (GGUF name -> array) as given. ``keys``: more
+    keys, as GGUFWriter method -> value."""
     rng = np.random.default_rng(seed)
     hd = head_dim or hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
+    for method, value in (keys or {}).items():
+        getattr(w, method)(value)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -99,7 +107,7 @@ def _write_gguf(path, arch: str, vocab: dict, *, head_dim=None, dtype=np.float32
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1e6)
+    w.add_rope_freq_base(theta)
     w.add_rope_dimension_count(hd)
     if head_dim:
         w.add_key_length(head_dim)
@@ -138,13 +146,17 @@ def _write_gguf(path, arch: str, vocab: dict, *, head_dim=None, dtype=np.float32
         if arch == "qwen2":
             vecs |= {b + "attn_q.bias": heads * hd, b + "attn_k.bias": kv * hd,
                      b + "attn_v.bias": kv * hd}  # fmt: skip
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             vecs |= {b + "attn_q_norm.weight": hd, b + "attn_k_norm.weight": hd}
-    for name, shape in mats.items():
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.08).astype(dtype))
+        if arch == "gemma3":
+            vecs |= {b + "post_attention_norm.weight": hidden, b + "post_ffw_norm.weight": hidden}
+    out = {name: (rng.standard_normal(shape) * 0.08).astype(dtype) for name, shape in mats.items()}
     for name, size in vecs.items():
         v = rng.uniform(-0.5, 0.5, size) if name.endswith("bias") else rng.uniform(0.5, 1.5, size)
-        w.add_tensor(name, v.astype(np.float32))
+        out[name] = v.astype(np.float32)
+    out |= {name: np.ascontiguousarray(t, np.float32) for name, t in (tensors or {}).items()}
+    for name, t in out.items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -176,6 +188,167 @@ def test_qwen_gguf_logits_are_transformers(tmp_path, arch):
     scale = float(np.abs(want).max())
     for k, g in zip([5, 6, 7, 8, 9], got):
         np.testing.assert_allclose(g, want[k], rtol=1e-4, atol=1e-4 * scale, err_msg=f"{k}")
+
+
+def _edgepack_logits(src, tmp_path, ids: list[int], prompt: int) -> list[np.ndarray]:
+    """edgepack's logits of ``src`` packed fp32: the prompt's last, then each decode step's."""
+    build_llm(src, tmp_path / "t.epk", quant="fp32", ctx=32, chunk=8, kv="f32",
+              log=lambda s: None)  # fmt: skip
+    s = LLMSession(tmp_path / "t.epk")
+    return [s.prefill(ids[:prompt]).copy()] + [s.step(t).copy() for t in ids[prompt:]]
+
+
+def _agree(got: list[np.ndarray], want: np.ndarray, first: int) -> None:
+    scale = float(np.abs(want).max())
+    for k, g in enumerate(got, first):
+        np.testing.assert_allclose(g, want[k], rtol=1e-4, atol=1e-4 * scale, err_msg=f"{k}")
+
+
+# 20 of prompt, then 5 decode steps
+IDS = [5, 300, 17, 99, 3, 256, 42, 7, 150, 11, 64, 201, 33, 8, 120, 77, 250, 19, 90, 140,
+       12, 230, 55, 180, 2]  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+
+
+def _converter_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (conversion/llama.py), as written there."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))  # fmt: skip
+
+
+def _converter_rope_freqs(p: dict, dim: int) -> np.ndarray:
+    """The rope_freqs tensor of LlamaModel.generate_extra_tensors (conversion/llama.py),
+    as written there: the factor each rotated pair's frequency is divided by."""
+    freqs = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def test_llama31_rope_freqs_give_the_hf_model(tmp_path):
+    """A Llama 3.1 GGUF: llama3 RoPE scaling arrives as a rope_freqs tensor of frequency
+    factors. A random HF Llama whose scaling starts at 32 positions (so it acts at the
+    test's) is written as the converter writes it (q/k permuted, rope_freqs computed as
+    it computes them); edgepack's logits from the file are the HF model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    vocab = _bpe_vocab("llama-bpe", add_bos=True)
+    layers, hidden, heads, kv = 2, 64, 4, 2
+    cfg = LlamaConfig(vocab_size=len(vocab["tokens"]), hidden_size=hidden, intermediate_size=96,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, max_position_embeddings=256, rms_norm_eps=1e-6,
+                      initializer_range=0.25, tie_word_embeddings=False,
+                      rope_parameters=dict(LLAMA3_ROPE))  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    tensors = {}
+    for name, p in model.state_dict().items():
+        w = p.numpy()
+        if name.endswith("q_proj.weight"):
+            w = _converter_permute(w, heads, heads)
+        elif name.endswith("k_proj.weight"):
+            w = _converter_permute(w, heads, kv)
+        tensors[names.get_name(name, try_suffixes=(".weight",))] = w
+    tensors["rope_freqs.weight"] = _converter_rope_freqs(LLAMA3_ROPE, hidden // heads)
+    src = tmp_path / "llama31.gguf"
+    _write_gguf(src, "llama", vocab, layers=layers, hidden=hidden, ffn=96, heads=heads, kv=kv,
+                theta=LLAMA3_ROPE["rope_theta"], tensors=tensors)  # fmt: skip
+    assert load_gguf(src)[0]["rope_scaling"]["rope_type"] == "factors"
+    with torch.no_grad():
+        want = model(torch.tensor([IDS])).logits[0].numpy()
+        plain = copy.deepcopy(cfg)
+        plain.rope_parameters = {"rope_type": "default", "rope_theta": LLAMA3_ROPE["rope_theta"]}
+        unscaled = LlamaForCausalLM(plain).eval()
+        unscaled.load_state_dict(model.state_dict())
+        other = unscaled(torch.tensor([IDS])).logits[0].numpy()
+    assert np.abs(other[19:] - want[19:]).max() > 1e-2 * np.abs(want).max()  # scaling acts
+    _agree(_edgepack_logits(src, tmp_path, IDS, 20), want, 19)
+
+
+# case -> (writer options, GGUF keys, the HF config values llama.cpp reads the file as
+# where transformers' GGUF loader reads nothing: query scale, layer pattern, local base,
+# linear scaling). "default": 7 layers, every 6th full, window 4, heads of 256 (llama.cpp's
+# query scale 1/sqrt(head size) is then transformers' default query_pre_attn_scalar).
+GEMMA3 = {
+    "default": (dict(head_dim=256, tied=True), {"add_sliding_window": 4}, {}),
+    "scaled": (
+        dict(head_dim=48),
+        {"add_sliding_window": 4, "add_sliding_window_pattern": 3,
+         "add_rope_freq_base_swa": 2e4, "add_rope_scaling_type": gguf.RopeScalingType.LINEAR,
+         "add_rope_scaling_factor": 8.0},
+        {"query_pre_attn_scalar": 48, "sliding_window_pattern": 3, "layer_types": None,
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(GEMMA3))
+def test_gemma3_gguf_logits_are_transformers(tmp_path, case):
+    """A tiny Gemma 3 GGUF (norms stored 1 + w, q/k norms, post norms, sliding layers,
+    a SentencePiece vocabulary) against transformers loading the same file; where the
+    file says more than that loader reads ("scaled"), its weights under the config
+    llama.cpp reads."""
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    opts, keys, meant = GEMMA3[case]
+    src = tmp_path / "gemma3.gguf"
+    vocab = _spm_vocab()
+    _write_gguf(src, "gemma3", vocab, layers=7, hidden=64, ffn=96, heads=2, kv=1,
+                keys={"add_add_space_prefix": False, **keys}, **opts)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=src.name,
+                                                 dtype=torch.float32).eval()  # fmt: skip
+    assert model.config.model_type == "gemma3_text"
+    if meant:
+        ref = Gemma3ForCausalLM(Gemma3TextConfig(**{**model.config.to_dict(), **meant})).eval()
+        ref.load_state_dict(model.state_dict())
+        model = ref
+    types = model.config.layer_types
+    assert types.count("full_attention") == (1 if case == "default" else 2), types
+    with torch.no_grad():
+        want = model(torch.tensor([IDS])).logits[0].numpy()
+    _agree(_edgepack_logits(src, tmp_path, IDS, 20), want, 19)
+
+
+def test_gemma3_gguf_config_is_llama_cpps(tmp_path):
+    """What llama.cpp makes of a Gemma 3 file's keys (src/models/gemma3.cpp): no sliding
+    window, every layer full; a per-layer pattern array; its query scale 1/sqrt(hidden /
+    heads) for the 62-layer model (27B), else 1/sqrt(head size)."""
+    from edgepack.packager.llm.arch import decoder_spec
+
+    vocab = _spm_vocab()
+    cases = [
+        (3, {}, (0, 0, 0), 48),
+        (3, {"add_sliding_window": 5, "add_sliding_window_pattern": [True, False, True]},
+         (5, 0, 5), 48),
+        (62, {"add_sliding_window": 5}, tuple(0 if i % 6 == 5 else 5 for i in range(62)), 32),
+    ]  # fmt: skip
+    for i, (layers, keys, windows, scalar) in enumerate(cases):
+        src = tmp_path / f"g{i}.gguf"
+        _write_gguf(src, "gemma3", vocab, layers=layers, hidden=64, ffn=32, heads=2, kv=1,
+                    head_dim=48, keys=keys)  # fmt: skip
+        spec = decoder_spec(load_gguf(src)[0])
+        assert spec.windows == windows and spec.attn_scale == scalar**-0.5, i
+        assert spec.norm_offset == 1 and spec.rope_local_theta == 1e4
 
 
 def _both(tmp_path, arch: str, vocab: dict):
@@ -242,9 +415,17 @@ def test_unknown_architecture_and_tokenizers_are_refused(tmp_path):
         ("llama", _bpe_vocab("qwen2", False) | {"model": "bert"}, "'bert'"),
         ("llama", _bpe_vocab("qwen2", False) | {"model": "t5"}, "'t5'"),
         ("llama", _bpe_vocab("deepseek-llm", False), "'deepseek-llm'"),
-    ]
-    for i, (arch, vocab, needle) in enumerate(cases):
+        ("llama", _bpe_vocab("qwen2", False), "'yarn'",
+         {"keys": {"add_rope_scaling_type": gguf.RopeScalingType.YARN}}),
+        ("qwen2", _bpe_vocab("qwen2", False), "'rope_freqs.weight'",
+         {"tensors": {"rope_freqs.weight": np.ones(8)}}),
+        ("llama", _bpe_vocab("qwen2", False), "5 factors for heads of 16",
+         {"tensors": {"rope_freqs.weight": np.ones(5)}}),
+        ("gemma3", _spm_vocab(), "final_logit_softcapping",
+         {"keys": {"add_final_logit_softcapping": 30.0}}),
+    ]  # fmt: skip
+    for i, (arch, vocab, needle, *more) in enumerate(cases):
         src = tmp_path / f"bad{i}.gguf"
-        _write_gguf(src, arch, vocab, layers=1, hidden=64, ffn=64)
+        _write_gguf(src, arch, vocab, layers=1, hidden=64, ffn=64, **(more[0] if more else {}))
         with pytest.raises(PackError, match=needle):
             load_gguf(src)

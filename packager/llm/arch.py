@@ -48,7 +48,7 @@ ARCHS: dict[str, Arch] = {
 }  # fmt: skip
 # Hugging Face activation names -> the glu op's (kernels/ops.py GATE_ACTS)
 HF_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "factors")  # factors: a GGUF's rope_freqs
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 

@@ -11,8 +11,19 @@ past its end. Quantized tensors are dequantized with ``gguf``'s reference
 
 llama.cpp's converter (convert_hf_to_gguf.py) permutes q and k rows into its
 interleaved RoPE order for the Llama family only (``LlamaModel.permute``); those are
-permuted back here, so the graphs use the rotate-half RoPE of the HF layout. Qwen2 and
-Qwen3 use NEOX RoPE, which is rotate-half already, and are written unpermuted.
+permuted back here, so the graphs use the rotate-half RoPE of the HF layout. Qwen2,
+Qwen3 and Gemma 3 use NEOX RoPE, which is rotate-half already, and are written
+unpermuted. Llama 3.1's llama3 RoPE scaling arrives as a ``rope_freqs`` tensor of
+per-pair factors (``LlamaModel.generate_extra_tensors``; ggml divides each frequency by
+its factor), carried as rope.py's ``factors`` type; ``rope.scaling.type`` linear as
+``linear``.
+
+Gemma 3 (``Gemma3Model``): the converter stored every norm weight as 1 + w, taken back
+to w here (arch.py adds the 1 at pack time, as for an HF folder). What the file lacks is
+taken as llama.cpp takes it (src/models/gemma3.cpp): every 6th layer full unless
+``attention.sliding_window_pattern`` says, the sliding layers' base 10000 unless
+``rope.freq_base_swa`` says and unscaled, the query scale 1/sqrt(head size) (1/sqrt(hidden
+/ heads) for the 62-layer 27B), GELU-tanh.
 
 Tokenizers: byte-level BPE (``tokenizer.ggml.model`` gpt2) with the pre-tokenizers of
 ``BPE_PRES``, and SentencePiece vocabularies (``llama``: Llama 2, TinyLlama, Mistral),
@@ -52,14 +63,35 @@ _QKV_BIAS = {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}
 _O_BIAS = {"attn_output.bias": "self_attn.o_proj.bias"}
 _QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight",
             "attn_k_norm.weight": "self_attn.k_norm.weight"}  # fmt: skip
+# Gemma 3's four norms per layer: ffn_norm is the one before the MLP there
+# (llama.cpp's FFN_PRE_NORM), the attention and MLP outputs have one each
+_GEMMA3_NORMS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 # general.architecture -> what differs, as data. model_type: the HF family (arch.py
 # ARCHS); permute_qk: llama.cpp interleaved the q/k rows (and biases) for its RoPE;
-# layer: the per-layer tensors beyond the shared ones.
+# layer: the per-layer tensors beyond the shared ones (or named otherwise than there);
+# config: HF keys the architecture fixes; rope_freqs: llama.cpp reads a rope_freqs
+# tensor for it (Llama 3.1's frequency factors); norm_shift: the converter added it to
+# every norm weight (taken off here: the HF config's weights are w, the model's 1 + w);
+# swa: (every n-th layer full, the sliding layers' RoPE base) that llama.cpp takes when
+# the file names none; width_query_blocks: block counts whose query scale is
+# 1/sqrt(hidden / heads) rather than 1/sqrt(head size) (llama.cpp's Gemma 3 27B rule);
+# refuse: keys of the file whose truthy value edgepack does not implement.
 GGUF_ARCHS: dict[str, dict] = {
-    "llama": {"model_type": "llama", "permute_qk": True, "layer": _QKV_BIAS | _O_BIAS},
+    "llama": {"model_type": "llama", "permute_qk": True, "layer": _QKV_BIAS | _O_BIAS,
+              "rope_freqs": True},
     "qwen2": {"model_type": "qwen2", "permute_qk": False, "layer": _QKV_BIAS},
     "qwen3": {"model_type": "qwen3", "permute_qk": False,
               "layer": _QKV_BIAS | _O_BIAS | _QK_NORM},
+    # llama.cpp: convert_hf_to_gguf.py (conversion/gemma.py) Gemma3Model, src/models/gemma3.cpp
+    "gemma3": {"model_type": "gemma3_text", "permute_qk": False,
+               "layer": _QK_NORM | _GEMMA3_NORMS,
+               "config": {"hidden_activation": "gelu_pytorch_tanh"}, "norm_shift": 1.0,
+               "swa": (6, 10000.0), "width_query_blocks": (62,),
+               "refuse": ("final_logit_softcapping",)},
 }  # fmt: skip
 ARCHS = tuple(GGUF_ARCHS)
 
@@ -116,7 +148,7 @@ def _precheck(path: Path) -> None:
 def _hf_name(name: str, row: dict) -> str | None:
     parts = name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
-        hf = _LAYER.get(parts[2]) or row["layer"].get(parts[2])
+        hf = row["layer"].get(parts[2]) or _LAYER.get(parts[2])
         return f"model.layers.{parts[1]}.{hf}" if hf else None
     return _TOP.get(name)
 
@@ -247,6 +279,47 @@ def _tokenizer_json(fields: dict, path: Path) -> bytes:
     return tok.to_str().encode("utf-8")
 
 
+def _rope_scaling(fields: dict, arch: str, path: Path) -> dict:
+    """The RoPE scaling llama.cpp applies (llama-model.cpp load_hparams, llama-context.cpp):
+    ``rope.scaling.factor`` (or the older ``rope.scale_linear``) divides the frequencies
+    unless ``rope.scaling.type`` is "none"; a file naming no type is linear."""
+    kind = fields.get(f"{arch}.rope.scaling.type", "linear")
+    factor = fields.get(f"{arch}.rope.scaling.factor") or fields.get(f"{arch}.rope.scale_linear")
+    if kind not in ("none", "linear"):
+        raise PackError(f"{path}: RoPE scaling {kind!r} in a GGUF is not supported (edgepack "
+                        "reads none and linear)")  # fmt: skip
+    if kind == "linear" and factor and float(factor) != 1.0:
+        return {"rope_type": "linear", "factor": float(factor)}
+    return {"rope_type": "default"}
+
+
+def _sliding_layers(fields: dict, arch: str, swa: tuple[int, float], layers: int,
+                    path: Path) -> dict:  # fmt: skip
+    """HF layer_types, sliding_window and the sliding layers' RoPE base as llama.cpp reads
+    them (src/models/gemma3.cpp, llama-model.cpp load_swa_pattern, set_swa_pattern): no
+    ``attention.sliding_window`` (or 0), every layer full; else the layers that
+    ``attention.sliding_window_pattern`` says (an array of flags, or every n-th layer
+    full, 0: none; the row's n when absent) slide, rotating with
+    ``rope.freq_base_swa`` (the row's base when absent) and no scaling."""
+    window = fields.get(f"{arch}.attention.sliding_window") or 0
+    if not window:
+        return {"layer_types": ["full_attention"] * layers, "sliding_window": None}
+    pattern = fields.get(f"{arch}.attention.sliding_window_pattern", swa[0])
+    if isinstance(pattern, list):
+        slide = [bool(x) for x in pattern]
+        if len(slide) != layers:
+            raise PackError(f"{path}: {arch}.attention.sliding_window_pattern has "
+                            f"{len(slide)} flags for {layers} layers")  # fmt: skip
+    else:
+        n = int(pattern)
+        slide = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in slide],
+        "sliding_window": int(window),
+        "rope_local_base_freq": float(fields.get(f"{arch}.rope.freq_base_swa", swa[1])),
+    }
+
+
 def load_gguf(path: str | Path) -> tuple[dict, dict, bytes, dict, dict]:
     """(HF-style config, {HF name: (float32 array, "F32")}, tokenizer.json bytes, text
     facts, GGUF tensor types counted) of a GGUF file."""
@@ -276,20 +349,21 @@ def load_gguf(path: str | Path) -> tuple[dict, dict, bytes, dict, dict]:
     def key(k: str, default=None):
         return fields.get(f"{arch}.{k}", default)
 
+    for k in row.get("refuse", ()):
+        if key(k):
+            raise PackError(f"{path}: {arch}.{k} = {key(k)!r} is not supported")
     heads, kv = key("attention.head_count"), key("attention.head_count_kv")
-    scaling = key("rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise PackError(f"{path}: RoPE scaling {scaling!r} in a GGUF is not supported yet")
     head_dim = key("attention.key_length") or key("embedding_length") // heads
     for k in ("attention.value_length", "rope.dimension_count"):  # partial RoPE, MLA...
         if key(k) not in (None, head_dim):
             raise PackError(f"{path}: {arch}.{k} = {key(k)} with heads of {head_dim}")
     tensors = {t.name: t for t in r.tensors}
+    layers, hidden = key("block_count"), key("embedding_length")
     config = {
         "model_type": row["model_type"],
         "architectures": [f"GGUF {arch}"],
-        "num_hidden_layers": key("block_count"),
-        "hidden_size": key("embedding_length"),
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv or heads,
@@ -300,8 +374,24 @@ def load_gguf(path: str | Path) -> tuple[dict, dict, bytes, dict, dict]:
         "vocab_size": len(fields["tokenizer.ggml.tokens"]),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "hidden_act": "silu",
+        **row.get("config", {"hidden_act": "silu"}),
     }
+    rope = _rope_scaling(fields, arch, path)
+    freqs = tensors.pop("rope_freqs.weight", None) if row.get("rope_freqs") else None
+    if freqs is not None:  # Llama 3.1's llama3 scaling, as the converter wrote it
+        factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+        if factors.size != head_dim // 2:
+            raise PackError(f"{path}: rope_freqs.weight has {factors.size} factors for "
+                            f"heads of {head_dim} ({head_dim // 2} rotated pairs)")  # fmt: skip
+        rope = {**rope, "rope_type": "factors",
+                "factors": [float(f) for f in factors.astype(np.float32)]}  # fmt: skip
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = rope
+    if "swa" in row:
+        config |= _sliding_layers(fields, arch, row["swa"], layers, path)
+    if "width_query_blocks" in row:  # llama.cpp's f_attention_scale (the file has none)
+        wide = layers in row["width_query_blocks"]
+        config["query_pre_attn_scalar"] = hidden // heads if wide else head_dim
     weights = {}
     for name, t in tensors.items():
         hf = _hf_name(name, row)
@@ -315,6 +405,8 @@ def load_gguf(path: str | Path) -> tuple[dict, dict, bytes, dict, dict]:
             w = _unpermute(w, heads)
         elif row["permute_qk"] and name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, kv or heads)
+        if row.get("norm_shift") and name.endswith("norm.weight"):
+            w = w - np.float32(row["norm_shift"])
         weights[hf] = (w, "F32")
     tokens = fields["tokenizer.ggml.tokens"]
     bos, eos = _special_id(fields, "bos", tokens), _special_id(fields, "eos", tokens)

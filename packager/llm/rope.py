@@ -3,9 +3,11 @@ pack time with the model's frequency scaling applied (the runtime only indexes t
 
 As transformers does: inverse frequencies 1 / theta^(2i / dim), rescaled per
 ``rope_type`` (``linear``: / factor; ``llama3``: long wavelengths / factor, a smooth
-blend in between), then angle = float32(pos) * inv_freq rounded to float32 (HF forms the
-product in float32), then cos and sin. The frequencies themselves are computed in
-float64 and rounded once.
+blend in between; ``factors``: each rotated pair's own factor divides it, then
+``factor`` if given, as ggml's rope does with llama.cpp's ``rope_freqs`` tensor,
+``theta / freq_factor``), then angle = float32(pos) * inv_freq rounded to float32 (HF
+forms the product in float32), then cos and sin. The frequencies themselves are
+computed in float64 and rounded once.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ def inv_freq(spec: DecoderSpec) -> np.ndarray:
         inv = inv / float(p["factor"])
     elif kind == "llama3":
         try:
-            factor, lo_f, hi_f = float(p["factor"]), float(p["low_freq_factor"]), float(
-                p["high_freq_factor"]
+            factor, lo_f, hi_f = (
+                float(p["factor"]),
+                float(p["low_freq_factor"]),
+                float(p["high_freq_factor"]),
             )
             old = float(p["original_max_position_embeddings"])
         except KeyError as e:
@@ -39,6 +43,14 @@ def inv_freq(spec: DecoderSpec) -> np.ndarray:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / hi_f) & (wavelen <= old / lo_f)
         inv = np.where(medium, blended, scaled)
+    elif kind == "factors":  # a GGUF's rope_freqs (gguf_file.py), one per rotated pair
+        factors = np.asarray(p.get("factors", ()), dtype=np.float64).reshape(-1)
+        if factors.shape != inv.shape or not np.all(factors > 0):
+            raise PackError(
+                f"RoPE frequency factors: {factors.size} given for {inv.size} rotated pairs "
+                "(each must be positive)"
+            )
+        inv = inv / factors / float(p.get("factor", 1.0))
     return inv.astype(np.float32)
 
 
