@@ -113,6 +113,14 @@ def _same(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return tuple(ins[0])
 
 
+def _math_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    from .mathfns import MATH_FNS
+
+    if attrs["fn"] not in MATH_FNS or len(attrs.get("args", (0.0, 0.0))) != 2:
+        raise OpError(f"math fn {attrs['fn']!r} with args {attrs.get('args')}")
+    return tuple(ins[0])
+
+
 def _pool_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x = ins[0]
     oh, ow = attrs["out_hw"]  # the importer's ceil_mode-aware figure
@@ -257,6 +265,7 @@ OPS: dict[str, OpDef] = {
         _op("matmul", ("a", "b"), _matmul_shape),
         _op("binary", ("a", "b"), _broadcast, attrs=("kind",)),
         _op("unary", ("x",), _same),
+        _op("math", ("x",), _math_shape, attrs=("fn",)),
         _op("softmax", ("x",), _same, attrs=("axis",)),
         _op("maxpool", ("x",), _pool_shape, attrs=("kernel", "strides", "pads", "out_hw")),
         _op("avgpool", ("x",), _pool_shape, attrs=("kernel", "strides", "pads", "out_hw")),

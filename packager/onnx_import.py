@@ -1,4 +1,4 @@
-"""ONNX (opsets 7-24; 7-12 converted to 13 first) -> edgepack IR, with static shapes and constant folding.
+"""ONNX (opsets 7-24; 7-12 converted to 13 first) -> edgepack IR, static shapes, folding.
 
 One pass in ONNX's topological order. Each ONNX node is either folded to a constant
 (all its inputs known at pack time, e.g. shape arithmetic) or lowered to IR ops
@@ -140,6 +140,43 @@ def _act_node(act: str, args=(0.0, 0.0)):
         ctx.emit("unary", [x], outs[0], {"act": act, "act_args": list(args_)})
 
     return handler
+
+
+# ONNX's elementwise unary math -> the math op's function (kernels/mathfns.py) and the
+# ONNX attributes that give its two args, with ONNX's defaults (float32 values, as the
+# attributes are stored).
+MATH_OPS: dict[str, tuple[str, tuple[tuple[str, float], ...]]] = {
+    **{op: (op.lower(), ()) for op in (
+        "Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Floor", "Ceil", "Round", "Sign",
+        "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh",
+        "Atanh", "Erf", "Softplus", "Softsign", "Mish")},
+    "Elu": ("elu", (("alpha", 1.0),)),
+    "Selu": ("selu", (("alpha", 1.6732631921768188), ("gamma", 1.0507010221481323))),
+    "Celu": ("celu", (("alpha", 1.0),)),
+    "ThresholdedRelu": ("thresholded_relu", (("alpha", 1.0),)),
+    "Shrink": ("shrink", (("bias", 0.0), ("lambd", 0.5))),
+    "Gelu": ("gelu", ()),  # approximate="tanh": gelu_tanh
+}  # fmt: skip
+
+
+def math_attrs(op: str, a: dict) -> dict:
+    """The math node's attributes for ONNX op ``op`` with attributes ``a``."""
+    fn, params = MATH_OPS[op]
+    if op == "Gelu":
+        approx = _decode(a.get("approximate", "none"))
+        if approx not in ("none", "tanh"):
+            raise ValueError(f"approximate={approx!r}; supported: none, tanh")
+        fn = "gelu_tanh" if approx == "tanh" else fn
+    args = [float(a.get(k, v)) for k, v in params] + [0.0, 0.0]
+    return {"fn": fn, "args": args[:2]}
+
+
+def _math(ctx: _Ctx, ins, outs, a):
+    try:
+        attrs = math_attrs(ctx.node.op_type, a)
+    except ValueError as e:
+        raise ctx.fail(str(e)) from None
+    ctx.emit("math", [ins[0]], outs[0], attrs)
 
 
 def _conv(ctx: _Ctx, ins, outs, a):
@@ -466,6 +503,7 @@ HANDLERS: dict[str, Handler] = {
     "Pad": _pad,
     "Identity": _identity,
     "Dropout": _identity,  # inference: identity (its mask output must be unused)
+    **dict.fromkeys(MATH_OPS, _math),
 }
 
 

@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 from edgepack.kernels import layout, registry, wtypes
 from edgepack.kernels.activations import ACTIVATIONS
+from edgepack.kernels.mathfns import MATH_FNS
 from edgepack.kernels.ref import reference as R
 from edgepack.kernels.winograd import transform_weights
-from edgepack.packager.onnx_import import _pool_out
+from edgepack.packager.onnx_import import MATH_OPS, _pool_out
 
 registry._load_backends()
 
@@ -47,6 +48,7 @@ TOL: dict[str, tuple[float, float]] = {
     "matmul": (1e-4, 1e-4),
     "binary": (1e-6, 1e-6),
     "unary": (1e-5, 1e-6),
+    "math": (0.0, 0.0),  # one float64 definition on every backend (kernels/mathfns.py)
     "softmax": (1e-5, 1e-7),
     "maxpool": (0.0, 0.0),
     "avgpool": (1e-6, 1e-6),
@@ -326,6 +328,26 @@ def binary_case(
     return Case(name, make, const=(1,) if const_b else (), inplace=inplace)
 
 
+# Inputs every math case starts with: zeros of both signs, halves, domain edges and
+# the IEEE specials (NaN stays NaN, inf follows IEEE, as in ONNX Runtime).
+MATH_SPECIALS = np.array([0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 1.0, -1.0, 3.0, 710.0,
+                          -710.0, np.inf, -np.inf, np.nan], F32)  # fmt: skip
+# args per function where ONNX has attributes (its defaults)
+MATH_ARGS = {"elu": (1.0, 0.0), "selu": (1.6732632, 1.050701), "celu": (1.0, 0.0),
+             "thresholded_relu": (1.0, 0.0), "shrink": (0.5, 0.5)}  # fmt: skip
+
+
+def math_case(name: str, fn: str | None = None, scale: float = 2.0, inplace=False) -> Case:
+    fn = fn or name
+
+    def make(rng, dt):
+        x = _randn(rng, 2, 3, 4, 5, scale=scale) if scale else np.arange(120, dtype=F32) - 60.5
+        x.reshape(-1)[: MATH_SPECIALS.size] = MATH_SPECIALS
+        return [x], {"fn": fn, "args": list(MATH_ARGS.get(fn, (0.0, 0.0)))}
+
+    return Case(name, make, inplace=inplace)
+
+
 def unary_case(
     name: str,
     act: str,
@@ -575,6 +597,12 @@ CASES: dict[str, list[Case]] = {
         unary_case("clip_no_lower", "clip", args=(float(np.finfo(F32).min), 0.5)),
         unary_case("relu_inplace", "relu", inplace=True),
         unary_case("sigmoid_inplace_1d", "sigmoid", shape=(37,), inplace=True),
+    ],
+    "math": [
+        *[math_case(fn) for fn in MATH_FNS],
+        math_case("exp_wide", "exp", scale=200.0),
+        math_case("round_halves", "round", scale=0.0),
+        math_case("erf_inplace", "erf", inplace=True),
     ],
     "softmax": [
         *[softmax_case(f"4d_axis{ax}", (2, 3, 4, 5), ax) for ax in (0, 1, 2, 3, -1)],
@@ -1074,7 +1102,9 @@ def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2
             if i in case.state:  # written as the reference writes it, bit for bit
                 np.testing.assert_array_equal(mem.get(a), ref_ins[i], err_msg=f"state {i}")
             elif a is not None and not (case.inplace and i == 0):
-                assert np.array_equal(mem.get(a), a0), f"{kernel.name} modified input {i}"
+                # bits, not values: a NaN input is unchanged though NaN != NaN
+                same = np.asarray(mem.get(a)).tobytes() == np.asarray(a0).tobytes()
+                assert same, f"{kernel.name} modified input {i}"
 
 
 @pytest.mark.cpu
@@ -1259,7 +1289,8 @@ def _ort_run(node, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]) -
     return _ort_graph([node], feeds, inits)
 
 
-def _ort_graph(nodes, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]) -> np.ndarray:
+def _ort_graph(nodes, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray],
+               opset: int = OPSET) -> np.ndarray:  # fmt: skip
     """ORT's output of a graph of ``nodes`` (the last one's first output)."""
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
@@ -1275,7 +1306,7 @@ def _ort_graph(nodes, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]
         [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)],
         initializer=[numpy_helper.from_array(a, n) for n, a in inits.items()],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
@@ -1358,6 +1389,26 @@ def test_reference_softmax_matches_onnxruntime(case: Case) -> None:
     (x,), attrs = case.make(_rng("ort", "softmax", case.name), "f32")
     node = helper.make_node("Softmax", ["x"], ["y"], axis=attrs["axis"])
     _compare_ref(R.softmax([x], attrs), _ort_run(node, {"x": x}, {}), 1e-5, 1e-7)
+
+
+def _onnx_math_node(fn: str, args):
+    """The ONNX node the importer maps to math ``fn`` (onnx_import.MATH_OPS)."""
+    from onnx import helper
+
+    if fn == "gelu_tanh":
+        return helper.make_node("Gelu", ["x"], ["y"], approximate="tanh")
+    op, params = next((op, p) for op, (f, p) in MATH_OPS.items() if f == fn)
+    return helper.make_node(op, ["x"], ["y"], **{k: v for (k, _), v in zip(params, args)})
+
+
+@pytest.mark.parametrize("case", CASES["math"], ids=lambda c: c.name)
+def test_reference_math_matches_onnxruntime(case: Case) -> None:
+    (x,), attrs = case.make(_rng("ort", "math", case.name), "f32")
+    node = _onnx_math_node(attrs["fn"], attrs["args"])
+    got = _ort_graph([node], {"x": x}, {}, opset=20)  # Gelu is opset 20
+    # ORT evaluates in float32 (its own exp, erf, tanh...): a few ulps, and up to 2e-7
+    # absolute where its GELU-tanh rounds; NaN and infinities where the reference has them
+    _compare_ref(R.math_op([x], attrs), got, 2e-6, 5e-7)
 
 
 @pytest.mark.parametrize("case", CASES["reduce_mean"], ids=lambda c: c.name)

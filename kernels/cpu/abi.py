@@ -62,6 +62,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "to_channels_first": ("to_channels_first", v(arr(f4, 3), arr(f4, 3))),
         "epilogue_cols": ("epilogue_cols", v(arr(f4, 2), w1, w1, i8, i8, f4, f4)),
         "act_into": ("act_into", v(arr(f4, 1), arr(f4, 1), i8, f4, f4)),
+        "math_into": ("math_into", v(arr(f4, 1), arr(f4, 1), i8, T.float64, T.float64)),
         **{
             f"gemv_{name}": (  # int8, fp16 (uint16 bits), bf16 (int16 bits): gemv.py
                 "gemv.gemv",

@@ -23,6 +23,7 @@ from ..binding import up64
 from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
+from ..mathfns import math_code
 from ..ops import GATE_ACTS, norm_group
 from ..ops import args as _args
 from ..registry import Bound, Kernel, Spec, register
@@ -649,6 +650,17 @@ def _bind_unary(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(xf, yf, act, a, b)
 
 
+def _math_args(attrs) -> tuple[int, float, float]:
+    a, b = attrs.get("args", (0.0, 0.0))
+    return math_code(attrs["fn"]), float(a), float(b)
+
+
+def _bind_math(ins, outs, scratch, attrs) -> Bound:
+    xf, yf = _flat(ins[0]), _flat(outs[0])
+    kern, args = _bound(K.math_into, (xf, yf, *_math_args(attrs)))
+    return lambda: kern(*args)
+
+
 def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     x, y = ins[0], outs[0]
     ax = attrs["axis"] % x.ndim
@@ -958,6 +970,7 @@ _cpu("linear", _bind_linear, _ALL_W, _linear_scratch, lambda a: not a.get("xq"),
 _cpu("matmul", _bind_matmul)
 _cpu("binary", _bind_binary)
 _cpu("unary", _bind_unary)
+_cpu("math", _bind_math)
 _cpu("softmax", _bind_softmax)
 _cpu("maxpool", _bind_pool("max"))
 _cpu("avgpool", _bind_pool("avg"))

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
+from ..portable import math_fn as _math_fn_py
 
 
 @njit(inline="always")
@@ -226,6 +227,20 @@ def epilogue_cols(y, bias, scale, flags, act, a, b):
     """In place on y[M, N]: per-column scale and bias, activation (linear layers)."""
     for m in prange(y.shape[0]):
         linear_epilogue_row(y[m], bias, scale, flags, act, a, b)
+
+
+_math_fn = njit(inline="always")(_math_fn_py)
+
+
+@njit(parallel=True, cache=True)
+def math_into(x, y, code, a, b):
+    """y = the math op's function ``code`` (kernels/mathfns.py) of x, flat arrays, in
+    float64 rounded once (x and y may be the same buffer)."""
+    n = x.size
+    chunk = 16384
+    for c in prange((n + chunk - 1) // chunk):
+        for i in range(c * chunk, min(c * chunk + chunk, n)):
+            y[i] = _math_fn(code, np.float64(x[i]), a, b)
 
 
 @njit(parallel=True, cache=True)

@@ -32,6 +32,7 @@ from ..binding import act_args as _act
 from ..binding import epilogue_flags as _flags
 from ..binding import nbytes as _nbytes
 from ..decoded import decoded
+from ..mathfns import math_code
 from ..ops import args as _args
 from ..ops import norm_group
 from ..registry import Bound, Kernel, Spec, register
@@ -319,6 +320,15 @@ def _bind_unary(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(xf, yf, act, a, b)
 
 
+def _bind_math(ins, outs, scratch, attrs) -> Bound:
+    d = _d()
+    xf, yf = d.arg(ins[0].reshape(-1)), d.arg(outs[0].reshape(-1))
+    kern = d.launch(_k().math_into, outs[0].size)
+    a, b = attrs.get("args", (0.0, 0.0))
+    code = math_code(attrs["fn"])
+    return lambda: kern(xf, yf, code, float(a), float(b))
+
+
 def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     d = _d()
     x, y = ins[0], outs[0]
@@ -513,6 +523,7 @@ _cuda("linear", _bind_linear, _ALL_W, _linear_scratch, _float_x)
 _cuda("matmul", _bind_matmul)
 _cuda("binary", _bind_binary)
 _cuda("unary", _bind_unary)
+_cuda("math", _bind_math)
 _cuda("softmax", _bind_softmax)
 _cuda("maxpool", _bind_pool("max"))
 _cuda("avgpool", _bind_pool("avg"))

@@ -236,6 +236,16 @@ def dwconv(x, w, bias, scale, res, y, sh, sw, pt, pl, dh, dw, flags, code, a, b)
 # --- elementwise ----------------------------------------------------------------------
 
 
+_math_fn = cuda.jit(device=True)(portable.math_fn)
+
+
+@cuda.jit
+def math_into(x, y, code, a, b):
+    """The math op's function ``code`` (kernels/mathfns.py), in float64 as the CPU."""
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        y[i] = _math_fn(code, float64(x[i]), a, b)
+
+
 @cuda.jit
 def act_into(x, y, code, a, b):
     for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):

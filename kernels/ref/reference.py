@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import layout
 from ..activations import apply_act_ref
+from ..mathfns import math_ref
 from ..mbconv import parts as mbconv_parts
 from ..ops import args, role
 from ..winograd import untransform_weights
@@ -163,6 +164,10 @@ def unary(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return _act(inputs[0].astype(np.float32), attrs)
 
 
+def math_op(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return math_ref(inputs[0], attrs["fn"], attrs.get("args", (0.0, 0.0)))
+
+
 def softmax(inputs: Sequence[Array | None], attrs: dict) -> Array:
     x = inputs[0].astype(np.float64)
     ax = attrs["axis"]
@@ -292,6 +297,7 @@ REFERENCE: dict[str, RefFn] = {
     "matmul": matmul,
     "binary": binary,
     "unary": unary,
+    "math": math_op,
     "softmax": softmax,
     "maxpool": maxpool,
     "avgpool": avgpool,
