@@ -102,6 +102,12 @@ def _broadcast(ins: Sequence[Shape | None], attrs: dict) -> Shape:
         raise OpError(f"shapes {list(ins)} do not broadcast") from e
 
 
+def _binary_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    if attrs["kind"] not in BINARY_KINDS:
+        raise OpError(f"binary kind {attrs['kind']!r}; known: {', '.join(BINARY_KINDS)}")
+    return _broadcast(ins, attrs)
+
+
 def _matmul_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     a, b = ins[0], ins[1]
     if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
@@ -242,6 +248,8 @@ def _attention_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
 # each a name here and one definition in the reference (kernels/ref/reference.py).
 NORM_KINDS = ("rms", "layer")
 GATE_ACTS = ("silu", "gelu_tanh")
+# binary's kinds, in the order of the kernels' integer codes (kernels/cpu/kernels.py _binop)
+BINARY_KINDS = ("add", "sub", "mul", "div", "max", "min", "pow")
 
 _CONV_ATTRS = ("strides", "pads", "dilations", "group")
 _W = frozenset({"w", "bias", "scale"})
@@ -263,7 +271,7 @@ OPS: dict[str, OpDef] = {
         _op("conv_wino", _CONV_ROLES, _wino_shape, _OPT, _W, ("pads", "tile"), "w"),
         _op("linear", ("x", "w", "bias", "scale"), _linear_shape, ("bias", "scale"), _W, (), "w"),
         _op("matmul", ("a", "b"), _matmul_shape),
-        _op("binary", ("a", "b"), _broadcast, attrs=("kind",)),
+        _op("binary", ("a", "b"), _binary_shape, attrs=("kind",)),
         _op("unary", ("x",), _same),
         _op("math", ("x",), _math_shape, attrs=("fn",)),
         _op("softmax", ("x",), _same, attrs=("axis",)),

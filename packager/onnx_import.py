@@ -89,6 +89,9 @@ class _Ctx:
         return out
 
 
+_NO_ACT = {"act": "none", "act_args": [0.0, 0.0]}
+
+
 def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
@@ -229,8 +232,8 @@ def _gemm(ctx: _Ctx, ins, outs, a):
     ta, tb = int(a.get("transA", 0)), int(a.get("transB", 0))
     if ta:
         A = ctx.emit("transpose", [A], ctx.fresh(A + ".T"), {"perm": [1, 0]})
-    if B not in ctx.g.consts:
-        raise ctx.fail("B must be a constant (a weight) for Gemm")
+    if B not in ctx.g.consts or (len(ins) > 2 and ins[2] and ins[2] not in ctx.g.consts):
+        return _gemm_runtime(ctx, A, B, ins[2] if len(ins) > 2 else "", outs[0], alpha, beta, tb)
     w = ctx.const(B).astype(np.float32)
     w = (w if tb else w.T) * np.float32(alpha)  # -> [N, K]
     n = w.shape[0]
@@ -252,6 +255,27 @@ def _gemm(ctx: _Ctx, ins, outs, a):
             outs[0],
             {"kind": "add", "act": "none", "act_args": [0.0, 0.0]},
         )
+
+
+def _scaled(ctx: _Ctx, x: str, k: float, out: str) -> str:
+    if k == 1.0:
+        return x
+    kn = ctx.add_const(ctx.fresh(ctx.node_name + ".k"), np.float32(k))
+    return ctx.emit("binary", [x, kn], out, {"kind": "mul", **_NO_ACT})
+
+
+def _gemm_runtime(ctx: _Ctx, A: str, B: str, C: str, out: str, alpha: float, beta: float,
+                  tb: int) -> None:  # fmt: skip
+    """Gemm whose B (or C) arrives at run time: a matmul of the two operands, alpha and
+    beta as multiplies, C broadcast-added."""
+    if tb:
+        B = ctx.emit("transpose", [B], ctx.fresh(B + ".T"), {"perm": [1, 0]})
+    has_c = bool(C) and beta != 0.0
+    y = ctx.emit("matmul", [A, B], ctx.fresh(out) if has_c or alpha != 1.0 else out, _NO_ACT)
+    y = _scaled(ctx, y, alpha, ctx.fresh(out) if has_c else out)
+    if has_c:
+        c = _scaled(ctx, C, beta, ctx.fresh(C + ".beta"))
+        ctx.emit("binary", [y, c], out, {"kind": "add", **_NO_ACT})
 
 
 def _matmul(ctx: _Ctx, ins, outs, a):
@@ -282,6 +306,35 @@ def _binary(kind: str):
             outs[0],
             {"kind": kind, "act": "none", "act_args": [0.0, 0.0]},
         )
+
+    return handler
+
+
+def _pow(ctx: _Ctx, ins, outs, a):
+    e = ins[1]
+    if e in ctx.g.consts and ctx.g.consts[e].dtype.kind in "iu":  # an integer exponent
+        ctx.g.consts[e] = ctx.g.consts[e].astype(np.float32)  # exact below 2**24
+    _binary("pow")(ctx, ins, outs, a)
+
+
+def _variadic(kind: str, mean: bool = False):
+    """Max, Min, Sum, Mean: a chain of binary nodes over the (broadcast) inputs."""
+
+    def handler(ctx: _Ctx, ins, outs, a):
+        parts = [i for i in ins if i]
+        if not parts:
+            raise ctx.fail("no inputs")
+        if len(parts) == 1 and not mean:
+            return _identity(ctx, parts, outs, a)
+        acc = parts[0]
+        for j, p in enumerate(parts[1:]):
+            last = j == len(parts) - 2 and not mean
+            acc = ctx.emit("binary", [acc, p], outs[0] if last else ctx.fresh(outs[0]),
+                           {"kind": kind, "act": "none", "act_args": [0.0, 0.0]})  # fmt: skip
+        if mean:
+            n = ctx.add_const(ctx.fresh(ctx.node_name + ".n"), np.float32(1.0 / len(parts)))
+            ctx.emit("binary", [acc, n], outs[0],
+                     {"kind": "mul", "act": "none", "act_args": [0.0, 0.0]})  # fmt: skip
 
     return handler
 
@@ -427,9 +480,13 @@ def _concat(ctx: _Ctx, ins, outs, a):
     ctx.emit("concat", [i for i in ins if i], outs[0], {"axis": ax})
 
 
-def _softmax(ctx: _Ctx, ins, outs, a):
-    xs = ctx.shape(ins[0])
-    ctx.emit("softmax", [ins[0]], outs[0], {"axis": int(a.get("axis", -1)) % len(xs)})
+def _softmax(log: bool):
+    def handler(ctx: _Ctx, ins, outs, a):
+        xs = ctx.shape(ins[0])
+        attrs = {"axis": int(a.get("axis", -1)) % len(xs), **({"log": True} if log else {})}
+        ctx.emit("softmax", [ins[0]], outs[0], attrs)
+
+    return handler
 
 
 def _reduce_mean(ctx: _Ctx, ins, outs, a):
@@ -481,6 +538,11 @@ HANDLERS: dict[str, Handler] = {
     "Sub": _binary("sub"),
     "Mul": _binary("mul"),
     "Div": _binary("div"),
+    "Pow": _pow,
+    "Max": _variadic("max"),
+    "Min": _variadic("min"),
+    "Sum": _variadic("add"),
+    "Mean": _variadic("add", mean=True),
     "Relu": _act_node("relu"),
     "LeakyRelu": _act_node("leaky_relu"),
     "Clip": _act_node("clip"),
@@ -488,7 +550,8 @@ HANDLERS: dict[str, Handler] = {
     "Tanh": _act_node("tanh"),
     "HardSigmoid": _act_node("hard_sigmoid"),
     "HardSwish": _act_node("hard_swish"),
-    "Softmax": _softmax,
+    "Softmax": _softmax(False),
+    "LogSoftmax": _softmax(True),
     "MaxPool": _pool("max"),
     "AveragePool": _pool("avg"),
     "GlobalAveragePool": _global_avg,

@@ -24,6 +24,7 @@ import pytest
 from edgepack.kernels import layout, registry, wtypes
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.mathfns import MATH_FNS
+from edgepack.kernels.ops import BINARY_KINDS
 from edgepack.kernels.ref import reference as R
 from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import MATH_OPS, _pool_out
@@ -317,12 +318,17 @@ def binary_case(
     act: str = "none",
     const_b: bool = False,
     inplace: bool = False,
+    nan: bool = False,
 ) -> Case:
     def make(rng, dt):
         a = _randn(rng, *ashape)
         b = _randn(rng, *bshape)
         if kind == "div":  # keep the divisor away from 0
             b = (np.sign(b) + (b == 0)) * rng.uniform(0.5, 2.0, bshape)
+        if nan:  # NaN on either side propagates (Max/Min/Pow as ONNX Runtime)
+            a.reshape(-1)[::7] = np.nan
+            b = np.asarray(b, F32)
+            b.reshape(-1)[1::5] = np.nan
         return [a, np.asarray(b, F32)], {"kind": kind, "act": act, "act_args": list(ACT_ARGS[act])}
 
     return Case(name, make, const=(1,) if const_b else (), inplace=inplace)
@@ -366,8 +372,9 @@ def unary_case(
     return Case(name, make, inplace=inplace)
 
 
-def softmax_case(name: str, shape, axis: int, scale: float = 3.0) -> Case:
-    return Case(name, lambda rng, dt: ([_randn(rng, *shape, scale=scale)], {"axis": axis}))
+def softmax_case(name: str, shape, axis: int, scale: float = 3.0, log: bool = False) -> Case:
+    attrs = {"axis": axis, **({"log": True} if log else {})}
+    return Case(name, lambda rng, dt: ([_randn(rng, *shape, scale=scale)], dict(attrs)))
 
 
 def pool_case(
@@ -562,7 +569,7 @@ CASES: dict[str, list[Case]] = {
     "binary": [
         *[
             c
-            for kind in ("add", "sub", "mul", "div")
+            for kind in BINARY_KINDS
             for c in (
                 binary_case(f"{kind}_same", kind, (2, 3, 4, 5), (2, 3, 4, 5)),
                 binary_case(f"{kind}_chan", kind, (2, 3, 4, 5), (1, 3, 1, 1), const_b=True),
@@ -572,6 +579,9 @@ CASES: dict[str, list[Case]] = {
                 binary_case(f"{kind}_left_bcast", kind, (1, 3, 1, 1), (2, 3, 4, 5)),
             )
         ],
+        binary_case("max_nan", "max", (2, 3, 4, 5), (2, 3, 4, 5), nan=True),
+        binary_case("min_nan_bcast", "min", (2, 3, 4, 5), (1, 3, 1, 5), nan=True),
+        binary_case("pow_nan", "pow", (2, 3, 4, 5), (5,), nan=True),
         binary_case("add_relu", "add", (2, 3, 4, 5), (2, 3, 4, 5), act="relu"),
         binary_case("mul_hard_sigmoid", "mul", (2, 8), (8,), act="hard_sigmoid"),
         binary_case("add_inplace", "add", (2, 3, 4, 5), (2, 3, 4, 5), inplace=True),
@@ -609,6 +619,8 @@ CASES: dict[str, list[Case]] = {
         softmax_case("2d_long", (4, 1000), 1),
         softmax_case("len1", (3, 1), 1),
         softmax_case("large_values", (2, 10), 1, scale=100.0),
+        softmax_case("log_4d_axis1", (2, 3, 4, 5), 1, log=True),
+        softmax_case("log_large_values", (2, 10), 1, scale=1e4, log=True),
     ],
     "maxpool": [
         pool_case("k3_s2_p1", "max"),
@@ -1387,8 +1399,29 @@ def test_reference_softmax_matches_onnxruntime(case: Case) -> None:
     from onnx import helper
 
     (x,), attrs = case.make(_rng("ort", "softmax", case.name), "f32")
-    node = helper.make_node("Softmax", ["x"], ["y"], axis=attrs["axis"])
-    _compare_ref(R.softmax([x], attrs), _ort_run(node, {"x": x}, {}), 1e-5, 1e-7)
+    op = "LogSoftmax" if attrs.get("log") else "Softmax"
+    node = helper.make_node(op, ["x"], ["y"], axis=attrs["axis"])
+    atol = 1e-5 if attrs.get("log") else 1e-7  # log-softmax: values of order 1e4
+    _compare_ref(R.softmax([x], attrs), _ort_run(node, {"x": x}, {}), 1e-5, atol)
+
+
+_ONNX_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max",
+                "min": "Min", "pow": "Pow"}  # fmt: skip
+assert set(_ONNX_BINARY) == set(BINARY_KINDS)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES["binary"] if "_relu" not in c.name and "clip" not in c.name
+             and "sigmoid" not in c.name], ids=lambda c: c.name)  # fmt: skip
+def test_reference_binary_matches_onnxruntime(case: Case) -> None:
+    from onnx import helper
+
+    (a, b), attrs = case.make(_rng("ort", "binary", case.name), "f32")
+    if attrs["act"] != "none":
+        pytest.skip("ONNX has no fused activation")
+    node = helper.make_node(_ONNX_BINARY[attrs["kind"]], ["a", "b"], ["y"])
+    got = _ort_graph([node], {"a": a, "b": b}, {})
+    _compare_ref(R.binary([a, b], attrs), got, 1e-6, 1e-7)
 
 
 def _onnx_math_node(fn: str, args):

@@ -24,7 +24,7 @@ from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
 from ..mathfns import math_code
-from ..ops import GATE_ACTS, norm_group
+from ..ops import BINARY_KINDS, GATE_ACTS, norm_group
 from ..ops import args as _args
 from ..registry import Bound, Kernel, Spec, register
 from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
@@ -615,8 +615,9 @@ def _bind_matmul(ins, outs, scratch, attrs) -> Bound:
     return step
 
 
-_UFUNC = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
-_KIND = {"add": 0, "sub": 1, "mul": 2, "div": 3}
+_UFUNC = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+          "max": np.maximum, "min": np.minimum, "pow": np.power}  # fmt: skip
+_KIND = {k: i for i, k in enumerate(BINARY_KINDS)}
 
 
 def _bind_binary(ins, outs, scratch, attrs) -> Bound:
@@ -668,7 +669,7 @@ def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     inner = int(np.prod(x.shape[ax + 1 :]))
     shape3 = (outer, x.shape[ax], inner)
     x3, y3 = x.reshape(shape3), y.reshape(shape3)
-    kern = K.softmax3
+    kern = K.log_softmax3 if attrs.get("log") else K.softmax3
     return lambda: kern(x3, y3)
 
 

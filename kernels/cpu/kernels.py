@@ -677,6 +677,26 @@ def softmax3(x, out):
 
 
 @njit(parallel=True, cache=True)
+def log_softmax3(x, out):
+    """Log-softmax over axis 1 of x[outer, L, inner]: (x - max) - log(sum(exp(x - max))),
+    the sum in float64 (no exp of a large logit overflows, no log of an underflow)."""
+    o_, l_, i_ = x.shape
+    for oi in prange(o_ * i_):
+        o = oi // i_
+        i = oi % i_
+        m = -np.inf
+        for k in range(l_):
+            if x[o, k, i] > m:
+                m = x[o, k, i]
+        s = 0.0
+        for k in range(l_):
+            s += np.exp(np.float64(x[o, k, i]) - m)
+        ls = np.log(s)
+        for k in range(l_):
+            out[o, k, i] = np.float64(x[o, k, i]) - m - ls
+
+
+@njit(parallel=True, cache=True)
 def decode_i8(src, dst):
     """int8 weights -> float32 scratch (flat arrays); the scale is applied later."""
     for i in prange(src.size):
@@ -759,13 +779,21 @@ def decode_q4(src, scale, dst, rows, cols):
 
 @njit(inline="always")
 def _binop(x, y, kind):
+    """kinds: ops.BINARY_KINDS' order. max/min propagate NaN (x + y is NaN when either
+    is), as ONNX Runtime's Max/Min and NumPy's maximum/minimum do."""
     if kind == 0:
         return x + y
     if kind == 1:
         return x - y
     if kind == 2:
         return x * y
-    return x / y
+    if kind == 3:
+        return x / y
+    if kind == 4:
+        return x + y if x != x or y != y else max(x, y)
+    if kind == 5:
+        return x + y if x != x or y != y else min(x, y)
+    return x**y
 
 
 @njit(parallel=True, cache=True)

@@ -33,8 +33,8 @@ from ..binding import epilogue_flags as _flags
 from ..binding import nbytes as _nbytes
 from ..decoded import decoded
 from ..mathfns import math_code
+from ..ops import BINARY_KINDS, norm_group
 from ..ops import args as _args
-from ..ops import norm_group
 from ..registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -293,7 +293,7 @@ def _bind_matmul(ins, outs, scratch, attrs) -> Bound:
     return step
 
 
-_KIND = {"add": 0, "sub": 1, "mul": 2, "div": 3}
+_KIND = {k: i for i, k in enumerate(BINARY_KINDS)}
 
 
 def _bind_binary(ins, outs, scratch, attrs) -> Bound:
@@ -337,7 +337,8 @@ def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     inner = int(np.prod(x.shape[ax + 1 :]))
     shape3 = (outer, x.shape[ax], inner)
     x3, y3 = d.arg(x.reshape(shape3)), d.arg(y.reshape(shape3))
-    kern = d.launch(_k().softmax3, outer * inner)
+    k = _k().log_softmax3 if attrs.get("log") else _k().softmax3
+    kern = d.launch(k, outer * inner)
     return lambda: kern(x3, y3)
 
 

@@ -266,8 +266,14 @@ def binary6(x, z, y, kind, code, a, b):
             o = u - v
         elif kind == 2:
             o = u * v
-        else:
+        elif kind == 3:
             o = u / v
+        elif kind == 4:  # max/min propagate NaN, as the CPU's
+            o = u + v if u != u or v != v else max(u, v)
+        elif kind == 5:
+            o = u + v if u != u or v != v else min(u, v)
+        else:
+            o = u**v
         y[i0, i1, i2, i3, i4, i5] = act(o, code, a, b)
 
 
@@ -351,6 +357,25 @@ def softmax3(x, y):
         inv = 1.0 / s
         for k in range(n):
             y[o, k, q] = f32(y[o, k, q] * inv)
+
+
+@cuda.jit
+def log_softmax3(x, y):
+    """Log-softmax over axis 1 of x[outer, n, inner], as the CPU's (float64 sum)."""
+    n, inner = x.shape[1], x.shape[2]
+    rows = x.shape[0] * inner
+    for t in range(cuda.grid(1), rows, cuda.gridsize(1)):
+        o = t // inner
+        q = t - o * inner
+        m = x[o, 0, q]
+        for k in range(1, n):
+            m = max(m, x[o, k, q])
+        s = float64(0.0)
+        for k in range(n):
+            s += math.exp(float64(x[o, k, q]) - float64(m))
+        ls = math.log(s)
+        for k in range(n):
+            y[o, k, q] = f32(float64(x[o, k, q]) - float64(m) - ls)
 
 
 @cuda.jit

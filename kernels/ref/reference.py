@@ -152,7 +152,8 @@ def matmul(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return _act(np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.float32), attrs)
 
 
-_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+           "max": np.maximum, "min": np.minimum, "pow": np.power}  # fmt: skip
 
 
 def binary(inputs: Sequence[Array | None], attrs: dict) -> Array:
@@ -169,9 +170,13 @@ def math_op(inputs: Sequence[Array | None], attrs: dict) -> Array:
 
 
 def softmax(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """Softmax over ``axis``; with ``log`` the log-softmax, (x - max) - log(sum(exp))."""
     x = inputs[0].astype(np.float64)
     ax = attrs["axis"]
-    e = np.exp(x - x.max(axis=ax, keepdims=True))
+    z = x - x.max(axis=ax, keepdims=True)
+    e = np.exp(z)
+    if attrs.get("log"):
+        return (z - np.log(e.sum(axis=ax, keepdims=True))).astype(np.float32)
     return (e / e.sum(axis=ax, keepdims=True)).astype(np.float32)
 
 
