@@ -174,6 +174,58 @@ def _rows_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (count, *x[1:])
 
 
+def _slice_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, starts, steps, sizes = ins[0], attrs["starts"], attrs["steps"], attrs["sizes"]
+    if not len(starts) == len(steps) == len(sizes) == len(x):
+        raise OpError(f"slice of rank {len(x)} with {len(starts)} starts")
+    for d, b, st, n in zip(x, starts, steps, sizes):
+        last = b + (n - 1) * st
+        if st == 0 or n < 0 or (n and not (0 <= b < d and 0 <= last < d)):
+            raise OpError(f"slice start {b} step {st} size {n} of an axis of {d}")
+    return tuple(int(n) for n in sizes)
+
+
+def slice_index(attrs: dict) -> tuple[slice, ...]:
+    """The NumPy basic index of a slice node (a view: no copy until assigned)."""
+    out = []
+    for b, st, n in zip(attrs["starts"], attrs["steps"], attrs["sizes"]):
+        stop = b + n * st
+        out.append(slice(b, None if stop < 0 else stop, st))
+    return tuple(out)
+
+
+def _resample_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, idx, w, ax = ins[0], ins[1], ins[2], int(attrs["axis"])
+    if not 0 <= ax < len(x) or idx != w or len(idx) != 2:
+        raise OpError(f"resample of {list(x)} along {ax} with taps {idx} / {w}")
+    return (*x[:ax], idx[0], *x[ax + 1 :])
+
+
+def _argmax_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, ax = ins[0], int(attrs["axis"])
+    if not 0 <= ax < len(x) or x[ax] < 1:
+        raise OpError(f"argmax over axis {ax} of {list(x)}")
+    return _reduce_shape(ins, {"axes": [ax], "keepdims": attrs["keepdims"]})
+
+
+def argmax_step(xp, x, y, attrs: dict):
+    """argmax's step for either backend: ``xp`` (NumPy, or the GPU's array module)
+    writes the indices into the output view, in place (no allocation per run)."""
+    ax = int(attrs["axis"])
+    f = xp.argmin if attrs.get("min") else xp.argmax
+    last = bool(attrs.get("select_last"))
+    src = x[(slice(None),) * ax + (slice(None, None, -1),)] if last else x
+    yk = y.reshape(tuple(d for i, d in enumerate(x.shape) if i != ax))
+    top = x.shape[ax] - 1
+
+    def step() -> None:
+        f(src, axis=ax, out=yk)
+        if last:  # the reversed view's first is the last
+            xp.subtract(top, yk, out=yk)
+
+    return step
+
+
 def _reduce_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x = ins[0]
     axes = {a % len(x) for a in attrs["axes"]}
@@ -283,7 +335,14 @@ OPS: dict[str, OpDef] = {
         _op("transpose", ("x",), _transpose_shape, attrs=("perm",)),
         _op("concat", ("*parts",), _concat_shape, attrs=("axis",)),
         _op("rows", ("x",), _rows_shape, attrs=("start", "count")),
+        _op("slice", ("x",), _slice_shape, attrs=("starts", "steps", "sizes")),
+        # one axis of a Resize: y[.., o, ..] = sum_t w[o, t] * x[.., idx[o, t], ..]
+        _op("resample", ("x", "idx", "w"), _resample_shape, consts=("idx", "w"),
+            attrs=("axis",)),
         _op("reduce_mean", ("x",), _reduce_shape, attrs=("axes", "keepdims")),
+        # int64 output: the index of the largest (``min``: smallest) value along ``axis``,
+        # the first one unless ``select_last``
+        _op("argmax", ("x",), _argmax_shape, attrs=("axis", "keepdims")),
         _op("pad", ("x",), _pad_shape, attrs=("pads",)),
         # Decoder LLMs (docs/bundle-format.md, "LLM ops"): tokens are rows.
         _op("norm", ("x", "w", "b"), _norm_shape, ("b",), ("w", "b"), ("kind", "eps")),
@@ -303,6 +362,12 @@ OPS: dict[str, OpDef] = {
         ),
     )
 }
+
+# Ops whose output is not float32 (the arena dtype of runtime/bundle_format.py); every
+# other op takes and gives float32 tensors (the LLM graphs' int32 ids aside).
+OUT_DTYPES: dict[str, str] = {"argmax": "i64"}
+# Constant inputs that are integer tables, not float32 (resample's tap indices, int32)
+INT_CONSTS: dict[str, tuple[str, ...]] = {"resample": ("idx",)}
 
 # The ops whose kernels are keyed by their weight's type (kernels/registry.py).
 WEIGHT_OPS: tuple[str, ...] = tuple(n for n, d in OPS.items() if d.weight and n != "conv_wino")

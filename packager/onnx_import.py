@@ -17,8 +17,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..kernels.ops import OpError, output_shape
+from ..kernels.ops import INT_CONSTS, OUT_DTYPES, OpError, output_shape
+from ..kernels.ops import get as get_op
 from ..kernels.ref.reference import REFERENCE
+from ..runtime.bundle_format import TENSOR_DTYPES
 from .ir import Graph, Node, PackError
 
 MIN_OPSET, MAX_OPSET = 13, 24
@@ -73,12 +75,20 @@ class _Ctx:
             shape = output_shape(op, in_shapes, attrs)
         except OpError as e:
             raise self.fail(str(e)) from None
+        for i in inputs:  # every op takes float32 tensors (ops.OUT_DTYPES makes others)
+            if i and i not in self.g.consts and self.g.dtype(i) != "f32":
+                raise self.fail(f"input {i!r} is {self.g.dtype(i)}; the {op} op takes float32")
+        out_dtype = OUT_DTYPES.get(op, "f32")
+        ints = {get_op(op).roles.index(r) for r in INT_CONSTS.get(op, ())}
         if all((not i) or i in self.g.consts for i in inputs):
-            args = [self.g.consts[i].astype(np.float32) if i else None for i in inputs]
-            val = np.asarray(REFERENCE[op](args, attrs), np.float32).reshape(shape)
-            return self.add_const(out, val)
-        for i in inputs:
-            if i and i in self.g.consts and self.g.consts[i].dtype != np.float32:
+            args = [
+                None if not i else self.g.consts[i] if k in ints else
+                self.g.consts[i].astype(np.float32) for k, i in enumerate(inputs)
+            ]  # fmt: skip
+            val = np.asarray(REFERENCE[op](args, attrs))
+            return self.add_const(out, val.astype(TENSOR_DTYPES[out_dtype]).reshape(shape))
+        for k, i in enumerate(inputs):
+            if i and i in self.g.consts and self.g.consts[i].dtype != np.float32 and k not in ints:
                 self.g.consts[i] = self.g.consts[i].astype(np.float32)
         name = self.node_name
         while name in self.used:  # one ONNX node may lower to several IR nodes
@@ -86,6 +96,8 @@ class _Ctx:
         self.used.add(name)
         self.g.nodes.append(Node(op, name, list(inputs), [out], dict(attrs), [self.node_name]))
         self.g.shapes[out] = shape
+        if out_dtype != "f32":
+            self.g.dtypes[out] = out_dtype
         return out
 
 
@@ -402,6 +414,215 @@ def _batchnorm(ctx: _Ctx, ins, outs, a):
     )
 
 
+def _layer_norm(kind: str):
+    """LayerNormalization / RMSNormalization over the axes from ``axis`` on: the rows of
+    x as [outer, inner] through the norm op, its weights (and bias) broadcast to
+    inner. The optional Mean / InvStdDev outputs (training) are refused."""
+
+    def handler(ctx: _Ctx, ins, outs, a):
+        if any(outs[1:]):
+            raise ctx.fail("the Mean / InvStdDev outputs are not supported")
+        xs = ctx.shape(ins[0])
+        ax = int(a.get("axis", -1))
+        if not -len(xs) <= ax < len(xs):
+            raise ctx.fail(f"axis {ax} out of range for rank {len(xs)}")
+        ax %= len(xs)
+        inner = xs[ax:]
+        n = int(np.prod(inner))
+        consts = []
+        for i, what in ((1, "scale"), (2, "bias")):
+            if len(ins) <= i or not ins[i]:
+                consts.append("")
+                continue
+            v = ctx.const(ins[i], what).astype(np.float32)
+            try:
+                v = np.broadcast_to(v, inner).reshape(n)
+            except ValueError:
+                raise ctx.fail(f"{what} of shape {list(v.shape)} for axes {list(inner)}") from None
+            consts.append(ctx.add_const(ctx.fresh(f"{ctx.node_name}.{what}"), v.copy()))
+        w, b = consts
+        rows = ctx.fresh(ins[0] + ".rows")
+        _reshape_to(ctx, ins[0], rows, (int(np.prod(xs[:ax])), n))
+        normed = ctx.emit("norm", [rows, w] + ([b] if b else []), ctx.fresh(outs[0] + ".rows"),
+                          {"kind": kind, "eps": float(a.get("epsilon", 1e-5))})  # fmt: skip
+        _reshape_to(ctx, normed, outs[0], xs)
+
+    return handler
+
+
+def _argmax(is_min: bool):
+    def handler(ctx: _Ctx, ins, outs, a):
+        xs = ctx.shape(ins[0])
+        ax = int(a.get("axis", 0))
+        if not -len(xs) <= ax < len(xs):
+            raise ctx.fail(f"axis {ax} out of range for rank {len(xs)}")
+        attrs = {"axis": ax % len(xs), "keepdims": int(a.get("keepdims", 1)),
+                 "select_last": bool(a.get("select_last_index", 0)), "min": is_min}  # fmt: skip
+        ctx.emit("argmax", [ins[0]], outs[0], attrs)
+
+    return handler
+
+
+def _slice_attrs(xs, spans: dict[int, tuple[int, int, int]]) -> dict:
+    """The slice node's attributes: each axis' (start, end, step) with ONNX's clamping,
+    which is Python's (slice.indices); axes not named are whole."""
+    starts, steps, sizes = [], [], []
+    for ax, d in enumerate(xs):
+        r = range(*slice(*spans.get(ax, (0, d, 1))).indices(d))
+        starts.append(r.start if len(r) else 0)
+        steps.append(r.step)
+        sizes.append(len(r))
+    return {"starts": starts, "steps": steps, "sizes": sizes}
+
+
+def _slice(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    starts, ends = ctx.const(ins[1], "starts"), ctx.const(ins[2], "ends")
+    axes = ctx.opt_const(ins, 3)
+    steps = ctx.opt_const(ins, 4)
+    axes = range(len(starts)) if axes is None else [int(v) for v in axes]
+    steps = [1] * len(starts) if steps is None else [int(v) for v in steps]
+    spans = {}
+    for b, e, ax, st in zip(starts, ends, axes, steps):
+        if not -len(xs) <= ax < len(xs) or st == 0:
+            raise ctx.fail(f"axis {ax}, step {st} for rank {len(xs)}")
+        spans[ax % len(xs)] = (int(b), int(e), st)
+    ctx.emit("slice", [ins[0]], outs[0], _slice_attrs(xs, spans))
+
+
+def _split(ctx: _Ctx, ins, outs, a):
+    xs = ctx.shape(ins[0])
+    ax = int(a.get("axis", 0))
+    if not -len(xs) <= ax < len(xs):
+        raise ctx.fail(f"axis {ax} out of range for rank {len(xs)}")
+    ax %= len(xs)
+    given = ctx.opt_const(ins, 1) if ctx.opset >= 13 else a.get("split")
+    if given is not None and len(given):
+        sizes = [int(v) for v in np.asarray(given).reshape(-1)]
+    else:  # equal parts (opset 18: num_outputs, the last one smaller)
+        n = int(a.get("num_outputs", len(outs)))
+        part = -(-xs[ax] // n)
+        sizes = [min(part, xs[ax] - i * part) for i in range(n)]
+    if len(sizes) != len(outs) or sum(sizes) != xs[ax] or min(sizes) < 0:
+        raise ctx.fail(f"split sizes {sizes} of an axis of {xs[ax]} into {len(outs)} outputs")
+    start = 0
+    for out, n in zip(outs, sizes):
+        if out:
+            ctx.emit("slice", [ins[0]], out, _slice_attrs(xs, {ax: (start, start + n, 1)}))
+        start += n
+
+
+def _group_norm(instance: bool):
+    """InstanceNormalization (a group per channel) and GroupNormalization: the rows of
+    each (image, group) through the norm op (mean and variance, no weights), then the
+    per-channel scale and bias as channel_affine (BatchNormalization's op)."""
+
+    def handler(ctx: _Ctx, ins, outs, a):
+        xs = ctx.shape(ins[0])
+        if len(xs) < 3:
+            raise ctx.fail(f"input rank {len(xs)}; expected N, C and spatial axes")
+        n, c, spatial = xs[0], xs[1], int(np.prod(xs[2:]))
+        groups = c if instance else int(a["num_groups"])
+        if groups < 1 or c % groups:
+            raise ctx.fail(f"{c} channels in {groups} groups")
+        scale = ctx.const(ins[1], "scale").astype(np.float32).reshape(-1)
+        bias = ctx.const(ins[2], "bias").astype(np.float32).reshape(-1)
+        if not instance and ctx.opset < 21 and scale.size == groups:  # opset 18: per group
+            scale, bias = np.repeat(scale, c // groups), np.repeat(bias, c // groups)
+        if scale.size != c or bias.size != c:
+            raise ctx.fail(f"scale/bias of {scale.size}/{bias.size} for {c} channels")
+        width = c // groups * spatial
+        rows = ctx.fresh(ins[0] + ".groups")
+        _reshape_to(ctx, ins[0], rows, (n * groups, width))
+        ones = ctx.add_const(ctx.fresh(ctx.node_name + ".ones"), np.ones(width, np.float32))
+        normed = ctx.emit("norm", [rows, ones], ctx.fresh(outs[0] + ".normed"),
+                          {"kind": "layer", "eps": float(a.get("epsilon", 1e-5))})  # fmt: skip
+        planes = ctx.fresh(outs[0] + ".planes")
+        _reshape_to(ctx, normed, planes, (n, c, spatial, 1))
+        sn = ctx.add_const(ctx.fresh(ctx.node_name + ".scale"), scale)
+        bn = ctx.add_const(ctx.fresh(ctx.node_name + ".bias"), bias)
+        y = ctx.emit("channel_affine", [planes, sn, bn], ctx.fresh(outs[0] + ".affine"), _NO_ACT)
+        _reshape_to(ctx, y, outs[0], xs)
+
+    return handler
+
+
+def _resize(ctx: _Ctx, ins, outs, a):
+    """Resize (opset 11-19) with constant scales or sizes: one resample node per axis
+    whose size or coordinates change (packager/resize.py makes the taps)."""
+    from . import resize as rz
+
+    xs = ctx.shape(ins[0])
+    r = len(xs)
+    mode = _decode(a.get("mode", "nearest"))
+    transform = _decode(a.get("coordinate_transformation_mode", "half_pixel"))
+    nearest = _decode(a.get("nearest_mode", "round_prefer_floor"))
+    for what, v, known in (("mode", mode, rz.MODES), ("coordinate_transformation_mode",
+                           transform, rz.TRANSFORMS), ("nearest_mode", nearest, rz.NEAREST)):
+        if v not in known:
+            raise ctx.fail(f"{what}={v!r}; supported: {', '.join(known)}")
+    axes = [int(v) % r for v in a.get("axes", range(r))]
+    roi = ctx.opt_const(ins, 1)
+    scales = ctx.opt_const(ins, 2)
+    sizes = ctx.opt_const(ins, 3)
+    scales = None if scales is None or scales.size == 0 else [float(v) for v in scales]
+    sizes = None if sizes is None or sizes.size == 0 else [int(v) for v in sizes]
+    if (scales is None) == (sizes is None):
+        raise ctx.fail("give exactly one of scales and sizes, as constants")
+    given = scales if scales is not None else sizes
+    if len(given) != len(axes):
+        raise ctx.fail(f"{len(given)} scales/sizes for axes {axes}")
+    policy = _decode(a.get("keep_aspect_ratio_policy", "stretch"))
+    scale = dict.fromkeys(range(r), 1.0)
+    out = list(xs)
+    if sizes is not None:
+        ratios = {ax: n / xs[ax] for ax, n in zip(axes, sizes)}
+        if policy in ("not_larger", "not_smaller"):
+            k = (min if policy == "not_larger" else max)(ratios.values())
+            ratios = dict.fromkeys(axes, k)
+            sizes = [int(math.floor(k * xs[ax] + 0.5)) for ax in axes]
+        elif policy != "stretch":
+            raise ctx.fail(f"keep_aspect_ratio_policy={policy!r}")
+        for ax, n in zip(axes, sizes):
+            scale[ax], out[ax] = ratios[ax], n
+    else:
+        for ax, sc in zip(axes, scales):
+            if sc <= 0:
+                raise ctx.fail(f"scale {sc} must be positive")
+            scale[ax] = sc
+    rois = {}
+    if transform == "tf_crop_and_resize":
+        if roi is None or roi.size != 2 * len(axes):
+            raise ctx.fail("tf_crop_and_resize needs a constant roi (starts, then ends)")
+        rv = [float(v) for v in roi.reshape(-1)]
+        rois = {ax: (rv[i], rv[i + len(axes)]) for i, ax in enumerate(axes)}
+        if float(a.get("extrapolation_value", 0.0)) != 0.0:
+            raise ctx.fail("extrapolation_value other than 0 is not supported")
+    if scales is not None:
+        for ax in axes:
+            lo, hi = rois.get(ax, (0.0, 1.0))
+            out[ax] = int(math.floor(xs[ax] * (hi - lo) * scale[ax]))
+    if min(out) < 1:
+        raise ctx.fail(f"output shape {out}")
+    x = ins[0]
+    changed = []
+    for ax in axes:
+        idx, w = rz.axis_taps(
+            xs[ax], out[ax], scale[ax], mode, transform, nearest,
+            float(a.get("cubic_coeff_a", -0.75)), bool(a.get("exclude_outside", 0)),
+            bool(a.get("antialias", 0)), rois.get(ax, (0.0, 1.0)),
+        )  # fmt: skip
+        if not rz.is_identity(idx, w, xs[ax]):
+            changed.append((ax, idx, w))
+    if not changed:
+        return _identity(ctx, [x], outs, a)
+    for j, (ax, idx, w) in enumerate(changed):
+        iname = ctx.add_const(ctx.fresh(f"{ctx.node_name}.idx{ax}"), idx)
+        wname = ctx.add_const(ctx.fresh(f"{ctx.node_name}.w{ax}"), w)
+        dst = outs[0] if j == len(changed) - 1 else ctx.fresh(f"{outs[0]}.axis{ax}")
+        x = ctx.emit("resample", [x, iname, wname], dst, {"axis": ax})
+
+
 def _reshape_to(ctx: _Ctx, x: str, out: str, shape) -> None:
     ctx.emit("reshape", [x], out, {"shape": [int(d) for d in shape]})
 
@@ -563,6 +784,15 @@ HANDLERS: dict[str, Handler] = {
     "Squeeze": _squeeze,
     "Unsqueeze": _unsqueeze,
     "ReduceMean": _reduce_mean,
+    "Slice": _slice,
+    "ArgMax": _argmax(False),
+    "ArgMin": _argmax(True),
+    "Split": _split,
+    "Resize": _resize,
+    "LayerNormalization": _layer_norm("layer"),
+    "RMSNormalization": _layer_norm("rms"),
+    "InstanceNormalization": _group_norm(True),
+    "GroupNormalization": _group_norm(False),
     "Pad": _pad,
     "Identity": _identity,
     "Dropout": _identity,  # inference: identity (its mask output must be unused)
@@ -628,7 +858,7 @@ def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
     return None
 
 
-FOLD_ONLY = {"Shape", "Gather", "Cast", "Slice", "ConstantOfShape", "Range", "Equal", "Where"}
+FOLD_ONLY = {"Shape", "Gather", "Cast", "ConstantOfShape", "Range", "Equal", "Where"}
 
 
 def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:

@@ -33,8 +33,8 @@ ST_DTYPES: dict[str, str] = {
 }
 PAD_PREFIX = "__pad__."  # filler entries that keep every tensor 64-byte aligned
 # Arena tensors' dtypes: float32 activations; int32 token ids, positions and slots;
-# fp16 KV caches (an LLM graph's state).
-TENSOR_DTYPES: dict[str, str] = {"f32": "<f4", "i32": "<i4", "f16": "<f2"}
+# fp16 KV caches (an LLM graph's state); int64 indices (ArgMax's output).
+TENSOR_DTYPES: dict[str, str] = {"f32": "<f4", "i32": "<i4", "f16": "<f2", "i64": "<i8"}
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ import pytest
 from edgepack.kernels import layout, registry, wtypes
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.mathfns import MATH_FNS
-from edgepack.kernels.ops import BINARY_KINDS
+from edgepack.kernels.ops import BINARY_KINDS, OUT_DTYPES
 from edgepack.kernels.ref import reference as R
 from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import MATH_OPS, _pool_out
+from edgepack.runtime.bundle_format import TENSOR_DTYPES
 
 registry._load_backends()
 
@@ -59,6 +60,9 @@ TOL: dict[str, tuple[float, float]] = {
     "transpose": (0.0, 0.0),
     "concat": (0.0, 0.0),
     "rows": (0.0, 0.0),
+    "slice": (0.0, 0.0),
+    "argmax": (0.0, 0.0),
+    "resample": (1e-6, 1e-6),
     "reduce_mean": (1e-5, 1e-6),
     "pad": (0.0, 0.0),
     "mbconv": (2e-4, 2e-4),  # three convs in a row
@@ -131,7 +135,8 @@ def _want(op: str, dt: str, ins, attrs) -> np.ndarray:
     """The reference output (weights the op references do not read as stored decoded
     first, as the ref backend does)."""
     feed = R.node_weights(dt, ins, op, attrs) if op in registry.WEIGHT_OPS else ins
-    return np.ascontiguousarray(R.REFERENCE[op](feed, attrs)).astype(F32)
+    out_dtype = TENSOR_DTYPES[OUT_DTYPES.get(op, "f32")]  # argmax: int64
+    return np.ascontiguousarray(R.REFERENCE[op](feed, attrs)).astype(out_dtype)
 
 
 # Weight values that stress decoders: half subnormals (smallest ~6e-8), the smallest
@@ -341,6 +346,33 @@ MATH_SPECIALS = np.array([0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 1.0, -1.0, 3.0, 
 # args per function where ONNX has attributes (its defaults)
 MATH_ARGS = {"elu": (1.0, 0.0), "selu": (1.6732632, 1.050701), "celu": (1.0, 0.0),
              "thresholded_relu": (1.0, 0.0), "shrink": (0.5, 0.5)}  # fmt: skip
+
+
+def resample_case(name: str, shape, axis: int, n_out: int, taps: int) -> Case:
+    def make(rng, dt):
+        idx = rng.integers(0, shape[axis], (n_out, taps)).astype(np.int32)
+        w = rng.uniform(-0.5, 1.0, (n_out, taps)).astype(F32)
+        return [_randn(rng, *shape), idx, w], {"axis": axis}
+
+    return Case(name, make, const=(1, 2))
+
+
+def argmax_case(name, shape, axis, keepdims=1, is_min=False, last=False, ties=False) -> Case:
+    def make(rng, dt):
+        x = _randn(rng, *shape)
+        if ties:  # a few values, so the first and the last of the largest differ
+            x = np.round(x).astype(F32)
+        return [x], {"axis": axis, "keepdims": keepdims, "min": is_min, "select_last": last}
+
+    return Case(name, make)
+
+
+def slice_case(name: str, shape, starts, steps, sizes) -> Case:
+    def make(rng, dt):
+        return [_randn(rng, *shape)], {"starts": list(starts), "steps": list(steps),
+                                        "sizes": list(sizes)}  # fmt: skip
+
+    return Case(name, make)
 
 
 def math_case(name: str, fn: str | None = None, scale: float = 2.0, inplace=False) -> Case:
@@ -607,6 +639,25 @@ CASES: dict[str, list[Case]] = {
         unary_case("clip_no_lower", "clip", args=(float(np.finfo(F32).min), 0.5)),
         unary_case("relu_inplace", "relu", inplace=True),
         unary_case("sigmoid_inplace_1d", "sigmoid", shape=(37,), inplace=True),
+    ],
+    "resample": [
+        resample_case("nearest_up2", (2, 3, 5), 1, 10, 1),
+        resample_case("linear_last", (3, 7), 1, 12, 2),
+        resample_case("cubic_first", (6, 4), 0, 9, 4),
+        resample_case("wide_taps", (1, 2, 16, 3), 2, 5, 7),
+    ],
+    "argmax": [
+        argmax_case("axis1", (2, 5, 3), 1),
+        argmax_case("axis0_flat", (7, 4), 0, keepdims=0),
+        argmax_case("min_last_ties", (3, 6), 1, is_min=True, last=True, ties=True),
+        argmax_case("max_last_ties", (2, 3, 4), 2, last=True, ties=True),
+        argmax_case("first_ties", (4, 5), 1, ties=True),
+    ],
+    "slice": [
+        slice_case("steps", (4, 9, 6), (1, 0, 5), (2, 3, -1), (2, 3, 6)),
+        slice_case("reverse_all", (3, 5), (2, 4), (-1, -1), (3, 5)),
+        slice_case("one_axis", (2, 3, 8, 8), (0, 0, 2, 0), (1, 1, 1, 1), (2, 3, 4, 8)),
+        slice_case("empty_axis_kept", (2, 6), (1, 0), (1, 2), (1, 3)),
     ],
     "math": [
         *[math_case(fn) for fn in MATH_FNS],
@@ -1051,11 +1102,17 @@ class DevMem:
         return out
 
 
-def _guarded(mem, shape: tuple[int, ...]):
-    """A NaN-poisoned output view with sentinel guard bands on both sides."""
+def _poison(dtype) -> float | int:
+    """What an output holds before a run: NaN, or for integer outputs (argmax's int64)
+    a value no kernel writes."""
+    return np.nan if np.dtype(dtype).kind == "f" else -7
+
+
+def _guarded(mem, shape: tuple[int, ...], dtype=F32):
+    """A poisoned output view with sentinel guard bands on both sides."""
     size = int(np.prod(shape, dtype=np.int64))
-    buf = mem.full(size + 2 * GUARD, OUT_SENTINEL, F32)
-    buf[GUARD : GUARD + size] = np.nan
+    buf = mem.full(size + 2 * GUARD, OUT_SENTINEL, dtype)
+    buf[GUARD : GUARD + size] = _poison(dtype)
     return buf, buf[GUARD : GUARD + size].reshape(shape)
 
 
@@ -1075,7 +1132,7 @@ def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2
     specs = _specs(op, dt, ins)
     ins = [None if a is None else mem.put(a, i in case.const) for i, a in enumerate(ins)]
 
-    buf, out = _guarded(mem, want.shape)
+    buf, out = _guarded(mem, want.shape, want.dtype)
     if case.inplace:  # the output takes over input 0's storage
         assert ins[0].size == want.size
         ins[0] = out.reshape(ins[0].shape)
@@ -1099,7 +1156,7 @@ def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2
             if case.inplace:
                 ins[0][...] = mem.put(originals[0], False)
             else:
-                out[...] = np.nan
+                out[...] = _poison(want.dtype)
             step()
         np.testing.assert_allclose(
             mem.get(out),
@@ -1302,7 +1359,7 @@ def _ort_run(node, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]) -
 
 
 def _ort_graph(nodes, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray],
-               opset: int = OPSET) -> np.ndarray:  # fmt: skip
+               opset: int = OPSET, out_type: int = 1) -> np.ndarray:  # fmt: skip
     """ORT's output of a graph of ``nodes`` (the last one's first output)."""
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
@@ -1315,7 +1372,7 @@ def _ort_graph(nodes, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]
         nodes,
         "under_test",
         [vi(n, a) for n, a in feeds.items()],
-        [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(nodes[-1].output[0], out_type, None)],
         initializer=[numpy_helper.from_array(a, n) for n, a in inits.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
@@ -1422,6 +1479,19 @@ def test_reference_binary_matches_onnxruntime(case: Case) -> None:
     node = helper.make_node(_ONNX_BINARY[attrs["kind"]], ["a", "b"], ["y"])
     got = _ort_graph([node], {"a": a, "b": b}, {})
     _compare_ref(R.binary([a, b], attrs), got, 1e-6, 1e-7)
+
+
+@pytest.mark.parametrize("case", CASES["argmax"], ids=lambda c: c.name)
+def test_reference_argmax_matches_onnxruntime(case: Case) -> None:
+    from onnx import TensorProto, helper
+
+    (x,), attrs = case.make(_rng("ort", "argmax", case.name), "f32")
+    node = helper.make_node("ArgMin" if attrs["min"] else "ArgMax", ["x"], ["y"],
+                            axis=attrs["axis"], keepdims=attrs["keepdims"],
+                            select_last_index=int(attrs["select_last"]))  # fmt: skip
+    got = _ort_graph([node], {"x": x}, {}, out_type=TensorProto.INT64)
+    want = R.argmax([x], attrs)
+    assert want.dtype == got.dtype == np.int64 and np.array_equal(want, got)
 
 
 def _onnx_math_node(fn: str, args):

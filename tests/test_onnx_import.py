@@ -324,3 +324,71 @@ def test_an_optional_graph_input_is_refused_in_one_line(tmp_path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
     with pytest.raises(PackError, match="'x' is of ONNX type optional_type; edgepack takes"):
         pack(path, tmp_path / "o.epk")
+
+
+@pytest.mark.parametrize(("op", "axis", "bias"), [("LayerNormalization", -1, True),
+                                                  ("LayerNormalization", 1, False),
+                                                  ("RMSNormalization", -1, False),
+                                                  ("RMSNormalization", -2, False)])  # fmt: skip
+def test_layer_and_rms_normalization_with_constant_weights(tmp_path, op, axis, bias):
+    # as exporters write them (opset 17 LayerNormalization, opset 23 RMSNormalization):
+    # the scale (and bias) initializers of the normalized axes, here broadcast from fewer
+    xs = (2, 3, 4, 5)
+    inner = xs[axis:] if axis >= 0 else xs[len(xs) + axis :]
+    inits = {"s": rand(*inner[-1:]) + 1.0}
+    if bias:
+        inits["b"] = rand(*inner)
+    ins = ["x", "s"] + (["b"] if bias else [])
+    m = model([node(op, ins, ["y"], axis=axis, epsilon=1e-4)], [("x", list(xs))], ["y"], inits,
+              opset=23 if op == "RMSNormalization" else 17)  # fmt: skip
+    if op == "RMSNormalization":
+        m.ir_version = 11
+    check(tmp_path, m, {"x": rand(*xs) * 3 + 1})
+
+
+@pytest.mark.parametrize(("op", "xs", "attrs", "opset"), [
+    ("InstanceNormalization", (2, 3, 4, 5), {}, 17),
+    ("InstanceNormalization", (1, 4, 7), {"epsilon": 1e-3}, 17),
+    ("GroupNormalization", (2, 6, 3, 3), {"num_groups": 3}, 21),
+    ("GroupNormalization", (1, 4, 5, 2), {"num_groups": 2}, 18),  # opset 18: per group
+])  # fmt: skip
+def test_instance_and_group_normalization(tmp_path, op, xs, attrs, opset):
+    c = xs[1]
+    per = attrs["num_groups"] if op == "GroupNormalization" and opset < 21 else c
+    inits = {"s": rand(per) + 1.0, "b": rand(per)}
+    m = model([node(op, ["x", "s", "b"], ["y"], **attrs)], [("x", list(xs))], ["y"], inits,
+              opset=opset)  # fmt: skip
+    if opset >= 21:
+        m.ir_version = 10
+    check(tmp_path, m, {"x": rand(*xs) * 2 + 0.5})
+
+
+RESIZE = [
+    # (mode, transform, extra attrs, scales or None, sizes or None)
+    ("nearest", "asymmetric", {"nearest_mode": "floor"}, [1, 1, 2, 2], None),  # YOLO's
+    ("nearest", "half_pixel", {}, [1, 1, 1.5, 0.75], None),
+    ("nearest", "align_corners", {"nearest_mode": "round_prefer_ceil"}, None, [1, 2, 9, 4]),
+    ("nearest", "tf_crop_and_resize", {"nearest_mode": "ceil"}, None, [1, 2, 5, 5]),
+    ("linear", "half_pixel", {}, [1, 1, 2, 2], None),
+    ("linear", "pytorch_half_pixel", {}, None, [1, 2, 1, 12]),
+    ("linear", "align_corners", {}, [1, 1, 0.6, 1.7], None),
+    ("linear", "half_pixel_symmetric", {}, [1, 1, 1.3, 0.7], None),
+    ("linear", "half_pixel", {"antialias": 1}, [1, 1, 0.4, 0.5], None),
+    ("cubic", "half_pixel", {}, [1, 1, 2, 1.5], None),
+    ("cubic", "asymmetric", {"cubic_coeff_a": -0.5, "exclude_outside": 1}, [1, 1, 0.8, 2], None),
+    ("cubic", "half_pixel", {"antialias": 1}, None, [1, 2, 3, 3]),
+]
+
+
+@pytest.mark.parametrize(("mode", "transform", "extra", "scales", "sizes"), RESIZE)
+def test_resize_matches_onnx_runtime(tmp_path, mode, transform, extra, scales, sizes):
+    inits = {"roi": np.array([0, 0, 0.2, 0.1, 1, 1, 0.9, 0.8], np.float32)}
+    if scales is not None:
+        inits["scales"] = np.array(scales, np.float32)
+    else:
+        inits["sizes"] = np.array(sizes, np.int64)
+    ins = ["x", "roi", "scales" if scales is not None else "", "sizes" if sizes else ""]
+    n = node("Resize", ins, ["y"], mode=mode, coordinate_transformation_mode=transform, **extra)
+    m = model([n], [("x", [1, 2, 7, 8])], ["y"], inits, opset=19)
+    m.ir_version = 9
+    check(tmp_path, m, {"x": rand(1, 2, 7, 8)})

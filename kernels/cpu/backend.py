@@ -24,7 +24,7 @@ from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
 from ..mathfns import math_code
-from ..ops import BINARY_KINDS, GATE_ACTS, norm_group
+from ..ops import BINARY_KINDS, GATE_ACTS, argmax_step, norm_group, slice_index
 from ..ops import args as _args
 from ..registry import Bound, Kernel, Spec, register
 from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
@@ -759,6 +759,26 @@ def _bind_rows(ins, outs, scratch, attrs) -> Bound:
     return lambda: np.copyto(y, src)
 
 
+def _as3(a: np.ndarray, ax: int) -> np.ndarray:
+    return a.reshape(int(np.prod(a.shape[:ax])), a.shape[ax], int(np.prod(a.shape[ax + 1 :])))
+
+
+def _bind_resample(ins, outs, scratch, attrs) -> Bound:
+    io, ax = _args("resample", ins), int(attrs["axis"])
+    call = (_as3(io.x, ax), io.idx, io.w, _as3(outs[0], ax))
+    kern, args = _bound(K.resample3, call)
+    return lambda: kern(*args)
+
+
+def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
+    return argmax_step(np, ins[0], outs[0], attrs)
+
+
+def _bind_slice(ins, outs, scratch, attrs) -> Bound:
+    y, src = outs[0], ins[0][slice_index(attrs)]  # a strided view, copied each run
+    return lambda: np.copyto(y, src)
+
+
 def _bind_concat(ins, outs, scratch, attrs) -> Bound:
     y = outs[0]
     ax = attrs["axis"] % y.ndim
@@ -971,6 +991,9 @@ _cpu("linear", _bind_linear, _ALL_W, _linear_scratch, lambda a: not a.get("xq"),
 _cpu("matmul", _bind_matmul)
 _cpu("binary", _bind_binary)
 _cpu("unary", _bind_unary)
+_cpu("slice", _bind_slice)
+_cpu("argmax", _bind_argmax)
+_cpu("resample", _bind_resample)
 _cpu("math", _bind_math)
 _cpu("softmax", _bind_softmax)
 _cpu("maxpool", _bind_pool("max"))

@@ -677,6 +677,22 @@ def softmax3(x, out):
 
 
 @njit(parallel=True, cache=True)
+def resample3(x, idx, w, y):
+    """y[a, o, b] = sum_t w[o, t] * x[a, idx[o, t], b] (float64 sums): one axis of a
+    Resize, x and y as [outer, axis, inner]."""
+    o_, n_, i_ = y.shape
+    taps = idx.shape[1]
+    for ao in prange(o_ * n_):
+        a = ao // n_
+        o = ao % n_
+        for b in range(i_):
+            s = 0.0
+            for t in range(taps):
+                s += np.float64(w[o, t]) * x[a, idx[o, t], b]
+            y[a, o, b] = s
+
+
+@njit(parallel=True, cache=True)
 def log_softmax3(x, out):
     """Log-softmax over axis 1 of x[outer, L, inner]: (x - max) - log(sum(exp(x - max))),
     the sum in float64 (no exp of a large logit overflows, no log of an underflow)."""

@@ -435,6 +435,25 @@ def _bind_rows(ins, outs, scratch, attrs) -> Bound:
     return _copy_step(_d(), ins[0][start : start + y.shape[0]], y)
 
 
+def _bind_resample(ins, outs, scratch, attrs) -> Bound:
+    d, io, ax = _d(), _args("resample", ins), int(attrs["axis"])
+
+    def as3(a):
+        return a.reshape(int(np.prod(a.shape[:ax])), a.shape[ax], int(np.prod(a.shape[ax + 1 :])))
+
+    args = (d.arg(as3(io.x)), d.arg(io.idx), d.arg(io.w), d.arg(as3(outs[0])))
+    kern = d.launch(_k().resample3, outs[0].size)
+    return lambda: kern(*args)
+
+
+def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
+    return ops.argmax_step(_d().xp, ins[0], outs[0], attrs)
+
+
+def _bind_slice(ins, outs, scratch, attrs) -> Bound:
+    return _copy_step(_d(), ins[0][ops.slice_index(attrs)], outs[0])
+
+
 def _bind_concat(ins, outs, scratch, attrs) -> Bound:
     d = _d()
     y = outs[0]
@@ -524,6 +543,9 @@ _cuda("linear", _bind_linear, _ALL_W, _linear_scratch, _float_x)
 _cuda("matmul", _bind_matmul)
 _cuda("binary", _bind_binary)
 _cuda("unary", _bind_unary)
+_cuda("slice", _bind_slice)
+_cuda("argmax", _bind_argmax)
+_cuda("resample", _bind_resample)
 _cuda("math", _bind_math)
 _cuda("softmax", _bind_softmax)
 _cuda("maxpool", _bind_pool("max"))

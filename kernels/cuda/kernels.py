@@ -360,6 +360,21 @@ def softmax3(x, y):
 
 
 @cuda.jit
+def resample3(x, idx, w, y):
+    """One axis of a Resize, as the CPU's: y[a, o, b] = sum_t w[o, t] x[a, idx[o, t], b]."""
+    n, inner = y.shape[1], y.shape[2]
+    for q in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        a = q // (n * inner)
+        r = q - a * n * inner
+        o = r // inner
+        b = r - o * inner
+        s = float64(0.0)
+        for t in range(idx.shape[1]):
+            s += float64(w[o, t]) * x[a, idx[o, t], b]
+        y[a, o, b] = f32(s)
+
+
+@cuda.jit
 def log_softmax3(x, y):
     """Log-softmax over axis 1 of x[outer, n, inner], as the CPU's (float64 sum)."""
     n, inner = x.shape[1], x.shape[2]

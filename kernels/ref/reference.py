@@ -245,6 +245,37 @@ def rows(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.ascontiguousarray(inputs[0][start : start + int(attrs["count"])])
 
 
+def resample(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """Along ``axis``: output o is the sum over taps t of w[o, t] * x[idx[o, t]]
+    (float64), the tables the packager made from a Resize's mode and coordinates."""
+    x, idx, w = inputs[0].astype(np.float64), inputs[1], inputs[2].astype(np.float64)
+    ax = int(attrs["axis"])
+    taken = np.take(x, idx, axis=ax)  # [..., O, T, ...]
+    shape = [1] * x.ndim + [1]
+    shape[ax], shape[ax + 1] = w.shape
+    return (taken * w.reshape(shape)).sum(axis=ax + 1).astype(np.float32)
+
+
+def argmax(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """int64 index of the largest (``min``: smallest) value along ``axis``; ties: the
+    first, or the last with ``select_last``."""
+    x, ax = inputs[0], int(attrs["axis"])
+    f = np.argmin if attrs.get("min") else np.argmax
+    if attrs.get("select_last"):
+        idx = x.shape[ax] - 1 - f(np.flip(x, ax), axis=ax)
+    else:
+        idx = f(x, axis=ax)
+    idx = idx.astype(np.int64)
+    return np.expand_dims(idx, ax) if attrs["keepdims"] else idx
+
+
+def slice_op(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """Elements starts + i * steps, i < sizes, on every axis (steps may be negative)."""
+    spans = zip(attrs["starts"], attrs["steps"], attrs["sizes"])
+    idx = [b + st * np.arange(n) for b, st, n in spans]
+    return np.ascontiguousarray(inputs[0][np.ix_(*idx)]) if idx else inputs[0].copy()
+
+
 def concat(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.concatenate([i for i in inputs if i is not None], axis=attrs["axis"])
 
@@ -312,6 +343,9 @@ REFERENCE: dict[str, RefFn] = {
     "transpose": transpose,
     "concat": concat,
     "rows": rows,
+    "slice": slice_op,
+    "argmax": argmax,
+    "resample": resample,
     "reduce_mean": reduce_mean,
     "pad": pad,
     "mbconv": mbconv,
