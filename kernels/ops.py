@@ -81,6 +81,22 @@ def _conv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (x[0], co, *_window_out(x[2:4], k, attrs))
 
 
+def _deconv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    """ConvTranspose of x[N, C, H, W] with w[C, Cout / group, kh, kw]: the output size
+    the importer worked out (``out_hw``), checked against the geometry."""
+    x, w = ins[0], ins[1]
+    g = int(attrs["group"])
+    if len(x) != 4 or len(w) != 4 or w[0] != x[1] or x[1] % g:
+        raise OpError(f"conv_transpose of {list(x)} with weights {list(w)} in {g} groups")
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    pt, pl, pb, pr = attrs["pads"]
+    full = (sh * (x[2] - 1) + dh * (w[2] - 1) + 1, sw * (x[3] - 1) + dw * (w[3] - 1) + 1)
+    oh, ow = attrs["out_hw"]
+    if oh > full[0] - pt + sh - 1 or ow > full[1] - pl + sw - 1 or min(oh, ow) < 1:
+        raise OpError(f"conv_transpose output {oh}x{ow} of a {full[0]}x{full[1]} canvas")
+    return (x[0], w[1] * g, oh, ow)
+
+
 def _wino_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x, u = ins[0], ins[1]  # U[a*a, Cin, Cout]: a 3x3 conv's weights, transformed
     a = {**attrs, "strides": [1, 1], "dilations": [1, 1]}
@@ -321,6 +337,9 @@ OPS: dict[str, OpDef] = {
         _op("conv", _CONV_ROLES, _conv_shape, _OPT, _W, _CONV_ATTRS, "w"),
         _op("dwconv", _CONV_ROLES, _conv_shape, _OPT, _W, _CONV_ATTRS, "w"),
         _op("conv_wino", _CONV_ROLES, _wino_shape, _OPT, _W, ("pads", "tile"), "w"),
+        # float32 weights (not a weight op: --quant leaves them as they are)
+        _op("conv_transpose", ("x", "w", "bias"), _deconv_shape, ("bias",), ("w", "bias"),
+            ("strides", "pads", "dilations", "group", "out_hw")),
         _op("linear", ("x", "w", "bias", "scale"), _linear_shape, ("bias", "scale"), _W, (), "w"),
         _op("matmul", ("a", "b"), _matmul_shape),
         _op("binary", ("a", "b"), _binary_shape, attrs=("kind",)),

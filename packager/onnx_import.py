@@ -223,6 +223,49 @@ def _conv(ctx: _Ctx, ins, outs, a):
     ctx.emit(op, [x, wname, b], outs[0], attrs)
 
 
+def _conv_transpose(ctx: _Ctx, ins, outs, a):
+    x, wname = ins[0], ins[1]
+    xs = ctx.shape(x)
+    if len(xs) != 4:
+        raise ctx.fail(f"input rank {len(xs)}; only 2-D transposed convolutions (NCHW)")
+    w = ctx.const(wname, "weight").astype(np.float32)
+    g = int(a.get("group", 1))
+    if w.ndim != 4 or w.shape[0] != xs[1] or xs[1] % g:
+        raise ctx.fail(f"weights {list(w.shape)} for {xs[1]} channels in {g} groups")
+    k = w.shape[2:]
+    s = [int(v) for v in a.get("strides", [1, 1])]
+    d = [int(v) for v in a.get("dilations", [1, 1])]
+    op_ = [int(v) for v in a.get("output_padding", [0, 0])]
+    full = [s[i] * (xs[2 + i] - 1) + op_[i] + (k[i] - 1) * d[i] + 1 for i in range(2)]
+    auto = _decode(a.get("auto_pad", "NOTSET"))
+    if "output_shape" in a:
+        out = [int(v) for v in a["output_shape"]][-2:]
+    elif auto in ("SAME_UPPER", "SAME_LOWER"):
+        out = [xs[2 + i] * s[i] for i in range(2)]
+    else:
+        out = None
+    if out is not None:  # pads from the wanted size (the operator text's rule)
+        total = [full[i] - out[i] for i in range(2)]
+        if min(total) < 0:
+            raise ctx.fail(f"output_shape {out} is larger than the {full} canvas")
+        upper = auto == "SAME_UPPER"
+        begin = [t // 2 if upper else t - t // 2 for t in total]
+        pads = [begin[0], begin[1], total[0] - begin[0], total[1] - begin[1]]
+    elif auto == "VALID" or auto in ("NOTSET", ""):
+        pads = [int(v) for v in a.get("pads", [0, 0, 0, 0])] if auto != "VALID" else [0] * 4
+        if len(pads) != 4 or min(pads) < 0:
+            raise ctx.fail(f"pads {pads}")
+        out = [full[0] - pads[0] - pads[2], full[1] - pads[1] - pads[3]]
+    else:
+        raise ctx.fail(f"auto_pad={auto!r}")
+    b = ins[2] if len(ins) > 2 and ins[2] else ""
+    if b:
+        ctx.add_const(b, ctx.const(b, "bias").astype(np.float32).reshape(w.shape[1] * g))
+    ctx.add_const(wname, w)
+    attrs = {"strides": s, "pads": pads, "dilations": d, "group": g, "out_hw": out}
+    ctx.emit("conv_transpose", [x, wname, b], outs[0], attrs)
+
+
 def _linear(ctx: _Ctx, x: str, w_nk: np.ndarray, bias: np.ndarray | None, out: str, base: str):
     wn = ctx.add_const(ctx.fresh(base + ".weight"), w_nk.astype(np.float32))
     bn = (
@@ -753,6 +796,7 @@ def _pad(ctx: _Ctx, ins, outs, a):
 Handler = Callable[[_Ctx, list, list, dict], None]
 HANDLERS: dict[str, Handler] = {
     "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
     "Gemm": _gemm,
     "MatMul": _matmul,
     "Add": _binary("add"),

@@ -63,6 +63,7 @@ TOL: dict[str, tuple[float, float]] = {
     "slice": (0.0, 0.0),
     "argmax": (0.0, 0.0),
     "resample": (1e-6, 1e-6),
+    "conv_transpose": (1e-5, 1e-5),
     "reduce_mean": (1e-5, 1e-6),
     "pad": (0.0, 0.0),
     "mbconv": (2e-4, 2e-4),  # three convs in a row
@@ -346,6 +347,22 @@ MATH_SPECIALS = np.array([0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 1.0, -1.0, 3.0, 
 # args per function where ONNX has attributes (its defaults)
 MATH_ARGS = {"elu": (1.0, 0.0), "selu": (1.6732632, 1.050701), "celu": (1.0, 0.0),
              "thresholded_relu": (1.0, 0.0), "shrink": (0.5, 0.5)}  # fmt: skip
+
+
+def deconv_case(name, xshape, wshape, s=(1, 1), p=(0, 0, 0, 0), d=(1, 1), g=1, bias=False,
+                extra=(0, 0)) -> Case:  # fmt: skip
+    """ConvTranspose; ``extra``: output_padding rows/columns past the canvas."""
+    kh, kw = wshape[2:]
+    oh = s[0] * (xshape[2] - 1) + d[0] * (kh - 1) + 1 - p[0] - p[2] + extra[0]
+    ow = s[1] * (xshape[3] - 1) + d[1] * (kw - 1) + 1 - p[1] - p[3] + extra[1]
+
+    def make(rng, dt):
+        b = _randn(rng, wshape[1] * g) if bias else None
+        attrs = {"strides": list(s), "pads": list(p), "dilations": list(d), "group": g,
+                 "out_hw": [oh, ow]}  # fmt: skip
+        return [_randn(rng, *xshape), _randn(rng, *wshape), b], attrs
+
+    return Case(name, make, const=(1, 2))
 
 
 def resample_case(name: str, shape, axis: int, n_out: int, taps: int) -> Case:
@@ -639,6 +656,14 @@ CASES: dict[str, list[Case]] = {
         unary_case("clip_no_lower", "clip", args=(float(np.finfo(F32).min), 0.5)),
         unary_case("relu_inplace", "relu", inplace=True),
         unary_case("sigmoid_inplace_1d", "sigmoid", shape=(37,), inplace=True),
+    ],
+    "conv_transpose": [
+        deconv_case("k2_s2", (1, 4, 5, 6), (4, 3, 2, 2), s=(2, 2)),
+        deconv_case("k3_s2_p1_bias", (2, 3, 4, 4), (3, 5, 3, 3), s=(2, 2), p=(1, 1, 1, 1),
+                    bias=True),
+        deconv_case("k3_s1_dil2_groups", (1, 4, 5, 5), (4, 2, 3, 3), d=(2, 2), g=2, bias=True),
+        deconv_case("k4_s3_out_pad", (1, 2, 3, 4), (2, 2, 4, 4), s=(3, 3), p=(1, 0, 2, 1),
+                    extra=(1, 2)),
     ],
     "resample": [
         resample_case("nearest_up2", (2, 3, 5), 1, 10, 1),

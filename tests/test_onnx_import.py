@@ -392,3 +392,20 @@ def test_resize_matches_onnx_runtime(tmp_path, mode, transform, extra, scales, s
     m = model([n], [("x", [1, 2, 7, 8])], ["y"], inits, opset=19)
     m.ir_version = 9
     check(tmp_path, m, {"x": rand(1, 2, 7, 8)})
+
+
+@pytest.mark.parametrize(("xs", "ws", "attrs"), [
+    ((1, 4, 5, 6), (4, 3, 2, 2), {"strides": [2, 2]}),  # PP-OCR's DB head
+    ((2, 3, 4, 4), (3, 5, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ((1, 4, 5, 5), (4, 2, 3, 3), {"dilations": [2, 2], "group": 2}),
+    ((1, 2, 3, 4), (2, 2, 4, 4), {"strides": [3, 3], "pads": [1, 0, 2, 1],
+                                  "output_padding": [1, 2]}),
+    ((1, 2, 4, 4), (2, 3, 3, 3), {"strides": [2, 2], "output_shape": [8, 8]}),
+    ((1, 2, 4, 4), (2, 3, 3, 3), {"strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ((1, 2, 4, 4), (2, 3, 3, 3), {"strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+])  # fmt: skip
+def test_conv_transpose_matches_onnx_runtime(tmp_path, xs, ws, attrs):
+    inits = {"w": rand(*ws), "b": rand(ws[1] * attrs.get("group", 1))}
+    m = model([node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)], [("x", list(xs))], ["y"],
+              inits)  # fmt: skip
+    check(tmp_path, m, {"x": rand(*xs)})

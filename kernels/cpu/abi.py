@@ -84,6 +84,8 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3))),
         "log_softmax3": ("log_softmax3", v(arr(f4, 3), arr(f4, 3))),
+        "conv_transpose": ("conv_transpose", v(arr(f4, 4), arr(f4, 4, ro=True), w1, arr(f4, 4),
+                                               *([i8] * 7), T.boolean)),
         "resample3": ("resample3", v(arr(f4, 3), arr(T.int32, 2, ro=True), arr(f4, 2, ro=True),
                                      arr(f4, 3))),
         "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),

@@ -763,6 +763,17 @@ def _as3(a: np.ndarray, ax: int) -> np.ndarray:
     return a.reshape(int(np.prod(a.shape[:ax])), a.shape[ax], int(np.prod(a.shape[ax + 1 :])))
 
 
+def _bind_conv_transpose(ins, outs, scratch, attrs) -> Bound:
+    io = _args("conv_transpose", ins)
+    bias = io.bias if io.bias is not None else _DUMMY1
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    pt, pl = int(attrs["pads"][0]), int(attrs["pads"][1])
+    call = (io.x, io.w, bias, outs[0], int(sh), int(sw), pt, pl, int(dh), int(dw),
+            int(attrs["group"]), io.bias is not None)  # fmt: skip
+    kern, args = _bound(K.conv_transpose, call)
+    return lambda: kern(*args)
+
+
 def _bind_resample(ins, outs, scratch, attrs) -> Bound:
     io, ax = _args("resample", ins), int(attrs["axis"])
     call = (_as3(io.x, ax), io.idx, io.w, _as3(outs[0], ax))
@@ -994,6 +1005,7 @@ _cpu("unary", _bind_unary)
 _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
 _cpu("resample", _bind_resample)
+_cpu("conv_transpose", _bind_conv_transpose)
 _cpu("math", _bind_math)
 _cpu("softmax", _bind_softmax)
 _cpu("maxpool", _bind_pool("max"))

@@ -677,6 +677,42 @@ def softmax3(x, out):
 
 
 @njit(parallel=True, cache=True)
+def conv_transpose(x, w, bias, y, sh, sw, pt, pl, dh, dw, group, has_bias):
+    """ConvTranspose as a gather (no two threads write one output): y[n, o, oy, ox]
+    sums x[n, c, iy, ix] * w[c, o', ky, kx] over the taps with iy * sh + ky * dh =
+    oy + pt (likewise x), c in o's group; float64 sums."""
+    n_, c_, h_, w_ = x.shape
+    cog, kh, kw = w.shape[1], w.shape[2], w.shape[3]
+    co_, oh, ow = y.shape[1], y.shape[2], y.shape[3]
+    cig = c_ // group
+    for no in prange(n_ * co_):
+        n = no // co_
+        o = no % co_
+        gi = o // cog
+        oc = o - gi * cog
+        for oy in range(oh):
+            for ox in range(ow):
+                s = np.float64(bias[o]) if has_bias else 0.0
+                for ky in range(kh):
+                    ty = oy + pt - ky * dh
+                    if ty < 0 or ty % sh:
+                        continue
+                    iy = ty // sh
+                    if iy >= h_:
+                        continue
+                    for kx in range(kw):
+                        tx = ox + pl - kx * dw
+                        if tx < 0 or tx % sw:
+                            continue
+                        ix = tx // sw
+                        if ix >= w_:
+                            continue
+                        for ci in range(gi * cig, (gi + 1) * cig):
+                            s += np.float64(x[n, ci, iy, ix]) * w[ci, oc, ky, kx]
+                y[n, o, oy, ox] = s
+
+
+@njit(parallel=True, cache=True)
 def resample3(x, idx, w, y):
     """y[a, o, b] = sum_t w[o, t] * x[a, idx[o, t], b] (float64 sums): one axis of a
     Resize, x and y as [outer, axis, inner]."""

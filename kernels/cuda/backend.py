@@ -435,6 +435,17 @@ def _bind_rows(ins, outs, scratch, attrs) -> Bound:
     return _copy_step(_d(), ins[0][start : start + y.shape[0]], y)
 
 
+def _bind_conv_transpose(ins, outs, scratch, attrs) -> Bound:
+    d, io = _d(), _args("conv_transpose", ins)
+    bias = d.arg(io.bias) if io.bias is not None else _dummies(d).v1
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    args = (d.arg(io.x), d.arg(io.w), bias, d.arg(outs[0]), int(sh), int(sw),
+            int(attrs["pads"][0]), int(attrs["pads"][1]), int(dh), int(dw),
+            int(attrs["group"]), io.bias is not None)  # fmt: skip
+    kern = d.launch(_k().conv_transpose, outs[0].size)
+    return lambda: kern(*args)
+
+
 def _bind_resample(ins, outs, scratch, attrs) -> Bound:
     d, io, ax = _d(), _args("resample", ins), int(attrs["axis"])
 
@@ -546,6 +557,7 @@ _cuda("unary", _bind_unary)
 _cuda("slice", _bind_slice)
 _cuda("argmax", _bind_argmax)
 _cuda("resample", _bind_resample)
+_cuda("conv_transpose", _bind_conv_transpose)
 _cuda("math", _bind_math)
 _cuda("softmax", _bind_softmax)
 _cuda("maxpool", _bind_pool("max"))

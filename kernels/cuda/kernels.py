@@ -360,6 +360,38 @@ def softmax3(x, y):
 
 
 @cuda.jit
+def conv_transpose(x, w, bias, y, sh, sw, pt, pl, dh, dw, group, has_bias):
+    """ConvTranspose as the CPU's gather: one output element per loop turn."""
+    c_, h_, w_ = x.shape[1], x.shape[2], x.shape[3]
+    cog, kh, kw = w.shape[1], w.shape[2], w.shape[3]
+    co_, oh, ow = y.shape[1], y.shape[2], y.shape[3]
+    cig = c_ // group
+    for q in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        ox = q % ow
+        r = q // ow
+        oy = r % oh
+        r = r // oh
+        o = r % co_
+        n = r // co_
+        gi = o // cog
+        oc = o - gi * cog
+        s = float64(bias[o]) if has_bias else float64(0.0)
+        for ky in range(kh):
+            ty = oy + pt - ky * dh
+            if ty < 0 or ty % sh != 0 or ty // sh >= h_:
+                continue
+            iy = ty // sh
+            for kx in range(kw):
+                tx = ox + pl - kx * dw
+                if tx < 0 or tx % sw != 0 or tx // sw >= w_:
+                    continue
+                ix = tx // sw
+                for ci in range(gi * cig, (gi + 1) * cig):
+                    s += float64(x[n, ci, iy, ix]) * w[ci, oc, ky, kx]
+        y[n, o, oy, ox] = f32(s)
+
+
+@cuda.jit
 def resample3(x, idx, w, y):
     """One axis of a Resize, as the CPU's: y[a, o, b] = sum_t w[o, t] x[a, idx[o, t], b]."""
     n, inner = y.shape[1], y.shape[2]

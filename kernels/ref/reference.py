@@ -245,6 +245,35 @@ def rows(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.ascontiguousarray(inputs[0][start : start + int(attrs["count"])])
 
 
+def conv_transpose(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """Each input pixel scatters x * w over a (dilated) kernel window at stride steps
+    of an uncropped canvas; the canvas minus the begin pads (and past out_hw) is y."""
+    io = args("conv_transpose", inputs)
+    x, w, b = io.x.astype(np.float64), io.w.astype(np.float64), io.bias
+    n, c, h, wd = x.shape
+    g = int(attrs["group"])
+    cig, cog, kh, kw = c // g, w.shape[1], w.shape[2], w.shape[3]
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    pt, pl = attrs["pads"][0], attrs["pads"][1]
+    oh, ow = attrs["out_hw"]
+    ch = max(sh * (h - 1) + dh * (kh - 1) + 1, pt + oh)
+    cw = max(sw * (wd - 1) + dw * (kw - 1) + 1, pl + ow)
+    canvas = np.zeros((n, g * cog, ch, cw))
+    for gi in range(g):
+        xg = x[:, gi * cig : (gi + 1) * cig]
+        wg = w[gi * cig : (gi + 1) * cig]
+        for ky in range(kh):
+            for kx in range(kw):
+                contrib = np.einsum("nchw,co->nohw", xg, wg[:, :, ky, kx])
+                ys, xs = ky * dh, kx * dw
+                canvas[:, gi * cog : (gi + 1) * cog, ys : ys + sh * (h - 1) + 1 : sh,
+                       xs : xs + sw * (wd - 1) + 1 : sw] += contrib  # fmt: skip
+    y = canvas[:, :, pt : pt + oh, pl : pl + ow]
+    if b is not None:
+        y = y + b.reshape(1, -1, 1, 1)
+    return y.astype(np.float32)
+
+
 def resample(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """Along ``axis``: output o is the sum over taps t of w[o, t] * x[idx[o, t]]
     (float64), the tables the packager made from a Resize's mode and coordinates."""
@@ -346,6 +375,7 @@ REFERENCE: dict[str, RefFn] = {
     "slice": slice_op,
     "argmax": argmax,
     "resample": resample,
+    "conv_transpose": conv_transpose,
     "reduce_mean": reduce_mean,
     "pad": pad,
     "mbconv": mbconv,
