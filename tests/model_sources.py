@@ -16,6 +16,13 @@ def rapidocr_cls_model() -> Path:
     spellings that hand-built graphs do not. Install it without its heavy dependencies:
     `pip install --no-deps rapidocr-onnxruntime`.
     """
+    return rapidocr_model("cls")
+
+
+def rapidocr_model(kind: str) -> Path:
+    """A model the `rapidocr-onnxruntime` wheel ships: ``cls`` (the text-direction
+    classifier), ``det`` (PP-OCRv4's text detector: DB head with Resize and
+    ConvTranspose) or ``rec`` (PP-OCRv4's recogniser: SVTR blocks with attention)."""
     # find_spec locates the package without importing it: importing would pull opencv etc.,
     # which --no-deps leaves out.
     spec = importlib.util.find_spec("rapidocr_onnxruntime")
@@ -25,12 +32,12 @@ def rapidocr_cls_model() -> Path:
             "`pip install --no-deps rapidocr-onnxruntime` to get its text-direction classifier"
         )
     found = sorted(
-        p for loc in spec.submodule_search_locations for p in Path(loc).rglob("*cls*.onnx")
+        p for loc in spec.submodule_search_locations for p in Path(loc).rglob(f"*{kind}*.onnx")
     )
     if not found:
         raise FileNotFoundError(
-            f"no *cls*.onnx inside {list(spec.submodule_search_locations)}; "
-            "the installed rapidocr-onnxruntime no longer ships the classifier"
+            f"no *{kind}*.onnx inside {list(spec.submodule_search_locations)}; "
+            f"the installed rapidocr-onnxruntime no longer ships the {kind} model"
         )
     # Several versions could sit side by side; the sorted order makes the pick stable.
     return found[0]
