@@ -193,3 +193,15 @@ def _text_page(rng: np.random.Generator, shape) -> np.ndarray:
             x[:, :, top : top + rng.integers(2, 6), c : c + rng.integers(8, 16)] = -1.8
             c += int(rng.integers(8, 20))
     return x
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_an_all_nan_or_inf_input_gives_nan_as_onnx_runtime(tmp_path, digits_onnx, value):
+    # conv + ReLU epilogues, max pooling, global average pooling, linear: none may turn a
+    # NaN into a plausible logit (the ReLU and the max pool had dropped it)
+    s = load(pack(digits_onnx, tmp_path / "d.epk"))
+    name = s.inputs[0]["name"]
+    x = np.full(s.inputs[0]["shape"], value, np.float32)
+    got = s.run({name: x})[s.outputs[0]["name"]]
+    (ref,) = ort_run(digits_onnx, {name: x})
+    assert np.isnan(ref).all() and np.array_equal(np.isnan(got), np.isnan(ref))

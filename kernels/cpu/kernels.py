@@ -20,23 +20,30 @@ from ..portable import math_fn as _math_fn_py
 
 
 @njit(inline="always")
+def _clamp01(v, lo, hi):
+    """v clamped to [lo, hi], a NaN kept (as ONNX Runtime's Relu, Clip, HardSigmoid)."""
+    v = lo if v < lo else v
+    return hi if v > hi else v
+
+
+@njit(inline="always")
 def act_scalar(v, act, a, b):
     if act == 0:
         return v
     if act == 1:
-        return v if v > 0 else np.float32(0)
+        return np.float32(0) if v <= 0 else v  # NaN fails the test: kept
     if act == 2:
         return v if v >= 0 else v * a
     if act == 3:
-        return min(max(v, a), b)
+        return _clamp01(v, a, b)
     if act == 4:
         return np.float32(1) / (np.float32(1) + np.exp(-v))
     if act == 5:
         return np.tanh(v)
     if act == 6:
-        return min(max(v * a + b, np.float32(0)), np.float32(1))
+        return _clamp01(v * a + b, np.float32(0), np.float32(1))
     # 7: hard_swish
-    return v * min(max(v / np.float32(6) + np.float32(0.5), np.float32(0)), np.float32(1))
+    return v * _clamp01(v / np.float32(6) + np.float32(0.5), np.float32(0), np.float32(1))
 
 
 @njit(inline="always")
@@ -585,17 +592,17 @@ def maxpool(x, out, kh, kw, sh, sw, pt, pl, dh, dw):
                         v0 = x[c, iy, np.uintp(b0)]
                         v1 = x[c, iy, np.uintp(b0 + dw)]
                         v2 = x[c, iy, np.uintp(b0 + 2 * dw)]
-                        m = out[c, oy, np.uintp(k)]  # compare-selects that skip NaN, as before
-                        m = v0 if v0 > m else m
-                        m = v1 if v1 > m else m
-                        out[c, oy, np.uintp(k)] = v2 if v2 > m else m
+                        m = out[c, oy, np.uintp(k)]  # NaN, once seen, stays
+                        m = v0 if v0 > m or v0 != v0 else m
+                        m = v1 if v1 > m or v1 != v1 else m
+                        out[c, oy, np.uintp(k)] = v2 if v2 > m or v2 != v2 else m
                     for kb in range(ow - (hi3 - lo3)):  # border columns, checked
                         k = kb if kb < lo3 else kb + (hi3 - lo3)
                         for j in range(3):
                             ix = k * sw - pl + j * dw
                             if ix >= 0 and ix < wd:
                                 v = x[c, iy, ix]
-                                if v > out[c, oy, k]:
+                                if v > out[c, oy, k] or v != v:
                                     out[c, oy, k] = v
                     continue
                 for j in range(kw):
@@ -604,7 +611,7 @@ def maxpool(x, out, kh, kw, sh, sw, pt, pl, dh, dw):
                     for k in range(lo, hi):
                         v = x[c, iy, np.uintp(k * sw + shift)]
                         cur = out[c, oy, np.uintp(k)]
-                        out[c, oy, np.uintp(k)] = v if v > cur else cur
+                        out[c, oy, np.uintp(k)] = v if v > cur or v != v else cur
 
 
 @njit(parallel=True, cache=True)

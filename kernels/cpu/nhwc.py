@@ -317,9 +317,9 @@ def _mrow9(of, xf, orow, xrow, ox0, ox1, step, rs, cs, n_c):
                 v0 = xf[np.uintp(p + c)]
                 v1 = xf[np.uintp(p + cs + c)]
                 v2 = xf[np.uintp(p + 2 * cs + c)]
-                m = v0 if v0 > m else m
-                m = v1 if v1 > m else m
-                m = v2 if v2 > m else m
+                m = v0 if v0 > m or v0 != v0 else m
+                m = v1 if v1 > m or v1 != v1 else m
+                m = v2 if v2 > m or v2 != v2 else m
             of[np.uintp(o + c)] = m
 
 
@@ -343,7 +343,7 @@ def _mrow_any(of, xf, orow, iy0, ox0, ox1, h, wd, kh, kw, sw, pl, dh, dw, n_c):
                 for c in range(n_c):
                     v = xf[np.uintp(p + c)]
                     m = of[np.uintp(o + c)]
-                    of[np.uintp(o + c)] = v if v > m else m
+                    of[np.uintp(o + c)] = v if v > m or v != v else m
 
 
 @njit(parallel=True, cache=True)

@@ -374,10 +374,17 @@ class Ops:
         self.vadd = _binary(lambda bl, a, b: bl.fadd(a, b))
         self.vsub = _binary(lambda bl, a, b: bl.fsub(a, b))
         self.vmul = _binary(lambda bl, a, b: bl.fmul(a, b))
-        # Python's max(a, b) / min(a, b) as compare + select, so NaNs come out as in the
-        # scalar epilogue (act_scalar): relu is vmax(0, v), clip vmin(vmax(v, lo), hi)
-        self.vmax = _binary(lambda bl, a, b: bl.select(bl.fcmp_ordered(">", b, a), b, a))
-        self.vmin = _binary(lambda bl, a, b: bl.select(bl.fcmp_ordered("<", b, a), b, a))
+        # max / min as compare + select that keep a NaN of either operand (a + b is NaN
+        # then), as the scalar epilogue (act_scalar) and ONNX Runtime's Relu and Clip:
+        # relu is vmax(0, v), clip vmin(vmax(v, lo), hi)
+        self.vmax = _binary(lambda bl, a, b: _keep_nan(bl, a, b, ">"))
+        self.vmin = _binary(lambda bl, a, b: _keep_nan(bl, a, b, "<"))
+
+
+def _keep_nan(bl, a, b, cmp: str):
+    """b if b (cmp) a else a, or a + b (NaN) when either is NaN."""
+    pick = bl.select(bl.fcmp_ordered(cmp, b, a), b, a)
+    return bl.select(bl.fcmp_unordered("uno", a, b), bl.fadd(a, b), pick)
 
 
 @intrinsic

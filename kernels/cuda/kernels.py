@@ -40,16 +40,29 @@ def unravel6(t, s1, s2, s3, s4, s5):
 
 
 @cuda.jit(device=True, inline=True)
+def clamp_nan(v, lo, hi):
+    """v clamped to [lo, hi] with a NaN kept (min/max would drop it)."""
+    v = lo if v < lo else v
+    return hi if v > hi else v
+
+
+@cuda.jit(device=True, inline=True)
+def nan_max(m, v):
+    """The larger of m and v, NaN once seen kept (a max pool's running value)."""
+    return v if v > m or v != v else m
+
+
+@cuda.jit(device=True, inline=True)
 def act(v, code, a, b):
     """The activation epilogues of kernels/activations.py, by integer code."""
     if code == 0:
         return v
-    if code == 1:
-        return v if v > f32(0.0) else f32(0.0)
+    if code == 1:  # NaN kept, as ONNX Runtime's Relu / Clip / HardSigmoid (and the CPU's)
+        return f32(0.0) if v <= f32(0.0) else v
     if code == 2:
         return v if v >= f32(0.0) else v * a
     if code == 3:
-        return min(max(v, a), b)
+        return clamp_nan(v, a, b)
     if code == 4:  # the stable form: exp of a non-positive number never overflows
         if v >= f32(0.0):
             return f32(1.0) / (f32(1.0) + math.exp(-v))
@@ -58,9 +71,9 @@ def act(v, code, a, b):
     if code == 5:
         return math.tanh(v)
     if code == 6:
-        return min(max(v * a + b, f32(0.0)), f32(1.0))
+        return clamp_nan(v * a + b, f32(0.0), f32(1.0))
     if code == 7:
-        return v * min(max(v / f32(6.0) + f32(0.5), f32(0.0)), f32(1.0))
+        return v * clamp_nan(v / f32(6.0) + f32(0.5), f32(0.0), f32(1.0))
     return v
 
 
@@ -482,7 +495,7 @@ def maxpool(x, y, kh, kw, sh, sw, pt, pl, dh, dw):
                 for j in range(kw):
                     ix = ox * sw - pl + j * dw
                     if 0 <= ix < w:
-                        m = max(m, x[ni, c, iy, ix])
+                        m = nan_max(m, x[ni, c, iy, ix])
         y[ni, c, oy, ox] = m
 
 
