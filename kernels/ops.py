@@ -224,6 +224,62 @@ def _argmax_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return _reduce_shape(ins, {"axes": [ax], "keepdims": attrs["keepdims"]})
 
 
+# reduce's kinds (the fold, what x becomes first, what the result becomes after)
+REDUCE_KINDS = ("sum", "mean", "max", "min", "prod", "l1", "l2", "sum_square", "log_sum",
+                "log_sum_exp")  # fmt: skip
+_REDUCE_PRE = {"l1": "abs", "l2": "square", "sum_square": "square", "log_sum_exp": "exp"}
+
+
+def reduce_scratch_floats(kind: str, x_size: int, y_size: int) -> int:
+    """float32 scratch a reduce node needs: |x|, x² or exp(x - max) (x's size), and for
+    log_sum_exp the max as well (the output's size)."""
+    if kind not in _REDUCE_PRE:
+        return 0
+    return x_size + (y_size if kind == "log_sum_exp" else 0)
+
+
+def reduce_step(xp, x, y, scratch, attrs: dict):
+    """reduce's step for either backend (``xp``: NumPy or the GPU's array module, and
+    ``scratch`` a float32 array of reduce_scratch_floats): the fold into the output
+    view, in place, no allocation per run."""
+    kind = attrs["kind"]
+    axes = tuple(a % x.ndim for a in attrs["axes"])
+    kept = [1 if i in axes else d for i, d in enumerate(x.shape)]
+    yk = y.reshape(kept)
+    fold = {"max": xp.maximum, "min": xp.minimum, "prod": xp.multiply}.get(kind, xp.add)
+    n = float(np.prod([x.shape[a] for a in axes]))
+    tmp = scratch[: x.size].reshape(x.shape) if kind in _REDUCE_PRE else None
+    mx = scratch[x.size : x.size + y.size].reshape(kept) if kind == "log_sum_exp" else None
+
+    def step() -> None:
+        src = x
+        if kind == "log_sum_exp":  # max + log(sum(exp(x - max))): no overflow
+            xp.maximum.reduce(x, axis=axes, keepdims=True, out=mx)
+            xp.subtract(x, mx, out=tmp)
+            xp.exp(tmp, out=tmp)
+            src = tmp
+        elif tmp is not None:
+            getattr(xp, _REDUCE_PRE[kind])(x, out=tmp)
+            src = tmp
+        fold.reduce(src, axis=axes, keepdims=True, out=yk)
+        if kind == "mean":
+            xp.multiply(yk, np.float32(1.0 / n), out=yk)
+        elif kind == "l2":
+            xp.sqrt(yk, out=yk)
+        elif kind in ("log_sum", "log_sum_exp"):
+            xp.log(yk, out=yk)
+            if kind == "log_sum_exp":
+                xp.add(yk, mx, out=yk)
+
+    return step
+
+
+def _reduce_kind_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    if attrs["kind"] not in REDUCE_KINDS:
+        raise OpError(f"reduce kind {attrs['kind']!r}; known: {', '.join(REDUCE_KINDS)}")
+    return _reduce_shape(ins, attrs)
+
+
 def argmax_step(xp, x, y, attrs: dict):
     """argmax's step for either backend: ``xp`` (NumPy, or the GPU's array module)
     writes the indices into the output view, in place (no allocation per run)."""
@@ -359,6 +415,7 @@ OPS: dict[str, OpDef] = {
         _op("resample", ("x", "idx", "w"), _resample_shape, consts=("idx", "w"),
             attrs=("axis",)),
         _op("reduce_mean", ("x",), _reduce_shape, attrs=("axes", "keepdims")),
+        _op("reduce", ("x",), _reduce_kind_shape, attrs=("kind", "axes", "keepdims")),
         # int64 output: the index of the largest (``min``: smallest) value along ``axis``,
         # the first one unless ``select_last``
         _op("argmax", ("x",), _argmax_shape, attrs=("axis", "keepdims")),

@@ -764,6 +764,31 @@ def _reduce_mean(ctx: _Ctx, ins, outs, a):
     ctx.emit("reduce_mean", [ins[0]], outs[0], {"axes": axes, "keepdims": kd})
 
 
+# ONNX Reduce* -> the reduce op's kind, and the opset from which axes is an input
+REDUCE_OPS = {"ReduceSum": ("sum", 13), "ReduceMax": ("max", 18), "ReduceMin": ("min", 18),
+              "ReduceProd": ("prod", 18), "ReduceL1": ("l1", 18), "ReduceL2": ("l2", 18),
+              "ReduceSumSquare": ("sum_square", 18), "ReduceLogSum": ("log_sum", 18),
+              "ReduceLogSumExp": ("log_sum_exp", 18)}  # fmt: skip
+
+
+def _reduce(ctx: _Ctx, ins, outs, a):
+    kind, since = REDUCE_OPS[ctx.node.op_type]
+    xs = ctx.shape(ins[0])
+    axes = _axes(ctx, ins, a, len(xs), since)
+    if not axes:
+        if int(a.get("noop_with_empty_axes", 0)):
+            return _identity(ctx, ins, outs, a)
+        axes = list(range(len(xs)))
+    ctx.emit("reduce", [ins[0]], outs[0],
+             {"kind": kind, "axes": axes, "keepdims": int(a.get("keepdims", 1))})  # fmt: skip
+
+
+def _global_max(ctx: _Ctx, ins, outs, a):
+    r = len(ctx.shape(ins[0]))
+    ctx.emit("reduce", [ins[0]], outs[0],
+             {"kind": "max", "axes": list(range(2, r)), "keepdims": 1})  # fmt: skip
+
+
 def _pad(ctx: _Ctx, ins, outs, a):
     xs = ctx.shape(ins[0])
     mode = _decode(a.get("mode", "constant"))
@@ -828,6 +853,8 @@ HANDLERS: dict[str, Handler] = {
     "Squeeze": _squeeze,
     "Unsqueeze": _unsqueeze,
     "ReduceMean": _reduce_mean,
+    **dict.fromkeys(REDUCE_OPS, _reduce),
+    "GlobalMaxPool": _global_max,
     "Slice": _slice,
     "ArgMax": _argmax(False),
     "ArgMin": _argmax(True),

@@ -24,7 +24,7 @@ import pytest
 from edgepack.kernels import layout, registry, wtypes
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.mathfns import MATH_FNS
-from edgepack.kernels.ops import BINARY_KINDS, OUT_DTYPES
+from edgepack.kernels.ops import BINARY_KINDS, OUT_DTYPES, REDUCE_KINDS
 from edgepack.kernels.ref import reference as R
 from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import MATH_OPS, _pool_out
@@ -62,6 +62,7 @@ TOL: dict[str, tuple[float, float]] = {
     "rows": (0.0, 0.0),
     "slice": (0.0, 0.0),
     "argmax": (0.0, 0.0),
+    "reduce": (1e-5, 1e-5),
     "resample": (1e-6, 1e-6),
     "conv_transpose": (1e-5, 1e-5),
     "reduce_mean": (1e-5, 1e-6),
@@ -374,6 +375,16 @@ def resample_case(name: str, shape, axis: int, n_out: int, taps: int) -> Case:
     return Case(name, make, const=(1, 2))
 
 
+def reduce_case(name, kind, shape, axes, keepdims=1, scale=1.0) -> Case:
+    def make(rng, dt):
+        x = _randn(rng, *shape, scale=scale)
+        if kind in ("log_sum", "prod"):  # positive for log; near 1 for products
+            x = (np.abs(x) + 0.5).astype(F32) if kind == "log_sum" else (1 + 0.1 * x).astype(F32)
+        return [x], {"kind": kind, "axes": list(axes), "keepdims": keepdims}
+
+    return Case(name, make)
+
+
 def argmax_case(name, shape, axis, keepdims=1, is_min=False, last=False, ties=False) -> Case:
     def make(rng, dt):
         x = _randn(rng, *shape)
@@ -670,6 +681,13 @@ CASES: dict[str, list[Case]] = {
         resample_case("linear_last", (3, 7), 1, 12, 2),
         resample_case("cubic_first", (6, 4), 0, 9, 4),
         resample_case("wide_taps", (1, 2, 16, 3), 2, 5, 7),
+    ],
+    "reduce": [
+        *[reduce_case(f"{k}_axis1", k, (2, 5, 3), [1]) for k in REDUCE_KINDS],
+        reduce_case("max_hw_keep", "max", (2, 3, 4, 5), [2, 3]),  # GlobalMaxPool
+        reduce_case("l2_last_flat", "l2", (4, 6), [1], keepdims=0),
+        reduce_case("log_sum_exp_big", "log_sum_exp", (3, 7), [1], scale=300.0),
+        reduce_case("sum_all", "sum", (2, 3, 4), [0, 1, 2], keepdims=0),
     ],
     "argmax": [
         argmax_case("axis1", (2, 5, 3), 1),
@@ -1534,6 +1552,22 @@ def test_reference_binary_matches_onnxruntime(case: Case) -> None:
     node = helper.make_node(_ONNX_BINARY[attrs["kind"]], ["a", "b"], ["y"])
     got = _ort_graph([node], {"a": a, "b": b}, {})
     _compare_ref(R.binary([a, b], attrs), got, 1e-6, 1e-7)
+
+
+@pytest.mark.parametrize("case", CASES["reduce"], ids=lambda c: c.name)
+def test_reference_reduce_matches_onnxruntime(case: Case) -> None:
+    from edgepack.packager.onnx_import import REDUCE_OPS
+    from onnx import helper
+
+    (x,), attrs = case.make(_rng("ort", "reduce", case.name), "f32")
+    if attrs["kind"] == "mean":
+        op = "ReduceMean"
+    else:
+        op = next(o for o, (k, _) in REDUCE_OPS.items() if k == attrs["kind"])
+    axes = np.array(attrs["axes"], np.int64)
+    node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=attrs["keepdims"])
+    got = _ort_graph([node], {"x": x}, {"axes": axes}, opset=18)
+    _compare_ref(R.reduce([x], attrs), got, 1e-5, 1e-6)
 
 
 # ONNX Runtime's ArgMax skips a NaN unless it comes first, where NumPy's (the reference)

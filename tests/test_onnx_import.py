@@ -409,3 +409,25 @@ def test_conv_transpose_matches_onnx_runtime(tmp_path, xs, ws, attrs):
     m = model([node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)], [("x", list(xs))], ["y"],
               inits)  # fmt: skip
     check(tmp_path, m, {"x": rand(*xs)})
+
+
+@pytest.mark.parametrize(("op", "axes", "keepdims", "opset"), [
+    ("ReduceSum", [1], 1, 13), ("ReduceMax", [-1], 0, 18), ("ReduceL2", [2, 3], 1, 18),
+    ("ReduceLogSumExp", [1], 1, 18), ("ReduceMin", None, 0, 17), ("ReduceProd", [0], 1, 18),
+])  # fmt: skip
+def test_reduce_ops_with_constant_axes(tmp_path, op, axes, keepdims, opset):
+    # axes an attribute before its opset (13 for ReduceSum, 18 for the others), an input
+    # (a constant) from it; none: every axis
+    inits, ins, attrs = {}, ["x"], {"keepdims": keepdims}
+    if axes is not None and opset >= (13 if op == "ReduceSum" else 18):
+        inits["axes"] = np.array(axes, np.int64)
+        ins.append("axes")
+    elif axes is not None:
+        attrs["axes"] = axes
+    m = model([node(op, ins, ["y"], **attrs)], [("x", [2, 3, 4, 5])], ["y"], inits, opset=opset)
+    check(tmp_path, m, {"x": rand(2, 3, 4, 5) * 0.5 + 1.0})
+
+
+def test_global_max_pool(tmp_path):
+    m = model([node("GlobalMaxPool", ["x"], ["y"])], [("x", [2, 3, 5, 4])], ["y"])
+    check(tmp_path, m, {"x": rand(2, 3, 5, 4)})

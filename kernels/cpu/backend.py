@@ -24,7 +24,15 @@ from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
 from ..mathfns import math_code
-from ..ops import BINARY_KINDS, GATE_ACTS, argmax_step, norm_group, slice_index
+from ..ops import (
+    BINARY_KINDS,
+    GATE_ACTS,
+    argmax_step,
+    norm_group,
+    reduce_scratch_floats,
+    reduce_step,
+    slice_index,
+)
 from ..ops import args as _args
 from ..registry import Bound, Kernel, Spec, register
 from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
@@ -781,6 +789,15 @@ def _bind_resample(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(*args)
 
 
+def _reduce_scratch(ins, outs, attrs) -> int:
+    x, y = int(np.prod(ins[0][0])), int(np.prod(outs[0]))
+    return 4 * reduce_scratch_floats(attrs["kind"], x, y)
+
+
+def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
+    return reduce_step(np, ins[0], outs[0], scratch.view(np.float32), attrs)
+
+
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
     return argmax_step(np, ins[0], outs[0], attrs)
 
@@ -1004,6 +1021,7 @@ _cpu("binary", _bind_binary)
 _cpu("unary", _bind_unary)
 _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
+_cpu("reduce", _bind_reduce, scratch=_reduce_scratch)
 _cpu("resample", _bind_resample)
 _cpu("conv_transpose", _bind_conv_transpose)
 _cpu("math", _bind_math)

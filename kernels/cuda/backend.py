@@ -457,6 +457,15 @@ def _bind_resample(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(*args)
 
 
+def _reduce_scratch(ins, outs, attrs) -> int:
+    x, y = int(np.prod(ins[0][0])), int(np.prod(outs[0]))
+    return 4 * ops.reduce_scratch_floats(attrs["kind"], x, y)
+
+
+def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
+    return ops.reduce_step(_d().xp, ins[0], outs[0], scratch.view("float32"), attrs)
+
+
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
     return ops.argmax_step(_d().xp, ins[0], outs[0], attrs)
 
@@ -556,6 +565,7 @@ _cuda("binary", _bind_binary)
 _cuda("unary", _bind_unary)
 _cuda("slice", _bind_slice)
 _cuda("argmax", _bind_argmax)
+_cuda("reduce", _bind_reduce, scratch=_reduce_scratch)
 _cuda("resample", _bind_resample)
 _cuda("conv_transpose", _bind_conv_transpose)
 _cuda("math", _bind_math)

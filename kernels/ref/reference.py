@@ -285,6 +285,24 @@ def resample(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return (taken * w.reshape(shape)).sum(axis=ax + 1).astype(np.float32)
 
 
+def reduce(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """ONNX's Reduce* over ``axes`` in float64: sum, mean, max, min, prod, l1 (sum of
+    |x|), l2 (its root of the sum of squares), sum_square, log_sum, log_sum_exp."""
+    x, kind = inputs[0].astype(np.float64), attrs["kind"]
+    ax, kd = tuple(attrs["axes"]), bool(attrs["keepdims"])
+    with np.errstate(all="ignore"):
+        if kind == "log_sum_exp":
+            m = x.max(axis=ax, keepdims=True)
+            y = np.log(np.exp(x - m).sum(axis=ax, keepdims=True)) + m
+            y = y if kd else np.squeeze(y, ax)
+        else:
+            pre = {"l1": np.abs(x), "l2": x * x, "sum_square": x * x}.get(kind, x)
+            fold = {"max": np.max, "min": np.min, "prod": np.prod, "mean": np.mean}
+            y = fold.get(kind, np.sum)(pre, axis=ax, keepdims=kd)
+            y = np.sqrt(y) if kind == "l2" else np.log(y) if kind == "log_sum" else y
+    return np.asarray(y).astype(np.float32)
+
+
 def argmax(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """int64 index of the largest (``min``: smallest) value along ``axis``; ties: the
     first, or the last with ``select_last``."""
@@ -374,6 +392,7 @@ REFERENCE: dict[str, RefFn] = {
     "rows": rows,
     "slice": slice_op,
     "argmax": argmax,
+    "reduce": reduce,
     "resample": resample,
     "conv_transpose": conv_transpose,
     "reduce_mean": reduce_mean,
