@@ -789,6 +789,52 @@ def _global_max(ctx: _Ctx, ins, outs, a):
              {"kind": "max", "axes": list(range(2, r)), "keepdims": 1})  # fmt: skip
 
 
+def _gather(ctx: _Ctx, ins, outs, a):
+    """Gather of a run-time tensor at constant indices: a slice when they step evenly
+    (a class token's row 0, a stride), else one-tap resample rows (weight 1: an exact
+    copy, -0.0 read as 0.0); then the indices' shape in place of the axis."""
+    xs = ctx.shape(ins[0])
+    ax = int(a.get("axis", 0))
+    if not -len(xs) <= ax < len(xs):
+        raise ctx.fail(f"axis {ax} out of range for rank {len(xs)}")
+    ax %= len(xs)
+    ind = np.asarray(ctx.const(ins[1], "indices"))
+    if ind.dtype.kind not in "iu":
+        raise ctx.fail(f"indices of dtype {ind.dtype}")
+    flat = ind.reshape(-1).astype(np.int64)
+    if flat.size == 0 or flat.min() < -xs[ax] or flat.max() >= xs[ax]:
+        raise ctx.fail(f"indices {flat.tolist()[:8]} out of range for an axis of {xs[ax]}")
+    flat = np.where(flat < 0, flat + xs[ax], flat)
+    step = int(flat[1] - flat[0]) if flat.size > 1 else 1
+    picked = ctx.fresh(outs[0] + ".picked")
+    if step != 0 and np.array_equal(flat, flat[0] + step * np.arange(flat.size)):
+        attrs = _slice_attrs(xs, {})
+        attrs["starts"][ax], attrs["steps"][ax], attrs["sizes"][ax] = int(flat[0]), step, flat.size
+        ctx.emit("slice", [ins[0]], picked, attrs)
+    else:
+        iname = ctx.add_const(ctx.fresh(ctx.node_name + ".idx"), flat.astype(np.int32)[:, None])
+        wname = ctx.add_const(ctx.fresh(ctx.node_name + ".w"), np.ones((flat.size, 1), np.float32))
+        ctx.emit("resample", [ins[0], iname, wname], picked, {"axis": ax})
+    _reshape_to(ctx, picked, outs[0], (*xs[:ax], *ind.shape, *xs[ax + 1 :]))
+
+
+def _expand(ctx: _Ctx, ins, outs, a):
+    """Expand of a run-time tensor: x + zeros, the zeros only as large as the axes x
+    broadcasts along (binary's broadcasting makes the copy)."""
+    xs = ctx.shape(ins[0])
+    target = [int(d) for d in ctx.const(ins[1], "shape")]
+    try:
+        out = np.broadcast_shapes(xs, tuple(target))
+    except ValueError:
+        raise ctx.fail(f"shape {target} does not broadcast with {list(xs)}") from None
+    if tuple(out) == tuple(xs):
+        return _identity(ctx, ins, outs, a)
+    pad = (1,) * (len(out) - len(xs)) + tuple(xs)
+    zshape = tuple(o if p == 1 else 1 for o, p in zip(out, pad))
+    z = ctx.add_const(ctx.fresh(ctx.node_name + ".zeros"), np.zeros(zshape, np.float32))
+    ctx.emit("binary", [ins[0], z], outs[0], {"kind": "add", **_NO_ACT})
+
+
 def _pad(ctx: _Ctx, ins, outs, a):
     xs = ctx.shape(ins[0])
     mode = _decode(a.get("mode", "constant"))
@@ -855,6 +901,8 @@ HANDLERS: dict[str, Handler] = {
     "ReduceMean": _reduce_mean,
     **dict.fromkeys(REDUCE_OPS, _reduce),
     "GlobalMaxPool": _global_max,
+    "Expand": _expand,
+    "Gather": _gather,
     "Slice": _slice,
     "ArgMax": _argmax(False),
     "ArgMin": _argmax(True),
@@ -926,10 +974,14 @@ def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
         return np.where(v[0], v[1], v[2])
     if op in ("Identity", "Dropout"):
         return v[0]
+    if op == "Expand":  # bidirectional broadcasting, as ONNX defines it
+        return np.broadcast_to(v[0], np.broadcast_shapes(v[0].shape, tuple(int(d) for d in v[1])))
+    if op == "Tile":
+        return np.tile(v[0], [int(r) for r in v[1]])
     return None
 
 
-FOLD_ONLY = {"Shape", "Gather", "Cast", "ConstantOfShape", "Range", "Equal", "Where"}
+FOLD_ONLY = {"Shape", "Cast", "ConstantOfShape", "Range", "Equal", "Where"}
 
 
 def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:

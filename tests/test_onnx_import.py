@@ -431,3 +431,22 @@ def test_reduce_ops_with_constant_axes(tmp_path, op, axes, keepdims, opset):
 def test_global_max_pool(tmp_path):
     m = model([node("GlobalMaxPool", ["x"], ["y"])], [("x", [2, 3, 5, 4])], ["y"])
     check(tmp_path, m, {"x": rand(2, 3, 5, 4)})
+
+
+@pytest.mark.parametrize(("axis", "indices"), [
+    (1, np.array(0, np.int64)),  # a class token: x[:, 0]
+    (2, np.array([3, 1, 1, -1], np.int64)),  # uneven, repeated, negative
+    (0, np.array([[0, 1], [1, 0]], np.int64)),  # 2-D indices
+    (2, np.array([0, 2, 4], np.int64)),  # a stride: a slice
+])  # fmt: skip
+def test_gather_of_a_run_time_tensor_at_constant_indices(tmp_path, axis, indices):
+    m = model([node("Gather", ["x", "i"], ["y"], axis=axis)], [("x", [2, 3, 5])], ["y"],
+              {"i": indices})  # fmt: skip
+    check(tmp_path, m, {"x": rand(2, 3, 5)})
+
+
+@pytest.mark.parametrize(("xs", "shape"), [((3, 1), [2, 3, 4]), ((1, 4), [3, 1]), ((2, 3), [2, 3])])
+def test_expand_of_a_run_time_tensor(tmp_path, xs, shape):
+    m = model([node("Expand", ["x", "s"], ["y"])], [("x", list(xs))], ["y"],
+              {"s": np.array(shape, np.int64)})  # fmt: skip
+    check(tmp_path, m, {"x": rand(*xs)})
