@@ -194,6 +194,37 @@ def _math(ctx: _Ctx, ins, outs, a):
     ctx.emit("math", [ins[0]], outs[0], attrs)
 
 
+def _as_2d(handler, weighted: bool):
+    """A 1-D Conv or pool (x[N, C, L]) as its 2-D form over [N, C, 1, L]: the weight
+    [Co, Ci, k] as [Co, Ci, 1, k], each spatial attribute given a leading 1 (pads a
+    leading 0 on both ends), the output reshaped back."""
+
+    def wrapped(ctx: _Ctx, ins, outs, a):
+        xs = ctx.shape(ins[0])
+        if len(xs) != 3:
+            return handler(ctx, ins, outs, a)
+        x4 = ctx.fresh(ins[0] + ".2d")
+        _reshape_to(ctx, ins[0], x4, (xs[0], xs[1], 1, xs[2]))
+        ins = [x4, *ins[1:]]
+        if weighted:
+            w = ctx.const(ins[1], "weight")
+            if w.ndim != 3:
+                raise ctx.fail(f"weight of rank {w.ndim} for a 1-D convolution")
+            ins[1] = ctx.add_const(ctx.fresh(ins[1] + ".2d"), w.reshape(*w.shape[:2], 1, -1))
+        a = dict(a)
+        for k in ("kernel_shape", "strides", "dilations"):
+            if k in a:
+                a[k] = [1, *a[k]]
+        if "pads" in a:
+            a["pads"] = [0, a["pads"][0], 0, a["pads"][1]]
+        y4 = ctx.fresh(outs[0] + ".2d")
+        handler(ctx, ins, [y4, *outs[1:]], a)
+        ys = ctx.shape(y4)
+        _reshape_to(ctx, y4, outs[0], (ys[0], ys[1], ys[3]))
+
+    return wrapped
+
+
 def _conv(ctx: _Ctx, ins, outs, a):
     x, wname = ins[0], ins[1]
     xs = ctx.shape(x)
@@ -866,7 +897,7 @@ def _pad(ctx: _Ctx, ins, outs, a):
 
 Handler = Callable[[_Ctx, list, list, dict], None]
 HANDLERS: dict[str, Handler] = {
-    "Conv": _conv,
+    "Conv": _as_2d(_conv, weighted=True),
     "ConvTranspose": _conv_transpose,
     "Gemm": _gemm,
     "MatMul": _matmul,
@@ -888,8 +919,8 @@ HANDLERS: dict[str, Handler] = {
     "HardSwish": _act_node("hard_swish"),
     "Softmax": _softmax(False),
     "LogSoftmax": _softmax(True),
-    "MaxPool": _pool("max"),
-    "AveragePool": _pool("avg"),
+    "MaxPool": _as_2d(_pool("max"), weighted=False),
+    "AveragePool": _as_2d(_pool("avg"), weighted=False),
     "GlobalAveragePool": _global_avg,
     "BatchNormalization": _batchnorm,
     "Flatten": _flatten,

@@ -450,3 +450,21 @@ def test_expand_of_a_run_time_tensor(tmp_path, xs, shape):
     m = model([node("Expand", ["x", "s"], ["y"])], [("x", list(xs))], ["y"],
               {"s": np.array(shape, np.int64)})  # fmt: skip
     check(tmp_path, m, {"x": rand(*xs)})
+
+
+@pytest.mark.parametrize("attrs", [
+    {"pads": [1, 1]}, {"strides": [2], "dilations": [2], "pads": [2, 0]},
+    {"group": 2, "auto_pad": "SAME_UPPER"}, {"group": 4},
+])  # fmt: skip
+def test_1d_conv_as_the_voice_models_have_it(tmp_path, attrs):
+    g = attrs.get("group", 1)
+    m = model([node("Conv", ["x", "w", "b"], ["c"], **attrs), node("Relu", ["c"], ["r"]),
+               node("MaxPool", ["r"], ["y"], kernel_shape=[3], strides=[2], pads=[1, 1])],
+              [("x", [2, 4, 17])], ["y"], {"w": rand(8, 4 // g, 3), "b": rand(8)})  # fmt: skip
+    check(tmp_path, m, {"x": rand(2, 4, 17)})
+
+
+def test_1d_average_pool(tmp_path):
+    m = model([node("AveragePool", ["x"], ["y"], kernel_shape=[4], strides=[3], pads=[1, 2],
+                    count_include_pad=1)], [("x", [1, 3, 20])], ["y"])  # fmt: skip
+    check(tmp_path, m, {"x": rand(1, 3, 20)})
