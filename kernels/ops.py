@@ -217,6 +217,29 @@ def _resample_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (*x[:ax], idx[0], *x[ax + 1 :])
 
 
+def _take_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, idx, ax = ins[0], ins[1], int(attrs["axis"])
+    if not 0 <= ax < len(x):
+        raise OpError(f"take along axis {ax} of {list(x)}")
+    return (*x[:ax], *idx, *x[ax + 1 :])
+
+
+def _expand_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    out = tuple(int(d) for d in attrs["shape"])
+    if tuple(np.broadcast_shapes(ins[0], out)) != out:
+        raise OpError(f"expand of {list(ins[0])} to {list(out)}")
+    return out
+
+
+def _kind_of(kinds: tuple[str, ...], shape: ShapeFn) -> ShapeFn:
+    def fn(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+        if attrs["kind"] not in kinds:
+            raise OpError(f"kind {attrs['kind']!r}; known: {', '.join(kinds)}")
+        return shape(ins, attrs)
+
+    return fn
+
+
 def _argmax_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x, ax = ins[0], int(attrs["axis"])
     if not 0 <= ax < len(x) or x[ax] < 1:
@@ -227,75 +250,12 @@ def _argmax_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
 # reduce's kinds (the fold, what x becomes first, what the result becomes after)
 REDUCE_KINDS = ("sum", "mean", "max", "min", "prod", "l1", "l2", "sum_square", "log_sum",
                 "log_sum_exp")  # fmt: skip
-_REDUCE_PRE = {"l1": "abs", "l2": "square", "sum_square": "square", "log_sum_exp": "exp"}
-
-
-def reduce_scratch_floats(kind: str, x_size: int, y_size: int) -> int:
-    """float32 scratch a reduce node needs: |x|, x² or exp(x - max) (x's size), and for
-    log_sum_exp the max as well (the output's size)."""
-    if kind not in _REDUCE_PRE:
-        return 0
-    return x_size + (y_size if kind == "log_sum_exp" else 0)
-
-
-def reduce_step(xp, x, y, scratch, attrs: dict):
-    """reduce's step for either backend (``xp``: NumPy or the GPU's array module, and
-    ``scratch`` a float32 array of reduce_scratch_floats): the fold into the output
-    view, in place, no allocation per run."""
-    kind = attrs["kind"]
-    axes = tuple(a % x.ndim for a in attrs["axes"])
-    kept = [1 if i in axes else d for i, d in enumerate(x.shape)]
-    yk = y.reshape(kept)
-    fold = {"max": xp.maximum, "min": xp.minimum, "prod": xp.multiply}.get(kind, xp.add)
-    n = float(np.prod([x.shape[a] for a in axes]))
-    tmp = scratch[: x.size].reshape(x.shape) if kind in _REDUCE_PRE else None
-    mx = scratch[x.size : x.size + y.size].reshape(kept) if kind == "log_sum_exp" else None
-
-    def step() -> None:
-        src = x
-        if kind == "log_sum_exp":  # max + log(sum(exp(x - max))): no overflow
-            xp.maximum.reduce(x, axis=axes, keepdims=True, out=mx)
-            xp.subtract(x, mx, out=tmp)
-            xp.exp(tmp, out=tmp)
-            src = tmp
-        elif tmp is not None:
-            getattr(xp, _REDUCE_PRE[kind])(x, out=tmp)
-            src = tmp
-        fold.reduce(src, axis=axes, keepdims=True, out=yk)
-        if kind == "mean":
-            xp.multiply(yk, np.float32(1.0 / n), out=yk)
-        elif kind == "l2":
-            xp.sqrt(yk, out=yk)
-        elif kind in ("log_sum", "log_sum_exp"):
-            xp.log(yk, out=yk)
-            if kind == "log_sum_exp":
-                xp.add(yk, mx, out=yk)
-
-    return step
 
 
 def _reduce_kind_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     if attrs["kind"] not in REDUCE_KINDS:
         raise OpError(f"reduce kind {attrs['kind']!r}; known: {', '.join(REDUCE_KINDS)}")
     return _reduce_shape(ins, attrs)
-
-
-def argmax_step(xp, x, y, attrs: dict):
-    """argmax's step for either backend: ``xp`` (NumPy, or the GPU's array module)
-    writes the indices into the output view, in place (no allocation per run)."""
-    ax = int(attrs["axis"])
-    f = xp.argmin if attrs.get("min") else xp.argmax
-    last = bool(attrs.get("select_last"))
-    src = x[(slice(None),) * ax + (slice(None, None, -1),)] if last else x
-    yk = y.reshape(tuple(d for i, d in enumerate(x.shape) if i != ax))
-    top = x.shape[ax] - 1
-
-    def step() -> None:
-        f(src, axis=ax, out=yk)
-        if last:  # the reversed view's first is the last
-            xp.subtract(top, yk, out=yk)
-
-    return step
 
 
 def _reduce_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
@@ -374,6 +334,8 @@ NORM_KINDS = ("rms", "layer")
 GATE_ACTS = ("silu", "gelu_tanh")
 # binary's kinds, in the order of the kernels' integer codes (kernels/cpu/kernels.py _binop)
 BINARY_KINDS = ("add", "sub", "mul", "div", "max", "min", "pow")
+COMPARE_KINDS = ("equal", "less", "less_equal", "greater", "greater_equal")
+LOGIC_KINDS = ("and", "or", "xor", "not")
 
 _CONV_ATTRS = ("strides", "pads", "dilations", "group")
 _W = frozenset({"w", "bias", "scale"})
@@ -416,6 +378,13 @@ OPS: dict[str, OpDef] = {
             attrs=("axis",)),
         _op("reduce_mean", ("x",), _reduce_shape, attrs=("axes", "keepdims")),
         _op("reduce", ("x",), _reduce_kind_shape, attrs=("kind", "axes", "keepdims")),
+        # dtype-generic (kernels/generic.py): out_dtype gives each node's output dtype
+        _op("expand", ("x",), _expand_shape, attrs=("shape",)),
+        _op("cast", ("x",), _same, attrs=("to",)),
+        _op("compare", ("a", "b"), _kind_of(COMPARE_KINDS, _broadcast), attrs=("kind",)),
+        _op("logic", ("a", "b"), _kind_of(LOGIC_KINDS, _broadcast), ("b",), attrs=("kind",)),
+        _op("where", ("cond", "a", "b"), _broadcast),
+        _op("take", ("x", "indices"), _take_shape, attrs=("axis",)),
         # int64 output: the index of the largest (``min``: smallest) value along ``axis``,
         # the first one unless ``select_last``
         _op("argmax", ("x",), _argmax_shape, attrs=("axis", "keepdims")),
@@ -440,8 +409,49 @@ OPS: dict[str, OpDef] = {
 }
 
 # Ops whose output is not float32 (the arena dtype of runtime/bundle_format.py); every
-# other op takes and gives float32 tensors (the LLM graphs' int32 ids aside).
+# other op takes and gives float32 tensors (the LLM graphs' int32 ids aside), except
+# the dtype-generic ones (GENERIC_OPS, out_dtype).
 OUT_DTYPES: dict[str, str] = {"argmax": "i64"}
+# Ops that move or compare tensors of any arena dtype (kernels/generic.py runs them)
+MOVE_OPS = ("reshape", "transpose", "concat", "slice", "rows", "expand")
+GENERIC_OPS = (*MOVE_OPS, "cast", "compare", "logic", "where", "take")
+INT_BINARY_KINDS = ("add", "sub", "mul", "max", "min")  # integer tensors' binary kinds
+INDEX_DTYPES = ("i32", "i64")
+
+
+def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
+    """The output dtype of an ``op`` node whose inputs have dtypes ``dts`` (None: an
+    absent input), or OpError naming what the op does not take."""
+    live = [d for d in dts if d is not None]
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise OpError(f"{op} of {live}: {what}")
+
+    if op in MOVE_OPS:
+        need(len(set(live)) == 1, "its inputs must share one dtype")
+        return live[0]
+    if op == "cast":
+        return attrs["to"]
+    if op == "compare":
+        need(len(set(live)) == 1, "both sides of one dtype")
+        return "bool"
+    if op == "logic":
+        need(set(live) == {"bool"}, "bool tensors")
+        return "bool"
+    if op == "where":
+        need(dts[0] == "bool" and dts[1] == dts[2], "a bool condition, two sides of one dtype")
+        return dts[1]
+    if op == "take":
+        need(dts[1] in INDEX_DTYPES, "int32 or int64 indices")
+        return dts[0]
+    if op == "binary" and live and live[0] != "f32":
+        need(len(set(live)) == 1 and live[0] not in ("bool", "f16") and
+             attrs["kind"] in INT_BINARY_KINDS and attrs.get("act", "none") == "none",
+             f"integer tensors of one dtype, kinds {', '.join(INT_BINARY_KINDS)}")  # fmt: skip
+        return live[0]
+    need(all(d == "f32" for d in live), "float32 tensors")
+    return OUT_DTYPES.get(op, "f32")
 # Constant inputs that are integer tables, not float32 (resample's tap indices, int32)
 INT_CONSTS: dict[str, tuple[str, ...]] = {"resample": ("idx",)}
 

@@ -231,7 +231,7 @@ QUANTIZE: dict[str, Callable] = {r.name: r.quantize for r in ROWS}
 DEQUANTIZE: dict[str, Callable] = {r.name: r.dequantize for r in ROWS}
 
 # Non-weight tensors a bundle may hold too (scales, tables, padding), by numpy dtype.
-PLAIN_ST: dict[str, str] = {"i32": "I32", "u8": "U8"}
+PLAIN_ST: dict[str, str] = {"i32": "I32", "u8": "U8", "i64": "I64", "bool": "BOOL"}
 
 assert all(r.quantize and r.dequantize for r in ROWS), "every row needs both references"
 # Block layouts pinned at import (a change here changes every bundle's bytes).
@@ -271,7 +271,8 @@ def of_array(a: np.ndarray) -> str:
     name = _BY_STORAGE.get(np.dtype(a.dtype))
     if name is not None:
         return name
-    short = {np.dtype("<i4"): "i32", np.dtype("u1"): "u8"}.get(np.dtype(a.dtype))
+    short = {np.dtype("<i4"): "i32", np.dtype("u1"): "u8", np.dtype("<i8"): "i64",
+             np.dtype("|b1"): "bool"}.get(np.dtype(a.dtype))  # fmt: skip
     if short is None:
         raise ValueError(f"a constant of dtype {a.dtype} cannot be stored in a bundle")
     return short

@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..kernels.ops import INT_CONSTS, OUT_DTYPES, OpError, output_shape
+from ..kernels.ops import GENERIC_OPS, INT_CONSTS, OpError, out_dtype, output_shape
 from ..kernels.ops import get as get_op
 from ..kernels.ref.reference import REFERENCE
-from ..runtime.bundle_format import TENSOR_DTYPES
+from ..runtime.bundle_format import TENSOR_CODES, TENSOR_DTYPES
 from .ir import Graph, Node, PackError
 
 MIN_OPSET, MAX_OPSET = 13, 24
@@ -75,29 +75,49 @@ class _Ctx:
             shape = output_shape(op, in_shapes, attrs)
         except OpError as e:
             raise self.fail(str(e)) from None
-        for i in inputs:  # every op takes float32 tensors (ops.OUT_DTYPES makes others)
-            if i and i not in self.g.consts and self.g.dtype(i) != "f32":
-                raise self.fail(f"input {i!r} is {self.g.dtype(i)}; the {op} op takes float32")
-        out_dtype = OUT_DTYPES.get(op, "f32")
+        consts = self.g.consts
+        runtime = [self.g.dtype(i) for i in inputs if i and i not in consts]
+        # dtype-generic ops (and binary over integer tensors) keep every dtype; the
+        # others take float32 tensors, their constants cast to float32 here
+        generic = op in GENERIC_OPS or (op == "binary" and (
+            any(d != "f32" for d in runtime) or
+            (not runtime and any(consts[i].dtype.kind in "iub" for i in inputs if i))))  # fmt: skip
         ints = {get_op(op).roles.index(r) for r in INT_CONSTS.get(op, ())}
-        if all((not i) or i in self.g.consts for i in inputs):
-            args = [
-                None if not i else self.g.consts[i] if k in ints else
-                self.g.consts[i].astype(np.float32) for k, i in enumerate(inputs)
-            ]  # fmt: skip
+
+        def dtype_of(k: int, i: str) -> str | None:
+            if not i:
+                return None
+            if i not in consts:
+                return self.g.dtype(i)
+            if generic or k in ints:
+                code = TENSOR_CODES.get(consts[i].dtype)
+                if code is None:
+                    raise self.fail(f"constant {i!r} of dtype {consts[i].dtype}")
+                return code
+            return "f32"  # cast below
+
+        dts = [dtype_of(k, i) for k, i in enumerate(inputs)]
+        try:
+            odt = out_dtype(op, [d for k, d in enumerate(dts) if k not in ints], attrs)
+        except OpError as e:
+            named = [f"{i!r} ({d})" for i, d in zip(inputs, dts) if i and d != "f32"]
+            raise self.fail(f"{e}; inputs {', '.join(named) or 'float32'}") from None
+        if all((not i) or i in consts for i in inputs):
+            args = [None if not i else consts[i] if generic or k in ints
+                    else consts[i].astype(np.float32) for k, i in enumerate(inputs)]  # fmt: skip
             val = np.asarray(REFERENCE[op](args, attrs))
-            return self.add_const(out, val.astype(TENSOR_DTYPES[out_dtype]).reshape(shape))
+            return self.add_const(out, val.astype(TENSOR_DTYPES[odt]).reshape(shape))
         for k, i in enumerate(inputs):
-            if i and i in self.g.consts and self.g.consts[i].dtype != np.float32 and k not in ints:
-                self.g.consts[i] = self.g.consts[i].astype(np.float32)
+            if i and i in consts and not (generic or k in ints) and consts[i].dtype != np.float32:
+                consts[i] = consts[i].astype(np.float32)
         name = self.node_name
         while name in self.used:  # one ONNX node may lower to several IR nodes
             name = f"{self.node_name}/{op}.{len(self.used)}"
         self.used.add(name)
         self.g.nodes.append(Node(op, name, list(inputs), [out], dict(attrs), [self.node_name]))
         self.g.shapes[out] = shape
-        if out_dtype != "f32":
-            self.g.dtypes[out] = out_dtype
+        if odt != "f32":
+            self.g.dtypes[out] = odt
         return out
 
 
@@ -377,15 +397,51 @@ def _matmul(ctx: _Ctx, ins, outs, a):
     ctx.emit("matmul", [A, B], outs[0], {"act": "none", "act_args": [0.0, 0.0]})
 
 
+def _tensor_code(elem_type: int) -> str | None:
+    """The arena dtype code of an ONNX element type (None: not one edgepack holds)."""
+    try:
+        return TENSOR_CODES.get(np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _cast(ctx: _Ctx, ins, outs, a):
+    code = _tensor_code(int(a["to"]))
+    if code is None:
+        raise ctx.fail(f"to={onnx.TensorProto.DataType.Name(int(a['to']))} is not a dtype "
+                       f"edgepack holds ({', '.join(sorted(TENSOR_DTYPES))})")  # fmt: skip
+    ctx.emit("cast", [ins[0]], outs[0], {"to": code})
+
+
+def _cast_like(ctx: _Ctx, ins, outs, a):
+    t = ins[1]
+    code = TENSOR_CODES.get(ctx.g.consts[t].dtype) if t in ctx.g.consts else ctx.g.dtype(t)
+    if code is None:
+        raise ctx.fail(f"target_type of dtype {ctx.g.consts[t].dtype}")
+    ctx.emit("cast", [ins[0]], outs[0], {"to": code})
+
+
+def _compare(kind: str):
+    def handler(ctx: _Ctx, ins, outs, a):
+        ctx.emit("compare", ins[:2], outs[0], {"kind": kind})
+
+    return handler
+
+
+def _logic(kind: str):
+    def handler(ctx: _Ctx, ins, outs, a):
+        ctx.emit("logic", ins[:1] if kind == "not" else ins[:2], outs[0], {"kind": kind})
+
+    return handler
+
+
+def _where(ctx: _Ctx, ins, outs, a):
+    ctx.emit("where", ins[:3], outs[0], {})
+
+
 def _binary(kind: str):
     def handler(ctx: _Ctx, ins, outs, a):
         x, y = ins
-        for t in (x, y):
-            if t in ctx.g.consts and ctx.g.consts[t].dtype.kind not in "f":
-                raise ctx.fail(
-                    f"operand {t!r} has dtype {ctx.g.consts[t].dtype}; only float "
-                    "tensors reach the runtime"
-                )
         ctx.emit(
             "binary",
             [x, y],
@@ -829,6 +885,8 @@ def _gather(ctx: _Ctx, ins, outs, a):
     if not -len(xs) <= ax < len(xs):
         raise ctx.fail(f"axis {ax} out of range for rank {len(xs)}")
     ax %= len(xs)
+    if ins[1] not in ctx.g.consts or ctx.g.dtype(ins[0]) != "f32" or ins[0] in ctx.g.consts:
+        return ctx.emit("take", ins[:2], outs[0], {"axis": ax})  # any dtype, run-time indices
     ind = np.asarray(ctx.const(ins[1], "indices"))
     if ind.dtype.kind not in "iu":
         raise ctx.fail(f"indices of dtype {ind.dtype}")
@@ -850,8 +908,7 @@ def _gather(ctx: _Ctx, ins, outs, a):
 
 
 def _expand(ctx: _Ctx, ins, outs, a):
-    """Expand of a run-time tensor: x + zeros, the zeros only as large as the axes x
-    broadcasts along (binary's broadcasting makes the copy)."""
+    """Expand (bidirectional broadcasting) of a run-time tensor of any dtype."""
     xs = ctx.shape(ins[0])
     target = [int(d) for d in ctx.const(ins[1], "shape")]
     try:
@@ -860,10 +917,7 @@ def _expand(ctx: _Ctx, ins, outs, a):
         raise ctx.fail(f"shape {target} does not broadcast with {list(xs)}") from None
     if tuple(out) == tuple(xs):
         return _identity(ctx, ins, outs, a)
-    pad = (1,) * (len(out) - len(xs)) + tuple(xs)
-    zshape = tuple(o if p == 1 else 1 for o, p in zip(out, pad))
-    z = ctx.add_const(ctx.fresh(ctx.node_name + ".zeros"), np.zeros(zshape, np.float32))
-    ctx.emit("binary", [ins[0], z], outs[0], {"kind": "add", **_NO_ACT})
+    ctx.emit("expand", [ins[0]], outs[0], {"shape": [int(d) for d in out]})
 
 
 def _pad(ctx: _Ctx, ins, outs, a):
@@ -933,6 +987,18 @@ HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(REDUCE_OPS, _reduce),
     "GlobalMaxPool": _global_max,
     "Expand": _expand,
+    "Cast": _cast,
+    "CastLike": _cast_like,
+    "Equal": _compare("equal"),
+    "Less": _compare("less"),
+    "LessOrEqual": _compare("less_equal"),
+    "Greater": _compare("greater"),
+    "GreaterOrEqual": _compare("greater_equal"),
+    "And": _logic("and"),
+    "Or": _logic("or"),
+    "Xor": _logic("xor"),
+    "Not": _logic("not"),
+    "Where": _where,
     "Gather": _gather,
     "Slice": _slice,
     "ArgMax": _argmax(False),
@@ -1012,7 +1078,7 @@ def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
     return None
 
 
-FOLD_ONLY = {"Shape", "Cast", "ConstantOfShape", "Range", "Equal", "Where"}
+FOLD_ONLY = {"Shape", "ConstantOfShape", "Range"}
 
 
 def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:
@@ -1099,12 +1165,15 @@ def import_onnx(
                 "takes tensors (no sequences, maps or optionals)"
             )
         tt = inp.type.tensor_type
-        if tt.elem_type != onnx.TensorProto.FLOAT:
+        code = _tensor_code(tt.elem_type)
+        if code is None:
             raise PackError(
-                f"model input {inp.name!r} has dtype "
-                f"{helper.tensor_dtype_to_np_dtype(tt.elem_type)}; only float32 "
-                "inputs are supported"
+                f"model input {inp.name!r} has ONNX element type "
+                f"{onnx.TensorProto.DataType.Name(tt.elem_type)}; edgepack takes "
+                f"{', '.join(sorted(TENSOR_DTYPES))} tensors"
             )
+        if code != "f32":
+            graph.dtypes[inp.name] = code
         dims = []
         for d in tt.shape.dim:
             dims.append(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None)

@@ -10,6 +10,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
+
 MAGIC = b"EPKB\r\n\x1a\n"  # PNG-style: text-mode transfers and truncation show up at once
 # 2: conv_wino weights are stored U[a*a, Cin, Cout] (version 1: U[a*a, Cout, Cin])
 # 3: nodes may run channels-last (attrs["layout"] == "nhwc", kernels/layout.py)
@@ -30,11 +32,19 @@ ST_DTYPES: dict[str, str] = {
     "I8": "i1",
     "U8": "u1",
     "I32": "<i4",
+    "I64": "<i8",
+    "BOOL": "|b1",
 }
 PAD_PREFIX = "__pad__."  # filler entries that keep every tensor 64-byte aligned
 # Arena tensors' dtypes: float32 activations; int32 token ids, positions and slots;
-# fp16 KV caches (an LLM graph's state); int64 indices (ArgMax's output).
-TENSOR_DTYPES: dict[str, str] = {"f32": "<f4", "i32": "<i4", "f16": "<f2", "i64": "<i8"}
+# fp16 KV caches (an LLM graph's state); the integer, bool and float64 tensors of ONNX
+# graphs (indices, masks, shapes, token ids) that the dtype-generic ops move and compare.
+TENSOR_DTYPES: dict[str, str] = {
+    "f32": "<f4", "i32": "<i4", "f16": "<f2", "i64": "<i8", "bool": "|b1", "u8": "|u1",
+    "i8": "|i1", "i16": "<i2", "u16": "<u2", "u32": "<u4", "u64": "<u8", "f64": "<f8",
+}  # fmt: skip
+# numpy dtype -> arena dtype code
+TENSOR_CODES: dict[np.dtype, str] = {np.dtype(v): k for k, v in TENSOR_DTYPES.items()}
 
 
 @dataclass(frozen=True)

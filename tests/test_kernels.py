@@ -24,7 +24,13 @@ import pytest
 from edgepack.kernels import layout, registry, wtypes
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.mathfns import MATH_FNS
-from edgepack.kernels.ops import BINARY_KINDS, OUT_DTYPES, REDUCE_KINDS
+from edgepack.kernels.ops import (
+    BINARY_KINDS,
+    COMPARE_KINDS,
+    GENERIC_OPS,
+    OUT_DTYPES,
+    REDUCE_KINDS,
+)
 from edgepack.kernels.ref import reference as R
 from edgepack.kernels.winograd import transform_weights
 from edgepack.packager.onnx_import import MATH_OPS, _pool_out
@@ -63,6 +69,7 @@ TOL: dict[str, tuple[float, float]] = {
     "slice": (0.0, 0.0),
     "argmax": (0.0, 0.0),
     "reduce": (1e-5, 1e-5),
+    **dict.fromkeys(("cast", "compare", "logic", "where", "take", "expand"), (0.0, 0.0)),
     "resample": (1e-6, 1e-6),
     "conv_transpose": (1e-5, 1e-5),
     "reduce_mean": (1e-5, 1e-6),
@@ -137,8 +144,10 @@ def _want(op: str, dt: str, ins, attrs) -> np.ndarray:
     """The reference output (weights the op references do not read as stored decoded
     first, as the ref backend does)."""
     feed = R.node_weights(dt, ins, op, attrs) if op in registry.WEIGHT_OPS else ins
-    out_dtype = TENSOR_DTYPES[OUT_DTYPES.get(op, "f32")]  # argmax: int64
-    return np.ascontiguousarray(R.REFERENCE[op](feed, attrs)).astype(out_dtype)
+    got = np.ascontiguousarray(R.REFERENCE[op](feed, attrs))
+    if op in GENERIC_OPS or got.dtype.kind in "iub":  # dtype-generic: the reference's
+        return got
+    return got.astype(TENSOR_DTYPES[OUT_DTYPES.get(op, "f32")])  # argmax: int64
 
 
 # Weight values that stress decoders: half subnormals (smallest ~6e-8), the smallest
@@ -373,6 +382,30 @@ def resample_case(name: str, shape, axis: int, n_out: int, taps: int) -> Case:
         return [_randn(rng, *shape), idx, w], {"axis": axis}
 
     return Case(name, make, const=(1, 2))
+
+
+def generic_case(name: str, ins: list, attrs: dict) -> Case:
+    """A dtype-generic op's case: inputs as (kind, shape), kind an arena dtype code or
+    idx32 / idx64 / neg64 (indices in range for a take of size 5 or more; neg64 some
+    negative)."""
+
+    def make(rng, dt):
+        out = []
+        for kind, shape in ins:
+            if kind == "f32":
+                x = _randn(rng, *shape)
+                x.reshape(-1)[:1] = 0.0  # a zero: bool casts and comparisons see one
+            elif kind == "bool":
+                x = rng.random(shape) < 0.5
+            elif kind.startswith(("idx", "neg")):
+                lo = -4 if kind == "neg64" else 0
+                x = rng.integers(lo, 5, shape).astype(np.int32 if kind == "idx32" else np.int64)
+            else:
+                x = rng.integers(-9 if kind[0] == "i" else 0, 10, shape).astype(TENSOR_DTYPES[kind])
+            out.append(np.asarray(x))
+        return out, dict(attrs)
+
+    return Case(name, make)
 
 
 def reduce_case(name, kind, shape, axes, keepdims=1, scale=1.0) -> Case:
@@ -681,6 +714,37 @@ CASES: dict[str, list[Case]] = {
         resample_case("linear_last", (3, 7), 1, 12, 2),
         resample_case("cubic_first", (6, 4), 0, 9, 4),
         resample_case("wide_taps", (1, 2, 16, 3), 2, 5, 7),
+    ],
+    "cast": [
+        generic_case("f32_to_i64", [("f32", (2, 3, 4))], {"to": "i64"}),
+        generic_case("f32_to_bool", [("f32", (5, 7))], {"to": "bool"}),
+        generic_case("i64_to_f32", [("i64", (6,))], {"to": "f32"}),
+        generic_case("bool_to_i32", [("bool", (3, 4))], {"to": "i32"}),
+        generic_case("u8_to_f32", [("u8", (2, 8))], {"to": "f32"}),
+    ],
+    "compare": [
+        *[generic_case(f"{k}_f32", [("f32", (2, 3, 4)), ("f32", (3, 1))], {"kind": k})
+          for k in COMPARE_KINDS],
+        generic_case("equal_i64_bcast", [("i64", (4, 5)), ("i64", (5,))], {"kind": "equal"}),
+        generic_case("less_i32", [("i32", (7,)), ("i32", ())], {"kind": "less"}),
+    ],  # fmt: skip
+    "logic": [
+        *[generic_case(k, [("bool", (3, 4)), ("bool", (4,))], {"kind": k})
+          for k in ("and", "or", "xor")],
+        generic_case("not", [("bool", (2, 5))], {"kind": "not"}),
+    ],  # fmt: skip
+    "where": [
+        generic_case("f32_bcast", [("bool", (2, 1, 4)), ("f32", (3, 4)), ("f32", ())], {}),
+        generic_case("i64", [("bool", (6,)), ("i64", (6,)), ("i64", (6,))], {}),
+    ],
+    "take": [
+        generic_case("rows_i64_idx", [("f32", (9, 4)), ("idx64", (2, 3))], {"axis": 0}),
+        generic_case("axis1_i32_idx", [("i64", (3, 7, 2)), ("idx32", (5,))], {"axis": 1}),
+        generic_case("negative", [("f32", (5, 6)), ("neg64", (4,))], {"axis": 1}),
+    ],
+    "expand": [
+        generic_case("f32", [("f32", (3, 1))], {"shape": [2, 3, 4]}),
+        generic_case("bool", [("bool", (1, 4))], {"shape": [3, 4]}),
     ],
     "reduce": [
         *[reduce_case(f"{k}_axis1", k, (2, 5, 3), [1]) for k in REDUCE_KINDS],
@@ -1008,6 +1072,8 @@ def _with_ieee_specials(base: Case, inf: bool = True) -> Case:
     def make(rng, dt):
         ins, attrs = base.make(rng, dt)
         x = np.array(ins[0], copy=True)
+        if x.dtype.kind != "f":  # a bool or integer first input has no NaN
+            return ins, attrs
         flat = x.reshape(-1)
         flat[::11] = np.nan
         if inf:
@@ -1176,7 +1242,8 @@ class DevMem:
 def _poison(dtype) -> float | int:
     """What an output holds before a run: NaN, or for integer outputs (argmax's int64)
     a value no kernel writes."""
-    return np.nan if np.dtype(dtype).kind == "f" else -7
+    kind = np.dtype(dtype).kind
+    return np.nan if kind == "f" else False if kind == "b" else -7  # bool: the sentinel's not
 
 
 def _guarded(mem, shape: tuple[int, ...], dtype=F32):
@@ -1190,6 +1257,7 @@ def _guarded(mem, shape: tuple[int, ...], dtype=F32):
 def _check_guards(mem, buf, sentinel, what: str) -> None:
     b = mem.get(buf)
     head, tail = b[:GUARD], b[-GUARD:]
+    sentinel = np.asarray(sentinel).astype(b.dtype)  # a bool or integer output's sentinel
     assert (head == sentinel).all() and (tail == sentinel).all(), f"{what}: wrote out of bounds"
 
 

@@ -272,7 +272,10 @@ def test_dynamic_batch_and_input_shape(tmp_path):
         ),
         (
             lambda: model(
-                [node("Conv", ["x", "w"], ["y"])], [("x", [1, 2, 5])], ["y"], {"w": rand(2, 2, 3)}
+                [node("Conv", ["x", "w"], ["y"])],
+                [("x", [1, 2, 5, 5, 5])],
+                ["y"],
+                {"w": rand(2, 2, 3, 3, 3)},
             ),
             "only 2-D convolutions",
         ),
@@ -292,16 +295,20 @@ def test_unsupported_inputs_name_op_and_node(tmp_path, make, needle):
 
 
 def test_unsupported_input_dtype(tmp_path):
-    g = helper.make_graph(
-        [node("Relu", ["x"], ["y"])],
-        "t",
-        [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
-    )
-    path = tmp_path / "i.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
-    with pytest.raises(PackError, match="'x' has dtype int64; only float32"):
-        pack(path, tmp_path / "i.epk")
+    # a string input has no arena dtype; an int64 one does, but Relu takes float32
+    int64 = r"unary of \['i64'\]: float32 tensors; inputs 'x' \(i64\)"
+    for dtype, needle in ((TensorProto.STRING, "'x' has ONNX element type STRING"),
+                          (TensorProto.INT64, int64)):  # fmt: skip
+        g = helper.make_graph(
+            [node("Relu", ["x"], ["y"])],
+            "t",
+            [helper.make_tensor_value_info("x", dtype, [2])],
+            [helper.make_tensor_value_info("y", dtype, None)],
+        )
+        path = tmp_path / "i.onnx"
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        with pytest.raises(PackError, match=needle):
+            pack(path, tmp_path / "i.epk")
 
 
 @pytest.mark.parametrize("axis", [-1, -3, 0, 2, 3])

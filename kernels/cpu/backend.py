@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .. import generic as G
 from .. import layout, mbconv, winograd, wtypes
 from ..binding import act_args as _act
 from ..binding import epilogue_flags as _flags
@@ -24,15 +25,7 @@ from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
 from ..mathfns import math_code
-from ..ops import (
-    BINARY_KINDS,
-    GATE_ACTS,
-    argmax_step,
-    norm_group,
-    reduce_scratch_floats,
-    reduce_step,
-    slice_index,
-)
+from ..ops import BINARY_KINDS, GATE_ACTS, norm_group
 from ..ops import args as _args
 from ..registry import Bound, Kernel, Spec, register
 from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
@@ -630,6 +623,8 @@ _KIND = {k: i for i, k in enumerate(BINARY_KINDS)}
 
 def _bind_binary(ins, outs, scratch, attrs) -> Bound:
     a_, b_, y = ins[0], ins[1], outs[0]
+    if y.dtype != np.float32:  # integer tensors (ops.out_dtype allowed the kind)
+        return G.int_binary_step(np, a_, b_, y, attrs["kind"])
     if y.ndim <= 4:
         # A numba loop over broadcast views: NumPy's ufuncs would buffer (allocate) when
         # the planner writes the output over an input, as it does for in-place ops.
@@ -791,20 +786,28 @@ def _bind_resample(ins, outs, scratch, attrs) -> Bound:
 
 def _reduce_scratch(ins, outs, attrs) -> int:
     x, y = int(np.prod(ins[0][0])), int(np.prod(outs[0]))
-    return 4 * reduce_scratch_floats(attrs["kind"], x, y)
+    return 4 * G.reduce_scratch_floats(attrs["kind"], x, y)
 
 
 def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
-    return reduce_step(np, ins[0], outs[0], scratch.view(np.float32), attrs)
+    return G.reduce_step(np, ins[0], outs[0], scratch.view(np.float32), attrs)
 
 
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
-    return argmax_step(np, ins[0], outs[0], attrs)
+    return G.argmax_step(np, ins[0], outs[0], attrs)
 
 
 def _bind_slice(ins, outs, scratch, attrs) -> Bound:
-    y, src = outs[0], ins[0][slice_index(attrs)]  # a strided view, copied each run
-    return lambda: np.copyto(y, src)
+    return G.slice_step(np, ins[0], outs[0], attrs)  # a strided view, copied each run
+
+
+def _bind_generic(op: str):
+    """The dtype-generic ops (kernels/generic.py) over NumPy."""
+
+    def bind(ins, outs, scratch, attrs) -> Bound:
+        return G.generic_step(np, op, ins, outs[0], attrs)
+
+    return bind
 
 
 def _bind_concat(ins, outs, scratch, attrs) -> Bound:
@@ -1022,6 +1025,8 @@ _cpu("unary", _bind_unary)
 _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
 _cpu("reduce", _bind_reduce, scratch=_reduce_scratch)
+for _op in ("expand", "cast", "compare", "logic", "where", "take"):
+    _cpu(_op, _bind_generic(_op))
 _cpu("resample", _bind_resample)
 _cpu("conv_transpose", _bind_conv_transpose)
 _cpu("math", _bind_math)

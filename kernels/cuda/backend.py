@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import generic as G
 from .. import layout, ops, wtypes
 from ..binding import act_args as _act
 from ..binding import epilogue_flags as _flags
@@ -299,6 +300,8 @@ _KIND = {k: i for i, k in enumerate(BINARY_KINDS)}
 def _bind_binary(ins, outs, scratch, attrs) -> Bound:
     d, K = _d(), _k()
     a_, b_, y = ins[0], ins[1], outs[0]
+    if y.dtype != np.float32:  # integer tensors: the array module's ufunc
+        return G.int_binary_step(d.xp, a_, b_, y, attrs["kind"])
     xp = d.xp
     y6 = _as6(y)
     args = (
@@ -459,15 +462,24 @@ def _bind_resample(ins, outs, scratch, attrs) -> Bound:
 
 def _reduce_scratch(ins, outs, attrs) -> int:
     x, y = int(np.prod(ins[0][0])), int(np.prod(outs[0]))
-    return 4 * ops.reduce_scratch_floats(attrs["kind"], x, y)
+    return 4 * G.reduce_scratch_floats(attrs["kind"], x, y)
 
 
 def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
-    return ops.reduce_step(_d().xp, ins[0], outs[0], scratch.view("float32"), attrs)
+    return G.reduce_step(_d().xp, ins[0], outs[0], scratch.view("float32"), attrs)
 
 
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
-    return ops.argmax_step(_d().xp, ins[0], outs[0], attrs)
+    return G.argmax_step(_d().xp, ins[0], outs[0], attrs)
+
+
+def _bind_generic(op: str):
+    """The dtype-generic ops (kernels/generic.py) over the device's array module."""
+
+    def bind(ins, outs, scratch, attrs) -> Bound:
+        return G.generic_step(_d().xp, op, ins, outs[0], attrs)
+
+    return bind
 
 
 def _bind_slice(ins, outs, scratch, attrs) -> Bound:
@@ -566,6 +578,8 @@ _cuda("unary", _bind_unary)
 _cuda("slice", _bind_slice)
 _cuda("argmax", _bind_argmax)
 _cuda("reduce", _bind_reduce, scratch=_reduce_scratch)
+for _op in ("expand", "cast", "compare", "logic", "where", "take"):
+    _cuda(_op, _bind_generic(_op))
 _cuda("resample", _bind_resample)
 _cuda("conv_transpose", _bind_conv_transpose)
 _cuda("math", _bind_math)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ...runtime.bundle_format import TENSOR_DTYPES
 from .. import layout
 from ..activations import apply_act_ref
 from ..mathfns import math_ref
@@ -158,6 +159,8 @@ _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divi
 
 def binary(inputs: Sequence[Array | None], attrs: dict) -> Array:
     a, b = inputs[0], inputs[1]
+    if np.asarray(a).dtype.kind in "iu":  # integer tensors keep their dtype (ops.out_dtype)
+        return _BINARY[attrs["kind"]](a, b)
     return _act(_BINARY[attrs["kind"]](a, b).astype(np.float32), attrs)
 
 
@@ -303,6 +306,45 @@ def reduce(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.asarray(y).astype(np.float32)
 
 
+def cast(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """To the arena dtype ``to``: float to integer truncates toward zero, to bool is
+    "not zero" (ONNX's Cast)."""
+    with np.errstate(all="ignore"):
+        return inputs[0].astype(TENSOR_DTYPES[attrs["to"]])
+
+
+_COMPARE = {"equal": np.equal, "less": np.less, "less_equal": np.less_equal,
+            "greater": np.greater, "greater_equal": np.greater_equal}  # fmt: skip
+_LOGIC = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
+
+
+def compare(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return _COMPARE[attrs["kind"]](inputs[0], inputs[1])
+
+
+def logic(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    if attrs["kind"] == "not":
+        return np.logical_not(inputs[0])
+    return _LOGIC[attrs["kind"]](inputs[0], inputs[1])
+
+
+def where(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return np.where(inputs[0], inputs[1], inputs[2])
+
+
+def take(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """Gather along ``axis``: negative indices count from the end, others must lie in it."""
+    x, idx, ax = inputs[0], np.asarray(inputs[1]), int(attrs["axis"])
+    n = x.shape[ax]
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        raise IndexError(f"Gather: an index outside an axis of {n}")
+    return np.take(x, np.where(idx < 0, idx + n, idx), axis=ax)
+
+
+def expand(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    return np.broadcast_to(inputs[0], tuple(attrs["shape"])).copy()
+
+
 def argmax(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """int64 index of the largest (``min``: smallest) value along ``axis``; ties: the
     first, or the last with ``select_last``."""
@@ -393,6 +435,12 @@ REFERENCE: dict[str, RefFn] = {
     "slice": slice_op,
     "argmax": argmax,
     "reduce": reduce,
+    "cast": cast,
+    "compare": compare,
+    "logic": logic,
+    "where": where,
+    "take": take,
+    "expand": expand,
     "resample": resample,
     "conv_transpose": conv_transpose,
     "reduce_mean": reduce_mean,

@@ -1,0 +1,164 @@
+"""The dtype-generic kernels, written once over an array module: NumPy for the cpu
+backend, CuPy (or NumPy under the CUDA simulator) for the cuda one. Each ``*_step``
+takes the module as ``xp`` and the node's bound views, and returns the step that
+writes the output in place (ufuncs with ``out=``: no allocation per run).
+
+These ops move, compare and select tensors of any arena dtype (indices, masks, token
+ids; kernels/ops.py GENERIC_OPS), and the reductions a fixed-function ufunc does best.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ops import slice_index
+
+_REDUCE_PRE = {"l1": "abs", "l2": "square", "sum_square": "square", "log_sum_exp": "exp"}
+
+
+def reduce_scratch_floats(kind: str, x_size: int, y_size: int) -> int:
+    """float32 scratch a reduce node needs: |x|, x² or exp(x - max) (x's size), and for
+    log_sum_exp the max as well (the output's size)."""
+    if kind not in _REDUCE_PRE:
+        return 0
+    return x_size + (y_size if kind == "log_sum_exp" else 0)
+
+
+def reduce_step(xp, x, y, scratch, attrs: dict):
+    """reduce's step for either backend (``xp``: NumPy or the GPU's array module, and
+    ``scratch`` a float32 array of reduce_scratch_floats): the fold into the output
+    view, in place, no allocation per run."""
+    kind = attrs["kind"]
+    axes = tuple(a % x.ndim for a in attrs["axes"])
+    kept = [1 if i in axes else d for i, d in enumerate(x.shape)]
+    yk = y.reshape(kept)
+    fold = {"max": xp.maximum, "min": xp.minimum, "prod": xp.multiply}.get(kind, xp.add)
+    n = float(np.prod([x.shape[a] for a in axes]))
+    tmp = scratch[: x.size].reshape(x.shape) if kind in _REDUCE_PRE else None
+    mx = scratch[x.size : x.size + y.size].reshape(kept) if kind == "log_sum_exp" else None
+
+    def step() -> None:
+        src = x
+        if kind == "log_sum_exp":  # max + log(sum(exp(x - max))): no overflow
+            xp.maximum.reduce(x, axis=axes, keepdims=True, out=mx)
+            xp.subtract(x, mx, out=tmp)
+            xp.exp(tmp, out=tmp)
+            src = tmp
+        elif tmp is not None:
+            getattr(xp, _REDUCE_PRE[kind])(x, out=tmp)
+            src = tmp
+        fold.reduce(src, axis=axes, keepdims=True, out=yk)
+        if kind == "mean":
+            xp.multiply(yk, np.float32(1.0 / n), out=yk)
+        elif kind == "l2":
+            xp.sqrt(yk, out=yk)
+        elif kind in ("log_sum", "log_sum_exp"):
+            xp.log(yk, out=yk)
+            if kind == "log_sum_exp":
+                xp.add(yk, mx, out=yk)
+
+    return step
+
+
+
+def argmax_step(xp, x, y, attrs: dict):
+    """argmax's step for either backend: ``xp`` (NumPy, or the GPU's array module)
+    writes the indices into the output view, in place (no allocation per run)."""
+    ax = int(attrs["axis"])
+    f = xp.argmin if attrs.get("min") else xp.argmax
+    last = bool(attrs.get("select_last"))
+    src = x[(slice(None),) * ax + (slice(None, None, -1),)] if last else x
+    yk = y.reshape(tuple(d for i, d in enumerate(x.shape) if i != ax))
+    top = x.shape[ax] - 1
+
+    def step() -> None:
+        f(src, axis=ax, out=yk)
+        if last:  # the reversed view's first is the last
+            xp.subtract(top, yk, out=yk)
+
+    return step
+
+
+
+
+def cast_step(xp, x, y):
+    """Cast: float to integer truncates toward zero, to bool is "not zero" (NaN: True),
+    as ONNX's Cast."""
+    return lambda: xp.copyto(y, x, casting="unsafe")
+
+
+_COMPARE = {"equal": "equal", "less": "less", "less_equal": "less_equal",
+            "greater": "greater", "greater_equal": "greater_equal"}  # fmt: skip
+_LOGIC = {"and": "logical_and", "or": "logical_or", "xor": "logical_xor", "not": "logical_not"}
+_INT_BINARY = {"add": "add", "sub": "subtract", "mul": "multiply", "max": "maximum",
+               "min": "minimum"}  # fmt: skip
+
+
+def compare_step(xp, a, b, y, kind: str):
+    f = getattr(xp, _COMPARE[kind])
+    return lambda: f(a, b, out=y)
+
+
+def logic_step(xp, a, b, y, kind: str):
+    f = getattr(xp, _LOGIC[kind])
+    if kind == "not":
+        return lambda: f(a, out=y)
+    return lambda: f(a, b, out=y)
+
+
+def int_binary_step(xp, a, b, y, kind: str):
+    """binary on integer tensors (wrapping as the dtype does, as ONNX Runtime)."""
+    f = getattr(xp, _INT_BINARY[kind])
+    return lambda: f(a, b, out=y)
+
+
+def where_step(xp, cond, a, b, y):
+    c, av, bv = (xp.broadcast_to(t, y.shape) for t in (cond, a, b))
+
+    def step() -> None:
+        xp.copyto(y, bv)
+        xp.copyto(y, av, where=c)
+
+    return step
+
+
+def expand_step(xp, x, y):
+    src = xp.broadcast_to(x, y.shape)
+    return lambda: xp.copyto(y, src)
+
+
+def take_step(xp, x, idx, y, axis: int):
+    """Gather along ``axis`` at run-time (or constant) indices; negative ones count from
+    the end; one outside the axis is an error, checked every run."""
+    n = x.shape[axis]
+    kw = {"mode": "wrap"} if xp is np else {}  # checked below; wrap maps -1 to n - 1
+    flat = idx.reshape(-1)
+
+    def step() -> None:
+        if flat.size and (int(flat.min()) < -n or int(flat.max()) >= n):
+            raise IndexError(f"Gather: an index outside an axis of {n}")
+        xp.take(x, idx, axis=axis, out=y, **kw)
+
+    return step
+
+
+def slice_step(xp, x, y, attrs: dict):
+    src = x[slice_index(attrs)]
+    return lambda: xp.copyto(y, src)
+
+
+def generic_step(xp, op: str, ins, y, attrs: dict):
+    """The step of a GENERIC_OPS node other than the move ops each backend binds."""
+    if op == "expand":
+        return expand_step(xp, ins[0], y)
+    if op == "cast":
+        return cast_step(xp, ins[0], y)
+    if op == "compare":
+        return compare_step(xp, ins[0], ins[1], y, attrs["kind"])
+    if op == "logic":
+        return logic_step(xp, ins[0], ins[1] if len(ins) > 1 else None, y, attrs["kind"])
+    if op == "where":
+        return where_step(xp, ins[0], ins[1], ins[2], y)
+    if op == "take":
+        return take_step(xp, ins[0], ins[1], y, int(attrs["axis"]))
+    raise ValueError(f"{op} is not a dtype-generic op")
