@@ -435,6 +435,28 @@ def _logic(kind: str):
     return handler
 
 
+def _isnan(ctx: _Ctx, ins, outs, a):
+    """IsNaN(x) = not (x == x): compare and logic, no kernel of its own."""
+    same = ctx.emit("compare", [ins[0], ins[0]], ctx.fresh(outs[0] + ".same"), {"kind": "equal"})
+    ctx.emit("logic", [same], outs[0], {"kind": "not"})
+
+
+def _isinf(ctx: _Ctx, ins, outs, a):
+    """IsInf(x) as compares with +inf / -inf (detect_positive / detect_negative)."""
+    picks = []
+    for sign, attr in ((1, "detect_positive"), (-1, "detect_negative")):
+        if int(a.get(attr, 1)):
+            inf = ctx.add_const(ctx.fresh(f"{ctx.node_name}.inf{sign}"), np.float32(sign * np.inf))
+            picks.append(ctx.emit("compare", [ins[0], inf], ctx.fresh(outs[0] + ".inf"),
+                                  {"kind": "equal"}))  # fmt: skip
+    if not picks:
+        z = ctx.add_const(ctx.fresh(ctx.node_name + ".none"), np.zeros((), bool))
+        return ctx.emit("expand", [z], outs[0], {"shape": list(ctx.shape(ins[0]))})
+    if len(picks) == 1:
+        return _identity(ctx, picks, outs, a)
+    ctx.emit("logic", picks, outs[0], {"kind": "or"})
+
+
 def _where(ctx: _Ctx, ins, outs, a):
     ctx.emit("where", ins[:3], outs[0], {})
 
@@ -999,6 +1021,8 @@ HANDLERS: dict[str, Handler] = {
     "Xor": _logic("xor"),
     "Not": _logic("not"),
     "Where": _where,
+    "IsNaN": _isnan,
+    "IsInf": _isinf,
     "Gather": _gather,
     "Slice": _slice,
     "ArgMax": _argmax(False),
@@ -1075,10 +1099,16 @@ def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
         return np.broadcast_to(v[0], np.broadcast_shapes(v[0].shape, tuple(int(d) for d in v[1])))
     if op == "Tile":
         return np.tile(v[0], [int(r) for r in v[1]])
+    if op == "GatherElements":
+        ax = int(a.get("axis", 0))
+        idx = v[1].astype(np.int64)
+        return np.take_along_axis(v[0], np.where(idx < 0, idx + v[0].shape[ax], idx), axis=ax)
+    if op == "IsNaN":
+        return np.isnan(v[0])
     return None
 
 
-FOLD_ONLY = {"Shape", "ConstantOfShape", "Range"}
+FOLD_ONLY = {"Shape", "ConstantOfShape", "Range", "GatherElements"}
 
 
 def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:

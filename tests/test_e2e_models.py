@@ -235,3 +235,50 @@ def test_a_vit_exported_by_torch_onnx(tmp_path):
         got = fp.run({"pixel_values": x})["logits"]
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
         assert _cos(q.run({"pixel_values": x})["logits"], ref) >= 0.99
+
+
+def test_a_bert_encoder_with_int64_token_ids_and_a_mask(tmp_path):
+    """A BERT-style encoder from a transformers config (random weights, seeded) exported
+    by torch.onnx: int64 token ids and attention mask as graph inputs, the embedding
+    lookups as Gather at run-time indices, the mask through Cast / Where / compare
+    chains. Within 1e-4 of ONNX Runtime, and the mask changes the answer."""
+    import warnings
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=64)  # fmt: skip
+    bert = BertModel(cfg).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    path = tmp_path / "bert.onnx"
+    ids = torch.randint(0, 120, (1, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        names = {"input_names": ["input_ids", "attention_mask"], "output_names": ["hidden"]}
+        torch.onnx.export(Encoder(), (ids, torch.ones_like(ids)), str(path), opset_version=17,
+                          dynamo=False, **names)  # fmt: skip
+    s = load(pack(path, tmp_path / "b.epk"))
+    assert [i["dtype"] for i in s.inputs] == ["i64", "i64"]
+    rng = np.random.default_rng(1)
+    outs = []
+    for pad in (0, 4):
+        feed = {"input_ids": rng.integers(0, 120, (1, 12)).astype(np.int64),
+                "attention_mask": np.ones((1, 12), np.int64)}  # fmt: skip
+        feed["attention_mask"][0, 12 - pad :] = 0
+        (ref,) = ort_run(path, feed)
+        got = s.run(feed)["hidden"]
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+        outs.append((feed, got))
+    feed, masked = outs[1]
+    unmasked = s.run({**feed, "attention_mask": np.ones((1, 12), np.int64)})["hidden"]
+    assert not np.allclose(masked[0, :8], unmasked[0, :8], atol=1e-3)  # the mask is honoured
