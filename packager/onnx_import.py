@@ -457,6 +457,65 @@ def _isinf(ctx: _Ctx, ins, outs, a):
     ctx.emit("logic", picks, outs[0], {"kind": "or"})
 
 
+def _hardmax(ctx: _Ctx, ins, outs, a):
+    """Hardmax: 1 at the first largest value along ``axis``, 0 elsewhere, as argmax ==
+    an index ramp along the axis, cast to float."""
+    xs = ctx.shape(ins[0])
+    ax = int(a.get("axis", -1)) % len(xs)
+    best = ctx.emit("argmax", [ins[0]], ctx.fresh(outs[0] + ".best"),
+                    {"axis": ax, "keepdims": 1, "select_last": False, "min": False})  # fmt: skip
+    ramp = np.arange(xs[ax], dtype=np.int64).reshape([-1 if i == ax else 1 for i in range(len(xs))])
+    rn = ctx.add_const(ctx.fresh(ctx.node_name + ".ramp"), ramp)
+    hit = ctx.emit("compare", [best, rn], ctx.fresh(outs[0] + ".hit"), {"kind": "equal"})
+    ctx.emit("cast", [hit], outs[0], {"to": "f32"})
+
+
+def _lp_norm(ctx: _Ctx, ins, outs, a):
+    """LpNormalization: x / ||x||_p along ``axis`` (p 1 or 2), a reduce and a divide;
+    where the norm is 0 the output is 0, as ONNX's reference gives it."""
+    xs = ctx.shape(ins[0])
+    ax, p = int(a.get("axis", -1)) % len(xs), int(a.get("p", 2))
+    if p not in (1, 2):
+        raise ctx.fail(f"p={p}; supported: 1, 2")
+    norm = ctx.emit("reduce", [ins[0]], ctx.fresh(outs[0] + ".norm"),
+                    {"kind": "l2" if p == 2 else "l1", "axes": [ax], "keepdims": 1})  # fmt: skip
+    q = ctx.emit("binary", [ins[0], norm], ctx.fresh(outs[0] + ".q"), {"kind": "div", **_NO_ACT})
+    zero = ctx.add_const(ctx.fresh(ctx.node_name + ".zero"), np.zeros((), np.float32))
+    none = ctx.emit("compare", [norm, zero], ctx.fresh(outs[0] + ".none"), {"kind": "equal"})
+    ctx.emit("where", [none, zero, q], outs[0], {})  # a zero vector stays zero (ONNX)
+
+
+def _depth_space(to_space: bool):
+    """DepthToSpace (DCR or CRD) and SpaceToDepth as a reshape, a transpose and a
+    reshape, the layouts ONNX defines."""
+
+    def handler(ctx: _Ctx, ins, outs, a):
+        xs = ctx.shape(ins[0])
+        if len(xs) != 4:
+            raise ctx.fail(f"input rank {len(xs)}; expected NCHW")
+        n, c, h, w = xs
+        b = int(a["blocksize"])
+        if to_space:
+            if c % (b * b):
+                raise ctx.fail(f"{c} channels for blocks of {b}x{b}")
+            if _decode(a.get("mode", "DCR")) == "CRD":
+                mid, perm = (n, c // (b * b), b, b, h, w), [0, 1, 4, 2, 5, 3]
+            else:
+                mid, perm = (n, b, b, c // (b * b), h, w), [0, 3, 4, 1, 5, 2]
+            final = (n, c // (b * b), h * b, w * b)
+        else:
+            if h % b or w % b:
+                raise ctx.fail(f"{h}x{w} for blocks of {b}")
+            mid, perm = (n, c, h // b, b, w // b, b), [0, 3, 5, 1, 2, 4]
+            final = (n, c * b * b, h // b, w // b)
+        r1 = ctx.fresh(outs[0] + ".blocks")
+        _reshape_to(ctx, ins[0], r1, mid)
+        t = ctx.emit("transpose", [r1], ctx.fresh(outs[0] + ".moved"), {"perm": perm})
+        _reshape_to(ctx, t, outs[0], final)
+
+    return handler
+
+
 def _where(ctx: _Ctx, ins, outs, a):
     ctx.emit("where", ins[:3], outs[0], {})
 
@@ -1022,6 +1081,10 @@ HANDLERS: dict[str, Handler] = {
     "Not": _logic("not"),
     "Where": _where,
     "IsNaN": _isnan,
+    "Hardmax": _hardmax,
+    "LpNormalization": _lp_norm,
+    "DepthToSpace": _depth_space(True),
+    "SpaceToDepth": _depth_space(False),
     "IsInf": _isinf,
     "Gather": _gather,
     "Slice": _slice,

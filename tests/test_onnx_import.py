@@ -475,3 +475,18 @@ def test_1d_average_pool(tmp_path):
     m = model([node("AveragePool", ["x"], ["y"], kernel_shape=[4], strides=[3], pads=[1, 2],
                     count_include_pad=1)], [("x", [1, 3, 20])], ["y"])  # fmt: skip
     check(tmp_path, m, {"x": rand(1, 3, 20)})
+
+
+@pytest.mark.parametrize(("op", "attrs", "xs"), [
+    ("DepthToSpace", {"blocksize": 2, "mode": "DCR"}, (1, 8, 3, 4)),
+    ("DepthToSpace", {"blocksize": 2, "mode": "CRD"}, (2, 8, 3, 2)),
+    ("SpaceToDepth", {"blocksize": 2}, (1, 3, 4, 6)),
+    ("Hardmax", {"axis": 1}, (2, 5, 3)),
+    ("LpNormalization", {"axis": 1, "p": 1}, (2, 5, 3)),
+])  # fmt: skip
+def test_composite_ops_match_onnx_runtime(tmp_path, op, attrs, xs):
+    # DepthToSpace / SpaceToDepth as reshape-transpose-reshape, Hardmax as argmax ==
+    # ramp, LpNormalization as reduce and divide
+    m = model([node(op, ["x"], ["y"], **attrs)], [("x", list(xs))], ["y"])
+    x = np.round(rand(*xs) * 2) if op == "Hardmax" else rand(*xs)  # ties: the first wins
+    check(tmp_path, m, {"x": x})
