@@ -516,6 +516,111 @@ def _depth_space(to_space: bool):
     return handler
 
 
+def _attention(ctx: _Ctx, ins, outs, a):
+    """ONNX Attention (opset 23/24) composed from matmul, softmax, binary and the moves,
+    as ONNX's reference computes it: 3-D inputs split into heads, past key/value
+    concatenated in front, grouped kv heads repeated, Q and K each scaled by
+    sqrt(scale), softcap, the mask (bool: -inf where False) and the causal bias added,
+    softmax, rows that every key masks set to 0, times V. nonpad_kv_seqlen and the
+    qk_matmul_output output are refused."""
+    get = lambda i: ins[i] if len(ins) > i and ins[i] else ""  # noqa: E731
+    q, k, v, mask, past_k, past_v = (get(i) for i in range(6))
+    if get(6):
+        raise ctx.fail("nonpad_kv_seqlen is not supported")
+    if len(outs) > 3 and outs[3]:
+        raise ctx.fail("the qk_matmul_output output is not supported")
+    if any(int(a.get(w, -1)) >= 0 for w in ("left_window_size", "right_window_size")):
+        raise ctx.fail("sliding windows are not supported")
+    qs = ctx.shape(q)
+    f = ctx.fresh
+
+    def heads(x: str, n: int | None) -> str:
+        xs = ctx.shape(x)
+        if len(xs) == 4:
+            return x
+        if n is None or xs[2] % n:
+            raise ctx.fail(f"3-D input {list(xs)} needs its head count")
+        r = f(x + ".heads")
+        _reshape_to(ctx, x, r, (xs[0], xs[1], n, xs[2] // n))
+        return ctx.emit("transpose", [r], f(x + ".bhsd"), {"perm": [0, 2, 1, 3]})
+
+    hq, hkv = a.get("q_num_heads"), a.get("kv_num_heads")
+    q4, k4, v4 = heads(q, hq), heads(k, hkv), heads(v, hkv)
+    if past_k or past_v:
+        if not (past_k and past_v):
+            raise ctx.fail("past_key and past_value come together")
+        k4 = ctx.emit("concat", [past_k, k4], f(k + ".all"), {"axis": 2})
+        v4 = ctx.emit("concat", [past_v, v4], f(v + ".all"), {"axis": 2})
+    for out, t in zip(outs[1:3], (k4, v4)):  # present_key / present_value
+        if out:
+            _identity(ctx, [t], [out], {})
+    b, nq, s_len, d = ctx.shape(q4)
+    nk, l_len = ctx.shape(k4)[1], ctx.shape(k4)[2]
+    if nq != nk:
+        if nq % nk:
+            raise ctx.fail(f"{nq} query heads over {nk} kv heads")
+        rep = []
+        for t in (k4, v4):
+            ts = ctx.shape(t)
+            r5 = f(t + ".g")
+            _reshape_to(ctx, t, r5, (ts[0], ts[1], 1, ts[2], ts[3]))
+            e = ctx.emit("expand", [r5], f(t + ".rep"),
+                         {"shape": [ts[0], ts[1], nq // nk, ts[2], ts[3]]})  # fmt: skip
+            r4 = f(t + ".q")
+            _reshape_to(ctx, e, r4, (ts[0], nq, ts[2], ts[3]))
+            rep.append(r4)
+        k4, v4 = rep
+    scale = a.get("scale")
+    root = np.float32(np.sqrt(float(scale) if scale is not None else 1.0 / np.sqrt(d)))
+    rc = ctx.add_const(f(ctx.node_name + ".sqrt_scale"), root)
+    qsc = ctx.emit("binary", [q4, rc], f(q + ".scaled"), {"kind": "mul", **_NO_ACT})
+    ksc = ctx.emit("binary", [k4, rc], f(k + ".scaled"), {"kind": "mul", **_NO_ACT})
+    kt = ctx.emit("transpose", [ksc], f(k + ".T"), {"perm": [0, 1, 3, 2]})
+    sc = ctx.emit("matmul", [qsc, kt], f(ctx.node_name + ".qk"), dict(_NO_ACT))
+    cap = float(a.get("softcap", 0.0) or 0.0)
+    if cap > 0:
+        cn = ctx.add_const(f(ctx.node_name + ".cap"), np.float32(cap))
+        t = ctx.emit("binary", [sc, cn], f(ctx.node_name + ".qk_c"), {"kind": "div", **_NO_ACT})
+        t = ctx.emit("unary", [t], f(ctx.node_name + ".qk_t"),
+                     {"act": "tanh", "act_args": [0.0, 0.0]})  # fmt: skip
+        sc = ctx.emit("binary", [t, cn], f(ctx.node_name + ".qk_s"), {"kind": "mul", **_NO_ACT})
+    bias = ""
+    if mask:
+        if ctx.shape(mask)[-1] != l_len:
+            raise ctx.fail(f"a mask of {ctx.shape(mask)[-1]} keys for {l_len}")
+        const = ctx.g.consts.get(mask)
+        if ctx.g.dtype(mask) == "bool" if const is None else const.dtype == bool:
+            zero = ctx.add_const(f(ctx.node_name + ".zero"), np.zeros((), np.float32))
+            ninf = ctx.add_const(f(ctx.node_name + ".ninf"), np.float32(-np.inf))
+            bias = ctx.emit("where", [mask, zero, ninf], f(ctx.node_name + ".bias"), {})
+        else:
+            bias = mask
+    if int(a.get("is_causal", 0)):
+        off = l_len - s_len if (past_k or past_v) else 0
+        allowed = np.arange(l_len)[None, :] <= np.arange(s_len)[:, None] + off
+        cz = ctx.add_const(f(ctx.node_name + ".causal"),
+                           np.where(allowed, 0.0, -np.inf).astype(np.float32))  # fmt: skip
+        bias = cz if not bias else ctx.emit("binary", [bias, cz], f(ctx.node_name + ".bc"),
+                                            {"kind": "add", **_NO_ACT})  # fmt: skip
+    if bias:
+        sc = ctx.emit("binary", [sc, bias], f(ctx.node_name + ".qkb"), {"kind": "add", **_NO_ACT})
+    p = ctx.emit("softmax", [sc], f(ctx.node_name + ".p"), {"axis": 3})
+    if bias:  # rows every key masks: 0 (the softmax of all -inf is NaN)
+        last = len(ctx.shape(bias)) - 1
+        top = ctx.emit("reduce", [bias], f(ctx.node_name + ".top"),
+                       {"kind": "max", "axes": [last], "keepdims": 1})  # fmt: skip
+        ninf = ctx.add_const(f(ctx.node_name + ".ninf2"), np.float32(-np.inf))
+        dead = ctx.emit("compare", [top, ninf], f(ctx.node_name + ".dead"), {"kind": "equal"})
+        zero = ctx.add_const(f(ctx.node_name + ".zero2"), np.zeros((), np.float32))
+        p = ctx.emit("where", [dead, zero, p], f(ctx.node_name + ".p0"), {})
+    if len(qs) == 4:
+        ctx.emit("matmul", [p, v4], outs[0], dict(_NO_ACT))
+        return
+    y4 = ctx.emit("matmul", [p, v4], f(outs[0] + ".bhsd"), dict(_NO_ACT))
+    yt = ctx.emit("transpose", [y4], f(outs[0] + ".bshd"), {"perm": [0, 2, 1, 3]})
+    _reshape_to(ctx, yt, outs[0], (b, s_len, nq * ctx.shape(v4)[3]))
+
+
 def _where(ctx: _Ctx, ins, outs, a):
     ctx.emit("where", ins[:3], outs[0], {})
 
@@ -1082,6 +1187,7 @@ HANDLERS: dict[str, Handler] = {
     "Where": _where,
     "IsNaN": _isnan,
     "Hardmax": _hardmax,
+    "Attention": _attention,
     "LpNormalization": _lp_norm,
     "DepthToSpace": _depth_space(True),
     "SpaceToDepth": _depth_space(False),
