@@ -215,9 +215,9 @@ def _math(ctx: _Ctx, ins, outs, a):
 
 
 def _as_2d(handler, weighted: bool):
-    """A 1-D Conv or pool (x[N, C, L]) as its 2-D form over [N, C, 1, L]: the weight
-    [Co, Ci, k] as [Co, Ci, 1, k], each spatial attribute given a leading 1 (pads a
-    leading 0 on both ends), the output reshaped back."""
+    """A 1-D Conv, ConvTranspose or pool (x[N, C, L]) as its 2-D form over [N, C, 1, L]:
+    the weight [Co, Ci, k] as [Co, Ci, 1, k], each spatial attribute given a leading 1
+    (pads and output_padding a leading 0), the output reshaped back."""
 
     def wrapped(ctx: _Ctx, ins, outs, a):
         xs = ctx.shape(ins[0])
@@ -237,6 +237,10 @@ def _as_2d(handler, weighted: bool):
                 a[k] = [1, *a[k]]
         if "pads" in a:
             a["pads"] = [0, a["pads"][0], 0, a["pads"][1]]
+        if "output_padding" in a:  # ConvTranspose
+            a["output_padding"] = [0, *a["output_padding"]]
+        if "output_shape" in a:
+            a["output_shape"] = [1, *list(a["output_shape"])[-1:]]
         y4 = ctx.fresh(outs[0] + ".2d")
         handler(ctx, ins, [y4, *outs[1:]], a)
         ys = ctx.shape(y4)
@@ -1138,7 +1142,7 @@ def _pad(ctx: _Ctx, ins, outs, a):
 Handler = Callable[[_Ctx, list, list, dict], None]
 HANDLERS: dict[str, Handler] = {
     "Conv": _as_2d(_conv, weighted=True),
-    "ConvTranspose": _conv_transpose,
+    "ConvTranspose": _as_2d(_conv_transpose, weighted=True),
     "Gemm": _gemm,
     "MatMul": _matmul,
     "Add": _binary("add"),

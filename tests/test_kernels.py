@@ -335,12 +335,18 @@ def binary_case(
     const_b: bool = False,
     inplace: bool = False,
     nan: bool = False,
+    zeros: bool = False,
 ) -> Case:
     def make(rng, dt):
         a = _randn(rng, *ashape)
         b = _randn(rng, *bshape)
         if kind == "div":  # keep the divisor away from 0
             b = (np.sign(b) + (b == 0)) * rng.uniform(0.5, 2.0, bshape)
+        if zeros:  # x / 0 and 0 / 0: signed infinities and NaN, on every build
+            b = np.asarray(b, F32)
+            b.reshape(-1)[::3] = 0.0
+            b.reshape(-1)[1::9] = -0.0
+            a.reshape(-1)[::6] = 0.0
         if nan:  # NaN on either side propagates (Max/Min/Pow as ONNX Runtime)
             a.reshape(-1)[::7] = np.nan
             b = np.asarray(b, F32)
@@ -672,6 +678,7 @@ CASES: dict[str, list[Case]] = {
                 binary_case(f"{kind}_left_bcast", kind, (1, 3, 1, 1), (2, 3, 4, 5)),
             )
         ],
+        binary_case("div_by_zero", "div", (2, 3, 4, 5), (2, 3, 4, 5), zeros=True),
         binary_case("max_nan", "max", (2, 3, 4, 5), (2, 3, 4, 5), nan=True),
         binary_case("min_nan_bcast", "min", (2, 3, 4, 5), (1, 3, 1, 5), nan=True),
         binary_case("pow_nan", "pow", (2, 3, 4, 5), (5,), nan=True),

@@ -490,3 +490,10 @@ def test_composite_ops_match_onnx_runtime(tmp_path, op, attrs, xs):
     m = model([node(op, ["x"], ["y"], **attrs)], [("x", list(xs))], ["y"])
     x = np.round(rand(*xs) * 2) if op == "Hardmax" else rand(*xs)  # ties: the first wins
     check(tmp_path, m, {"x": x})
+
+
+def test_1d_conv_transpose(tmp_path):
+    # a 1-D upsampling (audio decoders) through the 2-D kernel
+    up = node("ConvTranspose", ["x", "w"], ["y"], strides=[2], pads=[1, 0], output_padding=[1])
+    m = model([up], [("x", [1, 3, 9])], ["y"], {"w": rand(3, 4, 4)})
+    check(tmp_path, m, {"x": rand(1, 3, 9)})

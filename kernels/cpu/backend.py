@@ -672,8 +672,8 @@ def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     inner = int(np.prod(x.shape[ax + 1 :]))
     shape3 = (outer, x.shape[ax], inner)
     x3, y3 = x.reshape(shape3), y.reshape(shape3)
-    kern = K.log_softmax3 if attrs.get("log") else K.softmax3
-    return lambda: kern(x3, y3)
+    kern, log = K.softmax3, bool(attrs.get("log"))
+    return lambda: kern(x3, y3, log)
 
 
 def _bind_pool(kind: str):

@@ -12,6 +12,8 @@ are written so the vectoriser can still work (elementwise inner loops).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -663,8 +665,10 @@ def channel_affine(x, scale, shift, out, act, a, b):
 
 
 @njit(parallel=True, cache=True)
-def softmax3(x, out):
-    """Softmax over axis 1 of x[outer, L, inner]."""
+def softmax3(x, out, log):
+    """Softmax over axis 1 of x[outer, L, inner]; with ``log`` the log-softmax,
+    (x - max) - log(sum(exp(x - max))) with the sum in float64 (no exp of a large
+    logit overflows, no log of an underflow)."""
     o_, l_, i_ = x.shape
     for oi in prange(o_ * i_):
         o = oi // i_
@@ -673,14 +677,23 @@ def softmax3(x, out):
         for k in range(l_):
             if x[o, k, i] > m:
                 m = x[o, k, i]
-        s = np.float32(0)
+        if log:
+            s = 0.0
+            for k in range(l_):
+                s += np.exp(np.float64(x[o, k, i]) - m)
+            ls = np.log(s)
+            for k in range(l_):
+                out[o, k, i] = np.float64(x[o, k, i]) - m - ls
+            continue
+        s32 = np.float32(0)
         for k in range(l_):
             e = np.exp(x[o, k, i] - m)
             out[o, k, i] = e
-            s += e
-        inv = np.float32(1) / s
+            s32 += e
+        inv = np.float32(1) / s32
         for k in range(l_):
             out[o, k, i] *= inv
+
 
 
 @njit(parallel=True, cache=True)
@@ -733,26 +746,6 @@ def resample3(x, idx, w, y):
             for t in range(taps):
                 s += np.float64(w[o, t]) * x[a, idx[o, t], b]
             y[a, o, b] = s
-
-
-@njit(parallel=True, cache=True)
-def log_softmax3(x, out):
-    """Log-softmax over axis 1 of x[outer, L, inner]: (x - max) - log(sum(exp(x - max))),
-    the sum in float64 (no exp of a large logit overflows, no log of an underflow)."""
-    o_, l_, i_ = x.shape
-    for oi in prange(o_ * i_):
-        o = oi // i_
-        i = oi % i_
-        m = -np.inf
-        for k in range(l_):
-            if x[o, k, i] > m:
-                m = x[o, k, i]
-        s = 0.0
-        for k in range(l_):
-            s += np.exp(np.float64(x[o, k, i]) - m)
-        ls = np.log(s)
-        for k in range(l_):
-            out[o, k, i] = np.float64(x[o, k, i]) - m - ls
 
 
 @njit(parallel=True, cache=True)
@@ -837,6 +830,20 @@ def decode_q4(src, scale, dst, rows, cols):
 
 
 @njit(inline="always")
+def _ieee_div(x, y):
+    """x / y as IEEE (and NumPy, ONNX Runtime) give it: a zero divisor gives a signed
+    infinity, or NaN for 0 / 0. Serial numba builds (what one thread and the AOT
+    executables run) follow Python and raise ZeroDivisionError instead; parallel ones
+    do not, so the answer had depended on the thread count (LpNormalization of a zero
+    vector crashed one build of the conformance test)."""
+    if y != 0:
+        return x / y
+    if x != x or x == 0:
+        return np.float32(np.nan)
+    return np.float32(math.copysign(np.inf, x) * math.copysign(1.0, y))
+
+
+@njit(inline="always")
 def _binop(x, y, kind):
     """kinds: ops.BINARY_KINDS' order. max/min propagate NaN (x + y is NaN when either
     is), as ONNX Runtime's Max/Min and NumPy's maximum/minimum do."""
@@ -847,7 +854,7 @@ def _binop(x, y, kind):
     if kind == 2:
         return x * y
     if kind == 3:
-        return x / y
+        return _ieee_div(x, y)
     if kind == 4:
         return x + y if x != x or y != y else max(x, y)
     if kind == 5:

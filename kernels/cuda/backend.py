@@ -340,9 +340,8 @@ def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     inner = int(np.prod(x.shape[ax + 1 :]))
     shape3 = (outer, x.shape[ax], inner)
     x3, y3 = d.arg(x.reshape(shape3)), d.arg(y.reshape(shape3))
-    k = _k().log_softmax3 if attrs.get("log") else _k().softmax3
-    kern = d.launch(k, outer * inner)
-    return lambda: kern(x3, y3)
+    kern, log = d.launch(_k().softmax3, outer * inner), bool(attrs.get("log"))
+    return lambda: kern(x3, y3, log)
 
 
 def _bind_channel_affine(ins, outs, scratch, attrs) -> Bound:

@@ -352,8 +352,9 @@ def pad6(x, y, before, mode, value):
 
 
 @cuda.jit
-def softmax3(x, y):
-    """Softmax over axis 1 of x[outer, n, inner]; one (outer, inner) row per loop turn."""
+def softmax3(x, y, log):
+    """Softmax over axis 1 of x[outer, n, inner]; with ``log`` the log-softmax, as the
+    CPU's (float64 sums); one (outer, inner) row per loop turn."""
     n, inner = x.shape[1], x.shape[2]
     rows = x.shape[0] * inner
     for t in range(cuda.grid(1), rows, cuda.gridsize(1)):
@@ -364,12 +365,19 @@ def softmax3(x, y):
             m = max(m, x[o, k, q])
         s = float64(0.0)
         for k in range(n):
-            e = math.exp(float64(x[o, k, q] - m))
-            y[o, k, q] = e
+            e = math.exp(float64(x[o, k, q]) - float64(m))
+            if not log:
+                y[o, k, q] = e
             s += e
-        inv = 1.0 / s
-        for k in range(n):
-            y[o, k, q] = f32(y[o, k, q] * inv)
+        if log:
+            ls = math.log(s)
+            for k in range(n):
+                y[o, k, q] = f32(float64(x[o, k, q]) - float64(m) - ls)
+        else:
+            inv = 1.0 / s
+            for k in range(n):
+                y[o, k, q] = f32(y[o, k, q] * inv)
+
 
 
 @cuda.jit
@@ -417,25 +425,6 @@ def resample3(x, idx, w, y):
         for t in range(idx.shape[1]):
             s += float64(w[o, t]) * x[a, idx[o, t], b]
         y[a, o, b] = f32(s)
-
-
-@cuda.jit
-def log_softmax3(x, y):
-    """Log-softmax over axis 1 of x[outer, n, inner], as the CPU's (float64 sum)."""
-    n, inner = x.shape[1], x.shape[2]
-    rows = x.shape[0] * inner
-    for t in range(cuda.grid(1), rows, cuda.gridsize(1)):
-        o = t // inner
-        q = t - o * inner
-        m = x[o, 0, q]
-        for k in range(1, n):
-            m = max(m, x[o, k, q])
-        s = float64(0.0)
-        for k in range(n):
-            s += math.exp(float64(x[o, k, q]) - float64(m))
-        ls = math.log(s)
-        for k in range(n):
-            y[o, k, q] = f32(float64(x[o, k, q]) - float64(m) - ls)
 
 
 @cuda.jit
