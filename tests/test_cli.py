@@ -81,6 +81,34 @@ def test_bench_reports_median_and_p99(digits_bundle):
     assert "median" in out and "p99" in out
 
 
+def test_bench_and_run_a_model_with_int64_and_bool_inputs(tmp_path):
+    # token ids (int64) into an embedding Gather, a bool mask into Where: bench makes
+    # inputs of each input's own dtype, run takes them from an npz
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["e"]),
+         helper.make_node("Where", ["keep", "e", "zero"], ["y"])],
+        "t",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3]),
+         helper.make_tensor_value_info("keep", TensorProto.BOOL, [1, 3, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(table, "table"),
+         onnx.numpy_helper.from_array(np.zeros((), np.float32), "zero")],
+    )  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "ids.onnx")
+    ep("build", str(tmp_path / "ids.onnx"), "-o", str(tmp_path / "ids.epk"))
+    out = ep("bench", str(tmp_path / "ids.epk"), "-n", "5", "--warmup", "1").stdout
+    assert "median" in out
+    np.savez(tmp_path / "in.npz", ids=np.array([[3, -1, 0]], np.int64),
+             keep=np.array([[[True], [True], [False]]]))  # fmt: skip
+    ep("run", str(tmp_path / "ids.epk"), "--input", str(tmp_path / "in.npz"), "--output",
+       str(tmp_path / "out.npz"))  # fmt: skip
+    with np.load(tmp_path / "out.npz") as got:
+        assert np.array_equal(got["y"], [[table[3], table[9], np.zeros(4)]])
+
+
 @pytest.mark.parametrize(
     "feeds,needle",
     [
