@@ -119,8 +119,9 @@ def _broadcast(ins: Sequence[Shape | None], attrs: dict) -> Shape:
 
 
 def _binary_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
-    if attrs["kind"] not in BINARY_KINDS:
-        raise OpError(f"binary kind {attrs['kind']!r}; known: {', '.join(BINARY_KINDS)}")
+    known = (*BINARY_KINDS, *INT_ONLY_KINDS)
+    if attrs["kind"] not in known:
+        raise OpError(f"binary kind {attrs['kind']!r}; known: {', '.join(known)}")
     return _broadcast(ins, attrs)
 
 
@@ -222,6 +223,24 @@ def _take_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     if not 0 <= ax < len(x):
         raise OpError(f"take along axis {ax} of {list(x)}")
     return (*x[:ax], *idx, *x[ax + 1 :])
+
+
+def _topk_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, ax, k = ins[0], int(attrs["axis"]), int(attrs["k"])
+    if not 0 <= ax < len(x) or not 0 <= k <= x[ax]:
+        raise OpError(f"top {k} along axis {ax} of {list(x)}")
+    return (*x[:ax], k, *x[ax + 1 :])
+
+
+def _gather_elements_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, idx, ax = ins[0], ins[1], int(attrs["axis"])
+    if (
+        len(idx) != len(x)
+        or not 0 <= ax < len(x)
+        or any(i > d for k, (i, d) in enumerate(zip(idx, x)) if k != ax)
+    ):
+        raise OpError(f"gather_elements along axis {ax} of {list(x)} at indices {list(idx)}")
+    return tuple(idx)
 
 
 def _expand_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
@@ -334,6 +353,7 @@ NORM_KINDS = ("rms", "layer")
 GATE_ACTS = ("silu", "gelu_tanh")
 # binary's kinds, in the order of the kernels' integer codes (kernels/cpu/kernels.py _binop)
 BINARY_KINDS = ("add", "sub", "mul", "div", "max", "min", "pow")
+INT_ONLY_KINDS = ("mod", "fmod")  # binary kinds of integer tensors only
 COMPARE_KINDS = ("equal", "less", "less_equal", "greater", "greater_equal")
 LOGIC_KINDS = ("and", "or", "xor", "not")
 
@@ -356,8 +376,14 @@ OPS: dict[str, OpDef] = {
         _op("dwconv", _CONV_ROLES, _conv_shape, _OPT, _W, _CONV_ATTRS, "w"),
         _op("conv_wino", _CONV_ROLES, _wino_shape, _OPT, _W, ("pads", "tile"), "w"),
         # float32 weights (not a weight op: --quant leaves them as they are)
-        _op("conv_transpose", ("x", "w", "bias"), _deconv_shape, ("bias",), ("w", "bias"),
-            ("strides", "pads", "dilations", "group", "out_hw")),
+        _op(
+            "conv_transpose",
+            ("x", "w", "bias"),
+            _deconv_shape,
+            ("bias",),
+            ("w", "bias"),
+            ("strides", "pads", "dilations", "group", "out_hw"),
+        ),
         _op("linear", ("x", "w", "bias", "scale"), _linear_shape, ("bias", "scale"), _W, (), "w"),
         _op("matmul", ("a", "b"), _matmul_shape),
         _op("binary", ("a", "b"), _binary_shape, attrs=("kind",)),
@@ -374,8 +400,7 @@ OPS: dict[str, OpDef] = {
         _op("rows", ("x",), _rows_shape, attrs=("start", "count")),
         _op("slice", ("x",), _slice_shape, attrs=("starts", "steps", "sizes")),
         # one axis of a Resize: y[.., o, ..] = sum_t w[o, t] * x[.., idx[o, t], ..]
-        _op("resample", ("x", "idx", "w"), _resample_shape, consts=("idx", "w"),
-            attrs=("axis",)),
+        _op("resample", ("x", "idx", "w"), _resample_shape, consts=("idx", "w"), attrs=("axis",)),
         _op("reduce_mean", ("x",), _reduce_shape, attrs=("axes", "keepdims")),
         _op("reduce", ("x",), _reduce_kind_shape, attrs=("kind", "axes", "keepdims")),
         # dtype-generic (kernels/generic.py): out_dtype gives each node's output dtype
@@ -385,18 +410,33 @@ OPS: dict[str, OpDef] = {
         _op("logic", ("a", "b"), _kind_of(LOGIC_KINDS, _broadcast), ("b",), attrs=("kind",)),
         _op("where", ("cond", "a", "b"), _broadcast),
         _op("take", ("x", "indices"), _take_shape, attrs=("axis",)),
+        # GatherElements: y[i][j][k] = x[i][indices[i][j][k]][k] (axis 1), any dtype of x
+        _op("gather_elements", ("x", "indices"), _gather_elements_shape, attrs=("axis",)),
+        # TopK's indices (int64), sorted, the lower index first among equal values;
+        # its values are a gather_elements of x at them (packager/onnx_import.py)
+        _op("topk", ("x",), _topk_shape, attrs=("axis", "k", "largest")),
         # int64 output: the index of the largest (``min``: smallest) value along ``axis``,
         # the first one unless ``select_last``
         _op("argmax", ("x",), _argmax_shape, attrs=("axis", "keepdims")),
         _op("pad", ("x",), _pad_shape, attrs=("pads",)),
         # Decoder LLMs (docs/bundle-format.md, "LLM ops"): tokens are rows.
         _op("norm", ("x", "w", "b"), _norm_shape, ("b",), ("w", "b"), ("kind", "eps")),
-        _op("rope", ("x", "pos", "cos", "sin"), _rope_shape, (), ("cos", "sin"),
-            ("heads", "head_dim")),
+        _op(
+            "rope",
+            ("x", "pos", "cos", "sin"),
+            _rope_shape,
+            (),
+            ("cos", "sin"),
+            ("heads", "head_dim"),
+        ),
         _op("glu", ("x",), _glu_shape, attrs=("act",)),
         _op("embed", ("ids", "w", "scale"), _embed_shape, ("scale",), ("w", "scale"), (), "w"),
-        _op("attention", ("qkv", "pos", "slot", "k_cache", "v_cache"), _attention_shape,
-            attrs=("heads", "kv_heads", "head_dim", "scale", "window")),
+        _op(
+            "attention",
+            ("qkv", "pos", "slot", "k_cache", "v_cache"),
+            _attention_shape,
+            attrs=("heads", "kv_heads", "head_dim", "scale", "window"),
+        ),
         _op(
             "mbconv",
             ("x", "we", "be", "se", "wd", "bd", "sd", "wp", "bp", "sp", "residual"),
@@ -411,11 +451,14 @@ OPS: dict[str, OpDef] = {
 # Ops whose output is not float32 (the arena dtype of runtime/bundle_format.py); every
 # other op takes and gives float32 tensors (the LLM graphs' int32 ids aside), except
 # the dtype-generic ones (GENERIC_OPS, out_dtype).
-OUT_DTYPES: dict[str, str] = {"argmax": "i64"}
+OUT_DTYPES: dict[str, str] = {"argmax": "i64", "topk": "i64"}
 # Ops that move or compare tensors of any arena dtype (kernels/generic.py runs them)
 MOVE_OPS = ("reshape", "transpose", "concat", "slice", "rows", "expand")
-GENERIC_OPS = (*MOVE_OPS, "cast", "compare", "logic", "where", "take")
-INT_BINARY_KINDS = ("add", "sub", "mul", "max", "min")  # integer tensors' binary kinds
+GENERIC_OPS = (*MOVE_OPS, "cast", "compare", "logic", "where", "take", "gather_elements",
+               "topk")  # fmt: skip
+# integer tensors' binary kinds: div truncates toward zero, mod takes the divisor's sign
+# and fmod the dividend's (ONNX Div and Mod, as ONNX Runtime computes them)
+INT_BINARY_KINDS = ("add", "sub", "mul", "max", "min", "div", "mod", "fmod")
 INDEX_DTYPES = ("i32", "i64")
 
 
@@ -442,16 +485,22 @@ def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
     if op == "where":
         need(dts[0] == "bool" and dts[1] == dts[2], "a bool condition, two sides of one dtype")
         return dts[1]
-    if op == "take":
+    if op in ("take", "gather_elements"):
         need(dts[1] in INDEX_DTYPES, "int32 or int64 indices")
         return dts[0]
+    if op == "topk":
+        need(live[0] not in ("bool", "f16"), "numbers (not bool or float16)")
+        return "i64"
     if op == "binary" and live and live[0] != "f32":
         need(len(set(live)) == 1 and live[0] not in ("bool", "f16") and
              attrs["kind"] in INT_BINARY_KINDS and attrs.get("act", "none") == "none",
              f"integer tensors of one dtype, kinds {', '.join(INT_BINARY_KINDS)}")  # fmt: skip
         return live[0]
     need(all(d == "f32" for d in live), "float32 tensors")
+    need(op != "binary" or attrs["kind"] not in INT_ONLY_KINDS, "integer tensors")
     return OUT_DTYPES.get(op, "f32")
+
+
 # Constant inputs that are integer tables, not float32 (resample's tap indices, int32)
 INT_CONSTS: dict[str, tuple[str, ...]] = {"resample": ("idx",)}
 

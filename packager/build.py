@@ -16,7 +16,7 @@ from ..kernels.ops import WEIGHT_OPS
 from ..kernels.registry import wants
 from ..kernels.wtypes import DEFAULT_GROUP, by_quant
 from ..runtime.errortable import format_error_table
-from ..runtime.executor import Executor
+from ..runtime.executor import DTYPES, Executor, seeded_feeds
 from .conv_algo import choose_conv_algorithms
 from .fuse import optimise
 from .ir import Graph, PackError
@@ -44,7 +44,8 @@ class BuildResult:
 def load_calibration(
     path: str | Path | None, g: Graph, samples: int = DEFAULT_CALIB_SAMPLES, seed: int = 0
 ) -> list[dict[str, np.ndarray]]:
-    """Calibration feeds: from an npz keyed by input name, else seeded standard-normal.
+    """Calibration feeds: from an npz keyed by input name (each array cast to its
+    input's dtype), else seeded ones (runtime/executor.py seeded_feeds).
 
     An array may be ``[S, *input_shape]`` (S feeds) or stack samples along the batch
     axis (``[n, *input_shape[1:]]``), which are grouped into feeds of the bundle's
@@ -52,10 +53,8 @@ def load_calibration(
     """
     if path is None:
         rng = np.random.default_rng(seed)
-        return [
-            {t: rng.standard_normal(g.shapes[t]).astype(np.float32) for t in g.inputs}
-            for _ in range(samples)
-        ]
+        specs = [{"name": t, "dtype": g.dtype(t), "shape": g.shapes[t]} for t in g.inputs]
+        return [seeded_feeds(specs, rng) for _ in range(samples)]
     if not str(path).endswith(".npz") or not Path(path).is_file():
         raise PackError(f"--calib {path}: expected an existing .npz keyed by input name")
     data = np.load(path)
@@ -64,7 +63,7 @@ def load_calibration(
         raise PackError(f"--calib {path}: missing inputs {missing}; it has {data.files}")
     per_input = {}
     for t in g.inputs:
-        a = np.asarray(data[t], np.float32)
+        a = np.asarray(data[t], DTYPES[g.dtype(t)])
         shape = g.shapes[t]
         if a.shape[1:] == shape:
             per_input[t] = list(a)

@@ -877,8 +877,11 @@ def _resize(ctx: _Ctx, ins, outs, a):
     mode = _decode(a.get("mode", "nearest"))
     transform = _decode(a.get("coordinate_transformation_mode", "half_pixel"))
     nearest = _decode(a.get("nearest_mode", "round_prefer_floor"))
-    for what, v, known in (("mode", mode, rz.MODES), ("coordinate_transformation_mode",
-                           transform, rz.TRANSFORMS), ("nearest_mode", nearest, rz.NEAREST)):
+    for what, v, known in (
+        ("mode", mode, rz.MODES),
+        ("coordinate_transformation_mode", transform, rz.TRANSFORMS),
+        ("nearest_mode", nearest, rz.NEAREST),
+    ):
         if v not in known:
             raise ctx.fail(f"{what}={v!r}; supported: {', '.join(known)}")
     axes = [int(v) % r for v in a.get("axes", range(r))]
@@ -1097,6 +1100,34 @@ def _gather(ctx: _Ctx, ins, outs, a):
     _reshape_to(ctx, picked, outs[0], (*xs[:ax], *ind.shape, *xs[ax + 1 :]))
 
 
+def _axis_of(ctx: _Ctx, x: str, a: dict, default: int = 0) -> int:
+    rank = len(ctx.shape(x))
+    ax = int(a.get("axis", default))
+    if not -rank <= ax < rank:
+        raise ctx.fail(f"axis {ax} out of range for rank {rank}")
+    return ax % rank
+
+
+def _gather_elements(ctx: _Ctx, ins, outs, a):
+    ctx.emit("gather_elements", ins[:2], outs[0], {"axis": _axis_of(ctx, ins[0], a)})
+
+
+def _topk(ctx: _Ctx, ins, outs, a):
+    """TopK: the indices node (int64), and the values a gather_elements of x at them.
+    ``sorted`` 0 allows any order; the sorted one is given."""
+    ax = _axis_of(ctx, ins[0], a, -1)
+    k = int(np.asarray(ctx.const(ins[1], "k")).reshape(-1)[0]) if len(ins) > 1 else int(a["k"])
+    vals, idx = outs[0], outs[1] if len(outs) > 1 and outs[1] else ctx.fresh(outs[0] + ".idx")
+    ctx.emit("topk", [ins[0]], idx, {"axis": ax, "k": k, "largest": int(a.get("largest", 1))})
+    if vals:
+        ctx.emit("gather_elements", [ins[0], idx], vals, {"axis": ax})
+
+
+def _mod(ctx: _Ctx, ins, outs, a):
+    kind = "fmod" if int(a.get("fmod", 0)) else "mod"
+    ctx.emit("binary", ins[:2], outs[0], {"kind": kind, **_NO_ACT})
+
+
 def _expand(ctx: _Ctx, ins, outs, a):
     """Expand (bidirectional broadcasting) of a run-time tensor of any dtype."""
     xs = ctx.shape(ins[0])
@@ -1197,6 +1228,9 @@ HANDLERS: dict[str, Handler] = {
     "SpaceToDepth": _depth_space(False),
     "IsInf": _isinf,
     "Gather": _gather,
+    "GatherElements": _gather_elements,
+    "TopK": _topk,
+    "Mod": _mod,
     "Slice": _slice,
     "ArgMax": _argmax(False),
     "ArgMin": _argmax(True),
@@ -1281,7 +1315,7 @@ def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
     return None
 
 
-FOLD_ONLY = {"Shape", "ConstantOfShape", "Range", "GatherElements"}
+FOLD_ONLY = {"Shape", "ConstantOfShape", "Range"}
 
 
 def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:

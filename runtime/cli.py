@@ -12,7 +12,7 @@ import numpy as np
 from .bundle import BundleError
 from .cli_io import emit_outputs, load_inputs, open_session, pubkey
 from .device import DEVICES, GPU_WEIGHTS, DeviceError
-from .executor import RunError
+from .executor import RunError, seeded_feeds
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -119,22 +119,6 @@ def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def bench_feeds(inputs) -> dict[str, np.ndarray]:
-    """Seeded inputs for ``bench``: normal noise for float inputs; zeros for integer ones
-    (token ids and indices: 0 lies in every table) and True for bool masks."""
-    from .executor import DTYPES
-
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for i in inputs:
-        dt = DTYPES[i["dtype"]]
-        if dt.kind == "f":
-            feeds[i["name"]] = rng.standard_normal(i["shape"]).astype(dt)
-        else:
-            feeds[i["name"]] = np.full(i["shape"], dt.kind == "b", dt)
-    return feeds
-
-
 def cmd_bench(a: argparse.Namespace) -> int:
     from .session import open_located
 
@@ -159,7 +143,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(format_bench(bench_llm(s, a.pp, a.tg, a.depth, a.r)))
         return 0
     s = open_session(a)
-    feeds = bench_feeds(s.inputs)
+    feeds = seeded_feeds(s.inputs)
     ex = s.executor
     if a.profile:
         from .profile import format_profile, profile

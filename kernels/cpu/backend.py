@@ -1025,7 +1025,7 @@ _cpu("unary", _bind_unary)
 _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
 _cpu("reduce", _bind_reduce, scratch=_reduce_scratch)
-for _op in ("expand", "cast", "compare", "logic", "where", "take"):
+for _op in ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk"):
     _cpu(_op, _bind_generic(_op))
 _cpu("resample", _bind_resample)
 _cpu("conv_transpose", _bind_conv_transpose)

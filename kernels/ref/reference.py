@@ -157,10 +157,16 @@ _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divi
            "max": np.maximum, "min": np.minimum, "pow": np.power}  # fmt: skip
 
 
+# integer division as ONNX Runtime's Div and Mod: toward zero; the divisor's sign (mod)
+# or the dividend's (fmod)
+_INT_BINARY = {**_BINARY, "mod": np.mod, "fmod": np.fmod,
+               "div": lambda a, b: (a - np.fmod(a, b)) // b}  # fmt: skip
+
+
 def binary(inputs: Sequence[Array | None], attrs: dict) -> Array:
     a, b = inputs[0], inputs[1]
     if np.asarray(a).dtype.kind in "iu":  # integer tensors keep their dtype (ops.out_dtype)
-        return _BINARY[attrs["kind"]](a, b)
+        return _INT_BINARY[attrs["kind"]](a, b).astype(np.result_type(a, b))
     return _act(_BINARY[attrs["kind"]](a, b).astype(np.float32), attrs)
 
 
@@ -341,6 +347,26 @@ def take(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.take(x, np.where(idx < 0, idx + n, idx), axis=ax)
 
 
+def gather_elements(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x, idx, ax = inputs[0], np.asarray(inputs[1]).astype(np.int64), int(attrs["axis"])
+    n = x.shape[ax]
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        raise IndexError(f"GatherElements: an index outside an axis of {n}")
+    # indices may be shorter than x off the axis: the leading part of x is read
+    x = x[tuple(slice(None) if i == ax else slice(0, d) for i, d in enumerate(idx.shape))]
+    return np.take_along_axis(x, np.where(idx < 0, idx + n, idx), axis=ax)
+
+
+def topk(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """int64 indices of the ``k`` largest (``largest`` 0: smallest) along ``axis``, in
+    order, the lower index first among equal values; NaN sorts after every number."""
+    x, ax, k = np.asarray(inputs[0]), int(attrs["axis"]), int(attrs["k"])
+    if attrs["largest"]:  # order-reversing, exact: -x for floats, ~x (-x - 1) for integers
+        x = np.negative(x) if x.dtype.kind == "f" else np.invert(x)
+    order = np.argsort(x, axis=ax, kind="stable")
+    return np.take(order, np.arange(k), axis=ax).astype(np.int64)
+
+
 def expand(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.broadcast_to(inputs[0], tuple(attrs["shape"])).copy()
 
@@ -440,6 +466,8 @@ REFERENCE: dict[str, RefFn] = {
     "logic": logic,
     "where": where,
     "take": take,
+    "gather_elements": gather_elements,
+    "topk": topk,
     "expand": expand,
     "resample": resample,
     "conv_transpose": conv_transpose,
