@@ -243,6 +243,21 @@ def _gather_elements_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return tuple(idx)
 
 
+def _rnn_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, w, r, b = ins[0], ins[1], ins[2], ins[3]
+    gates = {"lstm": 4, "gru": 3, "rnn": 1}.get(attrs["cell"])
+    hid = r[1] if len(r) == 2 else 0
+    if (
+        gates is None or len(x) != 3 or len(w) != 2 or w != (gates * hid, x[2])
+        or r != (gates * hid, hid) or b != (2 * gates * hid,)
+        or any(s is not None and s != (x[1], hid) for s in ins[4:6])
+    ):  # fmt: skip
+        raise OpError(f"{attrs['cell']} of x {list(x)}, w {list(w)}, r {list(r)}, b {list(b)}")
+    if attrs["cell"] != "lstm" and (len(ins) > 5 and ins[5] or attrs.get("emit") == "c"):
+        raise OpError(f"a cell state for {attrs['cell']}")
+    return (x[0], x[1], hid)
+
+
 def _expand_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     out = tuple(int(d) for d in attrs["shape"])
     if tuple(np.broadcast_shapes(ins[0], out)) != out:
@@ -419,6 +434,12 @@ OPS: dict[str, OpDef] = {
         # the first one unless ``select_last``
         _op("argmax", ("x",), _argmax_shape, attrs=("axis", "keepdims")),
         _op("pad", ("x",), _pad_shape, attrs=("pads",)),
+        # One direction of ONNX's LSTM / GRU / RNN (kernels/recurrent.py): x [S, B, I],
+        # gates w [G*H, I] and r [G*H, H], b [2*G*H] = W's biases then R's (constants or
+        # run-time tensors); y [S, B, H] each step's h, or with ``emit`` "c" each step's
+        # cell state (LSTM)
+        _op("rnn", ("x", "w", "r", "b", "h0", "c0"), _rnn_shape, ("h0", "c0"),
+            attrs=("cell", "reverse")),  # fmt: skip
         # Decoder LLMs (docs/bundle-format.md, "LLM ops"): tokens are rows.
         _op("norm", ("x", "w", "b"), _norm_shape, ("b",), ("w", "b"), ("kind", "eps")),
         _op(

@@ -1123,6 +1123,98 @@ def _topk(ctx: _Ctx, ins, outs, a):
         ctx.emit("gather_elements", [ins[0], idx], vals, {"axis": ax})
 
 
+_RNN_CELLS = {"LSTM": ("lstm", ["sigmoid", "tanh", "tanh"]), "GRU": ("gru", ["sigmoid", "tanh"]),
+              "RNN": ("rnn", ["tanh"])}  # fmt: skip
+
+
+def _recurrent(ctx: _Ctx, ins, outs, a):
+    """LSTM, GRU and RNN: one ``rnn`` node a direction (a second, emitting the cell
+    state, only where Y_c is read), then moves to ONNX's Y [S, D, B, H], Y_h and Y_c
+    [D, B, H] (``layout`` 1: batch first)."""
+    op = ctx.node.op_type
+    cell, acts = _RNN_CELLS[op]
+    ins = ins + [""] * (8 - len(ins))
+    x, layout = ins[0], int(a.get("layout", 0))
+    got_acts = [_decode(v).lower() for v in a.get("activations", [])]
+    dirs_n = 2 if _decode(a.get("direction", "forward")) == "bidirectional" else 1
+    if got_acts and got_acts != acts * dirs_n:
+        raise ctx.fail(f"activations {got_acts}; supported: the defaults {acts}")
+    if "clip" in a:
+        raise ctx.fail("clip is not supported")
+    if int(a.get("input_forget", 0)):
+        raise ctx.fail("input_forget=1 is not supported")
+    if ins[7] and np.any(ctx.const(ins[7], "P (peepholes)")):
+        raise ctx.fail("peepholes (P) are not supported")
+    if layout:
+        x = ctx.emit("transpose", [x], ctx.fresh(x + ".sbi"), {"perm": [1, 0, 2]})
+    steps, batch, _ = ctx.shape(x)
+    if ins[4]:
+        lens = np.asarray(ctx.const(ins[4], "sequence_lens")).reshape(-1)
+        if not np.all(lens == steps):
+            raise ctx.fail(f"sequence_lens {lens.tolist()} shorter than the {steps} steps")
+    hid = int(a.get("hidden_size", ctx.shape(ins[2])[-1]))
+    g = ctx.shape(ins[1])[1]
+    bias = ins[3] or ctx.add_const(
+        ctx.fresh(ctx.node_name + ".b"), np.zeros((dirs_n, 2 * g), np.float32)
+    )
+    direction = _decode(a.get("direction", "forward"))
+
+    def per_dir(name: str, d: int, ax: int = 0) -> str:
+        """Direction d's part of ``name``: of W, R, B ([D, ...]) or an initial state
+        ([D, B, H]; layout 1 [B, D, H], ``ax`` 1), a constant or a slice at run time."""
+        if not name:
+            return ""
+        if name in ctx.g.consts:
+            v = np.take(ctx.g.consts[name].astype(np.float32), d, axis=ax)
+            return ctx.add_const(ctx.fresh(f"{name}.{d}"), v)
+        xs = ctx.shape(name)
+        part = ctx.emit(
+            "slice", [name], ctx.fresh(f"{name}.{d}"), _slice_attrs(xs, {ax: (d, d + 1, 1)})
+        )
+        rest = [n for i, n in enumerate(xs) if i != ax]
+        return ctx.emit("reshape", [part], ctx.fresh(f"{name}.{d}.part"), {"shape": rest})
+
+    def last(seq: str, reverse: bool) -> str:
+        t = 0 if reverse else steps - 1
+        return ctx.emit("slice", [seq], ctx.fresh(seq + ".last"),
+                        _slice_attrs((steps, batch, hid), {0: (t, t + 1, 1)}))  # fmt: skip
+
+    ys, hs, cs = [], [], []
+    for d in range(dirs_n):
+        reverse = direction == "reverse" or d == 1
+        lbr = int(a.get("linear_before_reset", 0))
+        attrs = {"cell": cell, "reverse": int(reverse), "linear_before_reset": lbr, "emit": "h"}
+        weights = [per_dir(t, d) for t in (ins[1], ins[2], bias)]
+        states = [per_dir(t, d, layout) for t in (ins[5], ins[6] if cell == "lstm" else "")]
+        rnn_ins = [x, *weights, *states][: 7 if cell == "lstm" else 6]
+        y = ctx.emit("rnn", rnn_ins, ctx.fresh(f"{ctx.node_name}.y{d}"), attrs)
+        ys.append(y)
+        hs.append(last(y, reverse))
+        if cell == "lstm" and len(outs) > 2 and outs[2]:
+            c = ctx.emit("rnn", rnn_ins, ctx.fresh(f"{ctx.node_name}.c{d}"), {**attrs, "emit": "c"})
+            cs.append(last(c, reverse))
+
+    def join(parts: list[str], out: str, shape: list[int], axis: int, perm: list[int] | None):
+        parts = [ctx.emit("reshape", [p], ctx.fresh(p + ".d"), {"shape": shape}) for p in parts]
+        whole = (
+            parts[0]
+            if len(parts) == 1
+            else ctx.emit("concat", parts, ctx.fresh(out + ".cat"), {"axis": axis})
+        )
+        if perm:
+            return ctx.emit("transpose", [whole], out, {"perm": perm})
+        _reshape_to(ctx, whole, out, ctx.shape(whole))
+
+    if outs[0]:
+        join(ys, outs[0], [steps, 1, batch, hid], 1, [2, 0, 1, 3] if layout else None)
+    for out, parts in (
+        (outs[1] if len(outs) > 1 else "", hs),
+        (outs[2] if len(outs) > 2 else "", cs),
+    ):
+        if out:
+            join(parts, out, [1, batch, hid], 0, [1, 0, 2] if layout else None)
+
+
 def _mod(ctx: _Ctx, ins, outs, a):
     kind = "fmod" if int(a.get("fmod", 0)) else "mod"
     ctx.emit("binary", ins[:2], outs[0], {"kind": kind, **_NO_ACT})
@@ -1231,6 +1323,7 @@ HANDLERS: dict[str, Handler] = {
     "GatherElements": _gather_elements,
     "TopK": _topk,
     "Mod": _mod,
+    **dict.fromkeys(_RNN_CELLS, _recurrent),
     "Slice": _slice,
     "ArgMax": _argmax(False),
     "ArgMin": _argmax(True),

@@ -282,3 +282,46 @@ def test_a_bert_encoder_with_int64_token_ids_and_a_mask(tmp_path):
     feed, masked = outs[1]
     unmasked = s.run({**feed, "attention_mask": np.ones((1, 12), np.int64)})["hidden"]
     assert not np.allclose(masked[0, :8], unmasked[0, :8], atol=1e-3)  # the mask is honoured
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_a_recurrent_sequence_model_exported_by_torch(tmp_path, kind):
+    """A small sequence tagger from torch (1-D conv front end, two bidirectional
+    recurrent layers batch-first, a linear head) exported by torch.onnx, returning the
+    per-step logits and the final states (Y_h, and Y_c for the LSTM): ONNX's LSTM /
+    GRU / RNN nodes, layout and direction included. fp32 within 1e-4 of ONNX Runtime,
+    int8 cosine >= 0.99 (the recurrent weights stay float32)."""
+    import warnings
+
+    import torch
+
+    torch.manual_seed(0)
+    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}[kind]
+
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv1d(6, 12, 3, padding=1)
+            self.rnn = cls(12, 16, num_layers=2, bidirectional=True, batch_first=True)
+            self.head = torch.nn.Linear(32, 7)
+
+        def forward(self, x):
+            f = torch.relu(self.conv(x)).transpose(1, 2)  # [B, T, C]
+            y, state = self.rnn(f)
+            return (self.head(y), *(state if kind == "lstm" else (state,)))
+
+    names = ["logits", "h_n", "c_n"][: 3 if kind == "lstm" else 2]
+    path = tmp_path / f"{kind}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Tagger().eval(), (torch.randn(2, 6, 20),), str(path), opset_version=17,
+                          input_names=["x"], output_names=names, dynamo=False)  # fmt: skip
+    fp = load(pack(path, tmp_path / "f.epk"))
+    q = load(pack(path, tmp_path / "q.epk", quant="int8", min_weights=0))
+    for seed in range(2):
+        x = np.random.default_rng(seed).standard_normal((2, 6, 20)).astype(np.float32)
+        refs = ort_run(path, {"x": x})
+        got = fp.run({"x": x})
+        for name, ref in zip(names, refs):
+            np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+        assert _cos(q.run({"x": x})["logits"], refs[0]) >= 0.99

@@ -77,6 +77,7 @@ TOL: dict[str, tuple[float, float]] = {
     ),
     "resample": (1e-6, 1e-6),
     "conv_transpose": (1e-5, 1e-5),
+    "rnn": (1e-5, 1e-5),
     "reduce_mean": (1e-5, 1e-6),
     "pad": (0.0, 0.0),
     "mbconv": (2e-4, 2e-4),  # three convs in a row
@@ -368,6 +369,28 @@ MATH_SPECIALS = np.array([0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 1.0, -1.0, 3.0, 
 # args per function where ONNX has attributes (its defaults)
 MATH_ARGS = {"elu": (1.0, 0.0), "selu": (1.6732632, 1.050701), "celu": (1.0, 0.0),
              "thresholded_relu": (1.0, 0.0), "shrink": (0.5, 0.5)}  # fmt: skip
+
+
+def rnn_case(
+    name, cell, steps=5, batch=2, inp=3, hid=4, reverse=False, h0=False, c0=False, lbr=0, emit="h"
+) -> Case:
+    """One direction of an LSTM / GRU / RNN: weights at the scale a trained cell has
+    (gates neither saturated nor flat)."""
+    g = {"lstm": 4, "gru": 3, "rnn": 1}[cell] * hid
+
+    def make(rng, dt):
+        ins = [
+            _randn(rng, steps, batch, inp),
+            _randn(rng, g, inp, scale=0.5),
+            _randn(rng, g, hid, scale=0.5),
+            _randn(rng, 2 * g, scale=0.3),
+            _randn(rng, batch, hid) if h0 else None,
+            _randn(rng, batch, hid) if c0 else None,
+        ]
+        attrs = {"cell": cell, "reverse": int(reverse), "linear_before_reset": lbr, "emit": emit}
+        return ins, attrs
+
+    return Case(name, make, const=(1, 2, 3))
 
 
 def deconv_case(name, xshape, wshape, s=(1, 1), p=(0, 0, 0, 0), d=(1, 1), g=1, bias=False,
@@ -773,6 +796,15 @@ CASES: dict[str, list[Case]] = {
         generic_case("rows_i64_idx", [("f32", (9, 4)), ("idx64", (2, 3))], {"axis": 0}),
         generic_case("axis1_i32_idx", [("i64", (3, 7, 2)), ("idx32", (5,))], {"axis": 1}),
         generic_case("negative", [("f32", (5, 6)), ("neg64", (4,))], {"axis": 1}),
+    ],
+    "rnn": [
+        rnn_case("lstm", "lstm"),
+        rnn_case("lstm_reverse_states", "lstm", reverse=True, h0=True, c0=True),
+        rnn_case("lstm_cell_state", "lstm", c0=True, emit="c"),
+        rnn_case("gru_linear_before_reset", "gru", lbr=1, h0=True),
+        rnn_case("gru_reverse", "gru", reverse=True),
+        rnn_case("rnn", "rnn", h0=True),
+        rnn_case("rnn_one_step_wide", "rnn", steps=1, batch=3, inp=7, hid=9, reverse=True),
     ],
     "gather_elements": [
         generic_case("axis1_negative", [("f32", (3, 5)), ("neg64", (3, 4))], {"axis": 1}),
@@ -1668,6 +1700,34 @@ def test_reference_binary_matches_onnxruntime(case: Case) -> None:
         [node], {"a": a, "b": b}, {}, out_type=helper.np_dtype_to_tensor_dtype(ref.dtype)
     )
     _compare_ref(ref, got, 1e-6, 1e-7)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES["rnn"] if not c.name.startswith("ieee_")],
+                         ids=lambda c: c.name)  # fmt: skip
+def test_reference_rnn_matches_onnxruntime(case: Case) -> None:
+    """LSTM / GRU / RNN, one direction: every step's h (Y), or the last cell state (Y_c)."""
+    from onnx import helper
+
+    (x, w, r, b, h0, c0), attrs = case.make(_rng("ort", "rnn", case.name), "f32")
+    cell = attrs["cell"]
+    op = {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN"}[cell]
+    feeds = {"x": x, **({"h0": h0[None]} if h0 is not None else {}),
+             **({"c0": c0[None]} if c0 is not None else {})}  # fmt: skip
+    ins = ["x", "w", "r", "b", "", "h0" if h0 is not None else "", "c0" if c0 is not None else ""]
+    kw = {"linear_before_reset": attrs["linear_before_reset"]} if cell == "gru" else {}
+    emit_c = attrs["emit"] == "c"
+    node = helper.make_node(op, ins[: 7 if cell == "lstm" else 6], ["y", "yh", "yc"][: 3 if cell == "lstm" else 2],
+                            hidden_size=r.shape[1], direction="reverse" if attrs["reverse"] else "forward",
+                            **kw)  # fmt: skip
+    pick = helper.make_node("Identity", ["yc" if emit_c else "y"], ["out"])
+    inits = {"w": w[None], "r": r[None], "b": b[None]}
+    got = _ort_graph([node, pick], feeds, inits, opset=14)
+    ref = R.rnn([x, w, r, b, h0, c0], attrs)
+    if emit_c:  # ORT gives the final cell state only
+        got, ref = got[0], ref[0 if attrs["reverse"] else -1]
+    else:
+        got = got[:, 0]
+    _compare_ref(ref, got, 1e-5, 1e-6)
 
 
 # ONNX Runtime's TopK orders NaN by comparisons that are all false (no defined place):

@@ -27,6 +27,7 @@ from ..layout import PANEL
 from ..mathfns import math_code
 from ..ops import BINARY_KINDS, GATE_ACTS, norm_group
 from ..ops import args as _args
+from ..recurrent import rnn_scratch_floats, rnn_step
 from ..registry import Bound, Kernel, Spec, register
 from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
 from .native import K, kernel_threads, resolved
@@ -793,6 +794,15 @@ def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
     return G.reduce_step(np, ins[0], outs[0], scratch.view(np.float32), attrs)
 
 
+def _rnn_scratch(ins, outs, attrs) -> int:
+    steps, batch, hid = outs[0]
+    return 4 * rnn_scratch_floats(attrs["cell"], steps, batch, hid)
+
+
+def _bind_rnn(ins, outs, scratch, attrs) -> Bound:
+    return rnn_step(np, ins, outs[0], scratch.view(np.float32), attrs)
+
+
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
     return G.argmax_step(np, ins[0], outs[0], attrs)
 
@@ -1025,6 +1035,7 @@ _cpu("unary", _bind_unary)
 _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
 _cpu("reduce", _bind_reduce, scratch=_reduce_scratch)
+_cpu("rnn", _bind_rnn, scratch=_rnn_scratch)
 for _op in ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk"):
     _cpu(_op, _bind_generic(_op))
 _cpu("resample", _bind_resample)

@@ -36,6 +36,7 @@ from ..decoded import decoded
 from ..mathfns import math_code
 from ..ops import BINARY_KINDS, norm_group
 from ..ops import args as _args
+from ..recurrent import rnn_scratch_floats, rnn_step
 from ..registry import Bound, Kernel, Spec, register
 
 F32 = np.dtype(np.float32)
@@ -468,6 +469,15 @@ def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
     return G.reduce_step(_d().xp, ins[0], outs[0], scratch.view("float32"), attrs)
 
 
+def _rnn_scratch(ins, outs, attrs) -> int:
+    steps, batch, hid = outs[0]
+    return 4 * rnn_scratch_floats(attrs["cell"], steps, batch, hid)
+
+
+def _bind_rnn(ins, outs, scratch, attrs) -> Bound:
+    return rnn_step(_d().xp, ins, outs[0], scratch.view("float32"), attrs)
+
+
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
     return G.argmax_step(_d().xp, ins[0], outs[0], attrs)
 
@@ -577,6 +587,7 @@ _cuda("unary", _bind_unary)
 _cuda("slice", _bind_slice)
 _cuda("argmax", _bind_argmax)
 _cuda("reduce", _bind_reduce, scratch=_reduce_scratch)
+_cuda("rnn", _bind_rnn, scratch=_rnn_scratch)
 for _op in ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk"):
     _cuda(_op, _bind_generic(_op))
 _cuda("resample", _bind_resample)

@@ -367,6 +367,39 @@ def topk(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.take(order, np.arange(k), axis=ax).astype(np.int64)
 
 
+def rnn(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """One direction of ONNX's LSTM (gates i o f c), GRU (z r h) and RNN, as ONNX's
+    operator text writes them, step by step in float64."""
+    x, w, r, b, h0, c0 = (list(inputs) + [None] * 6)[:6]
+    x, w, r, b = (np.asarray(a, np.float64) for a in (x, w, r, b))
+    cell, steps, batch = attrs["cell"], x.shape[0], x.shape[1]
+    hid = r.shape[1]
+    wb, rb = np.split(b, 2)
+    h = np.zeros((batch, hid)) if h0 is None else np.asarray(h0, np.float64)
+    c = np.zeros((batch, hid)) if c0 is None else np.asarray(c0, np.float64)
+    sig = lambda v: 1.0 / (1.0 + np.exp(-v))  # noqa: E731
+    out = np.empty((steps, batch, hid))
+    for t in (range(steps - 1, -1, -1) if attrs.get("reverse") else range(steps)):
+        if cell == "rnn":
+            h = np.tanh(x[t] @ w.T + wb + h @ r.T + rb)
+        elif cell == "lstm":
+            gi, go, gf, gc = np.split(x[t] @ w.T + wb + h @ r.T + rb, 4, axis=1)
+            c = sig(gf) * c + sig(gi) * np.tanh(gc)
+            h = sig(go) * np.tanh(c)
+        else:
+            (wz, wr, wh), (rz, rr, rh) = np.split(w, 3), np.split(r, 3)
+            (bz, br, bh), (cz, cr, ch) = np.split(wb, 3), np.split(rb, 3)
+            z = sig(x[t] @ wz.T + h @ rz.T + bz + cz)
+            rg = sig(x[t] @ wr.T + h @ rr.T + br + cr)
+            if attrs.get("linear_before_reset"):
+                hh = np.tanh(x[t] @ wh.T + rg * (h @ rh.T + ch) + bh)
+            else:
+                hh = np.tanh(x[t] @ wh.T + (rg * h) @ rh.T + ch + bh)
+            h = (1 - z) * hh + z * h
+        out[t] = c if attrs.get("emit") == "c" else h
+    return out.astype(np.float32)
+
+
 def expand(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.broadcast_to(inputs[0], tuple(attrs["shape"])).copy()
 
@@ -468,6 +501,7 @@ REFERENCE: dict[str, RefFn] = {
     "take": take,
     "gather_elements": gather_elements,
     "topk": topk,
+    "rnn": rnn,
     "expand": expand,
     "resample": resample,
     "conv_transpose": conv_transpose,
