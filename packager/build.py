@@ -176,10 +176,8 @@ def build(
         # fallbacks compute the same function (checked kernel by kernel in the tests).
         ref_exec = Executor(make_manifest(g, ref_plan), g.consts, device="cpu")
         q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")
-        ref_tr = [ref_exec.run_traced(f) for f in feeds]
-        q_tr = [q_exec.run_traced(f) for f in feeds]
         nodes = make_manifest(q, plan)["graph"]["nodes"]
-        error = error_table(ref_tr, q_tr, nodes, q.outputs)
+        error = error_table(ref_exec, q_exec, feeds, nodes, q.outputs)
         error["calibration"] = str(calib) if calib else f"{len(feeds)} seeded random inputs"
         log(format_error_table(error))
         extra["quantization"].update(

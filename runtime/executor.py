@@ -8,7 +8,7 @@ writes into memory that already exists. Where that memory lives (host or GPU) is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from ..kernels.registry import lookup, node_dtype
 from .bundle_format import TENSOR_DTYPES
 from .device import Device, aligned_arena, node_backend, select_device
 
+Visit = Callable[[str, np.ndarray], None]  # a traced run's (tensor name, its value)
 DTYPES = {k: np.dtype(v) for k, v in TENSOR_DTYPES.items()}  # arena tensors
 
 
@@ -34,6 +35,7 @@ def seeded_feeds(inputs, rng: np.random.Generator | None = None) -> dict[str, np
         else:
             feeds[i["name"]] = np.full(i["shape"], dt.kind == "b", dt)
     return feeds
+
 
 __all__ = ["Executor", "RunError", "aligned_arena"]
 
@@ -182,9 +184,12 @@ class Executor:
         outs = self.run_views(feeds)
         return {o["name"]: v.copy() for o, v in zip(self.outputs, outs)}
 
-    def run_traced(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run_traced(
+        self, feeds: Mapping[str, np.ndarray], visit: Visit | None = None
+    ) -> dict[str, np.ndarray]:
         """Run once and copy every node's output as it is produced (for error tables;
-        the arena reuses memory, so intermediates must be captured step by step)."""
+        the arena reuses memory, so intermediates must be captured step by step). With
+        ``visit``, each output goes to it as it is produced instead, and nothing is kept."""
         dev = self.device
         for dst, src in zip(self._in_views, self.check_inputs(feeds)):
             dev.copy_in(dst, src)
@@ -193,7 +198,10 @@ class Executor:
             if step is not None:
                 step()
             for o in node["outputs"]:
-                trace[o] = dev.to_host(self.views[o])
+                if visit is None:
+                    trace[o] = dev.to_host(self.views[o])
+                else:
+                    visit(o, dev.to_host(self.views[o]))
         return trace
 
 

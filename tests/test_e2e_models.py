@@ -323,5 +323,47 @@ def test_a_recurrent_sequence_model_exported_by_torch(tmp_path, kind):
         refs = ort_run(path, {"x": x})
         got = fp.run({"x": x})
         for name, ref in zip(names, refs):
-            np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+            atol = 1e-4 * float(np.abs(ref).max())
+            np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=atol)
         assert _cos(q.run({"x": x})["logits"], refs[0]) >= 0.99
+
+
+def test_a_whisper_tiny_sized_audio_encoder(tmp_path):
+    """Whisper's encoder at whisper-tiny's size (80 mel bins x 3000 frames, two 1-D
+    convs, the second with stride 2, then 4 pre-norm attention layers of width 384 over
+    1500 positions) from a transformers config with random weights (seeded), exported
+    by torch.onnx. fp32 within 1e-4 of ONNX Runtime, int8 cosine >= 0.99."""
+    import warnings
+
+    import torch
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    torch.manual_seed(0)
+    cfg = WhisperConfig(num_mel_bins=80, d_model=384, encoder_layers=4, encoder_attention_heads=6,
+                        encoder_ffn_dim=1536, max_source_positions=1500)  # fmt: skip
+    encoder = WhisperEncoder(cfg).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, mel):
+            return self.encoder(mel).last_hidden_state
+
+    path = tmp_path / "whisper_encoder.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Encoder(), (torch.randn(1, 80, 3000),), str(path), opset_version=17,
+                          input_names=["mel"], output_names=["hidden"], dynamo=False)  # fmt: skip
+    x = np.random.default_rng(0).standard_normal((1, 80, 3000)).astype(np.float32)
+    (ref,) = ort_run(path, {"mel": x})
+    got = load(pack(path, tmp_path / "f.epk")).run({"mel": x})["hidden"]
+    assert got.shape == (1, 1500, 384)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    # two calibration inputs: the error table runs both graphs once for each
+    np.savez(tmp_path / "calib.npz", mel=np.random.default_rng(1).standard_normal((2, 80, 3000)))
+    q = load(pack(path, tmp_path / "q.epk", quant="int8", calib=tmp_path / "calib.npz"))
+    q = q.run({"mel": x})["hidden"]
+    assert _cos(q, ref) >= 0.99

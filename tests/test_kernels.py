@@ -1716,9 +1716,10 @@ def test_reference_rnn_matches_onnxruntime(case: Case) -> None:
     ins = ["x", "w", "r", "b", "", "h0" if h0 is not None else "", "c0" if c0 is not None else ""]
     kw = {"linear_before_reset": attrs["linear_before_reset"]} if cell == "gru" else {}
     emit_c = attrs["emit"] == "c"
-    node = helper.make_node(op, ins[: 7 if cell == "lstm" else 6], ["y", "yh", "yc"][: 3 if cell == "lstm" else 2],
-                            hidden_size=r.shape[1], direction="reverse" if attrs["reverse"] else "forward",
-                            **kw)  # fmt: skip
+    n_in, n_out = (7, 3) if cell == "lstm" else (6, 2)
+    direction = "reverse" if attrs["reverse"] else "forward"
+    node = helper.make_node(op, ins[:n_in], ["y", "yh", "yc"][:n_out], hidden_size=r.shape[1],
+                            direction=direction, **kw)  # fmt: skip
     pick = helper.make_node("Identity", ["yc" if emit_c else "y"], ["out"])
     inits = {"w": w[None], "r": r[None], "b": b[None]}
     got = _ort_graph([node, pick], feeds, inits, opset=14)

@@ -21,6 +21,7 @@ from ...runtime.executor import Executor
 from ..ir import Graph
 from ..manifest import make_manifest
 from ..plan import plan_memory
+from ..quantize import ErrorAcc
 
 EVAL_TEXT = (
     "The harbour town woke slowly. Fishing boats came back with the tide, and the market "
@@ -50,28 +51,6 @@ def eval_tokens(tokenizer: bytes | None, vocab: int, n: int) -> tuple[list[int],
     return ids, f"{n} seeded random token ids (no tokenizer)"
 
 
-class _Acc:
-    """Running sums for one tensor's relative L2 and cosine."""
-
-    def __init__(self) -> None:
-        self.dd = self.rr = self.gg = self.rg = 0.0
-
-    def add(self, ref: np.ndarray, got: np.ndarray) -> None:
-        r, g = ref.astype(np.float64).ravel(), got.astype(np.float64).ravel()
-        d = r - g
-        self.dd += float(d @ d)
-        self.rr += float(r @ r)
-        self.gg += float(g @ g)
-        self.rg += float(r @ g)
-
-    def rel_l2(self) -> float:
-        return (self.dd / self.rr) ** 0.5 if self.rr > 0 else (0.0 if self.dd == 0 else np.inf)
-
-    def cosine(self) -> float:
-        den = (self.rr * self.gg) ** 0.5
-        return self.rg / den if den > 0 else 1.0
-
-
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = z.astype(np.float64)
     z = z - z.max()
@@ -92,7 +71,7 @@ def evaluate(
     feeds["slot"][:] = -1
     feeds["slot"][0] = 0
     nodes = manifests[1]["graph"]["nodes"]
-    accs = {t: _Acc() for n in nodes for t in n["outputs"]}
+    accs = {t: ErrorAcc() for n in nodes for t in n["outputs"]}
     kl, nll_ref, nll_q, agree = [], [], [], []
     for p, tok in enumerate(ids):
         feeds["ids"][0], feeds["pos"][0] = tok, p
