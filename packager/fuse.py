@@ -1,8 +1,10 @@
 """Graph rewrites done once at pack time so the device does less work.
 
 - BatchNormalization (``channel_affine``) folded into the preceding conv / linear.
-- ``linear`` followed by an add of a constant vector: the vector becomes its bias.
-- ``x * hard_sigmoid(x)`` (MobileNetV3's h-swish) becomes one ``hard_swish``.
+- ``linear`` or conv followed by an add of a constant vector: the vector becomes its
+  bias (and the add's activation its epilogue).
+- ``x * hard_sigmoid(x)`` (MobileNetV3's h-swish), and ``x * clip(x + 3, 0, 6) / 6``,
+  become one ``hard_swish``.
 - conv + residual add: the add becomes the conv's epilogue (ResNet, MobileNetV2).
 - an activation after conv / linear / binary / affine / matmul: fused as the epilogue.
 
@@ -85,32 +87,119 @@ def fold_batchnorm(g: Graph) -> int:
     return n_folded
 
 
+def _as_bias(g: Graph, p: Node, c: np.ndarray) -> np.ndarray | None:
+    """``c`` as a bias vector of ``p`` (a linear's last axis; a conv's channel axis:
+    (1, C, 1, 1) or (C, 1, 1)), or None when an add of it is not a bias add."""
+    nout = g.consts[p.input("w")].shape[0] if p.op == "linear" else g.shapes[p.outputs[0]][1]
+    if c.size != nout:
+        return None
+    if p.op == "linear":
+        return c.reshape(nout) if c.shape[-1] == nout else None
+    full = (1,) * (4 - c.ndim) + tuple(c.shape) if c.ndim <= 4 else None
+    return c.reshape(nout) if full == (1, nout, 1, 1) else None
+
+
 def fuse_linear_bias(g: Graph) -> int:
+    """An add of a constant vector after a linear or a conv becomes its bias, and the
+    add's activation its epilogue (PaddleOCR's squeeze-excite convs add their biases as
+    separate Adds: 18 binary nodes of the text classifier's 221 steps)."""
     n = 0
     prod, cons = g.producer(), g.consumers()
     for add in list(g.nodes):
-        if add.op != "binary" or add.attrs["kind"] != "add" or add.attrs["act"] != "none":
+        if add.op != "binary" or add.attrs["kind"] != "add":
             continue
         consts = [i for i in add.inputs if i in g.consts]
         acts = [i for i in add.inputs if i not in g.consts]
         if len(consts) != 1 or len(acts) != 1:
             continue
         p = prod.get(acts[0])
-        if p is None or p.op != "linear" or p.attrs["act"] != "none":
+        if p is None or p.op not in ("linear", *CONV_OPS) or p.attrs["act"] != "none":
             continue
-        if not _single_use(g, acts[0], cons):
+        if (p.op in CONV_OPS and p.input("residual")) or not _single_use(g, acts[0], cons):
             continue
-        c = g.consts[consts[0]]
-        nout = g.consts[p.input("w")].shape[0]
-        if c.size != nout or c.shape[-1] != nout:
+        if g.shapes[acts[0]] != g.shapes[add.outputs[0]]:
+            continue
+        c = _as_bias(g, p, g.consts[consts[0]])
+        if c is None:
             continue
         old = g.consts[p.input("bias")] if p.input("bias") else 0.0
         bname = _const_name(g, p.name + ".bias")
-        g.consts[bname] = (np.asarray(old) + c.reshape(nout)).astype(np.float32)
+        g.consts[bname] = (np.asarray(old) + c).astype(np.float32)
         p.set_input("bias", bname)
+        p.attrs["act"] = add.attrs["act"]
+        p.attrs["act_args"] = list(add.attrs["act_args"])
         _merge(g, p, add)
         prod, cons = g.producer(), g.consumers()
         n += 1
+    return n
+
+
+def _clipped_add3(g: Graph, prod, cons, name: str) -> list[Node] | None:
+    """The nodes making ``name`` = clip(a + b, 0, 6), single-use: an add with the clip
+    as its epilogue, or an add then a clip; None if it is not that."""
+
+    def clip06(n: Node) -> bool:
+        return n.attrs.get("act") == "clip" and np.allclose(n.attrs["act_args"], [0.0, 6.0])
+
+    n = prod.get(name)
+    if n is None or not _single_use(g, name, cons):
+        return None
+    if n.op == "binary" and n.attrs["kind"] == "add" and clip06(n):
+        return [n]
+    if n.op != "unary" or not clip06(n):
+        return None
+    add = prod.get(n.inputs[0])
+    if add is None or add.op != "binary" or add.attrs["kind"] != "add":
+        return None
+    if add.attrs["act"] != "none" or not _single_use(g, n.inputs[0], cons):
+        return None
+    return [add, n]
+
+
+def fuse_decomposed_hard_swish(g: Graph) -> int:
+    """x * clip(x + 3, 0, 6) / 6 (hard-swish as exporters that lack the op write it:
+    paddle2onnx, older torch) becomes one ``hard_swish`` unary, which the activation
+    rewrite then folds into the conv before it: 54 binary nodes of the rapidocr text
+    classifier's 221 steps."""
+    n = 0
+    prod, cons = g.producer(), g.consumers()
+
+    def scalar(name: str, value: float) -> bool:
+        return (
+            name in g.consts
+            and g.consts[name].size == 1
+            and np.isclose(float(g.consts[name].reshape(-1)[0]), value)
+        )
+
+    for div in list(g.nodes):
+        if div.op != "binary" or div.attrs["act"] != "none" or len(div.inputs) != 2:
+            continue
+        m_name, k = div.inputs
+        if not ((div.attrs["kind"] == "div" and scalar(k, 6.0)) or
+                (div.attrs["kind"] == "mul" and scalar(k, 1 / 6))):  # fmt: skip
+            continue
+        mul = prod.get(m_name)
+        if mul is None or mul.op != "binary" or mul.attrs["kind"] != "mul":
+            continue
+        if mul.attrs["act"] != "none" or not _single_use(g, m_name, cons):
+            continue
+        for t_name, x in (mul.inputs, mul.inputs[::-1]):
+            chain = _clipped_add3(g, prod, cons, t_name)
+            if chain is None or chain[0].inputs[0] != x or not scalar(chain[0].inputs[1], 3.0):
+                continue
+            if g.shapes.get(x) != g.shapes[div.outputs[0]]:
+                continue
+            gone = [*chain, mul]
+            hs = Node("unary", div.name, [x], list(div.outputs),
+                      {"act": "hard_swish", "act_args": [0.0, 0.0]},
+                      [s for n in (*gone, div) for s in n.sources])  # fmt: skip
+            g.nodes[g.nodes.index(div)] = hs
+            for node in gone:
+                g.nodes.remove(node)
+                g.shapes.pop(node.outputs[0], None)
+            prod, cons = g.producer(), g.consumers()
+            n += 1
+            break
     return n
 
 
@@ -188,7 +277,7 @@ def optimise(g: Graph) -> dict[str, int]:
     stats = {
         "batchnorm_folded": fold_batchnorm(g),
         "linear_bias_fused": fuse_linear_bias(g),
-        "hard_swish_fused": fuse_hard_swish(g),
+        "hard_swish_fused": fuse_decomposed_hard_swish(g) + fuse_hard_swish(g),
         "residual_fused": fuse_residual(g),
         "activation_fused": fuse_activations(g),
     }

@@ -69,14 +69,8 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
             go = True
         elif node.op in JOINS:
             go = node.inputs[0] in last
-        elif node.op in AGNOSTIC:  # no broadcasting: every input has the output's shape
-            out_shape = g.shapes[node.outputs[0]]
-            go = (
-                len(out_shape) == 4
-                and len(acts) == len(node.inputs)
-                and all(a in last for a in acts)
-                and all(g.shapes[a] == tuple(out_shape[p] for p in L.TO_NHWC) for a in acts)
-            )
+        elif node.op in AGNOSTIC:
+            go = _elementwise_goes_last(g, node, acts, last)
         else:
             go = False
         if not go:  # channels-first: convert any channels-last inputs back
@@ -90,7 +84,9 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
         )
         for i in idx:
             t = node.inputs[i]
-            if t and t not in last:
+            if t in g.consts:  # a broadcast constant of an elementwise op, permuted once
+                node.inputs[i] = _nhwc_const(g, t)
+            elif t and t not in last:
                 node.inputs[i] = convert(t, True)
         if node.op in L.WEIGHT_IN_HWIO and not L.canonical_weights(node.attrs):
             w = node.input("w")
@@ -154,6 +150,42 @@ def pack_panels(g: Graph) -> int:
     if changed:
         g.remove_dead()
     return changed
+
+
+def _nhwc4(shape) -> tuple[int, ...]:
+    return tuple(((1,) * (4 - len(shape)) + tuple(shape))[p] for p in L.TO_NHWC)
+
+
+def _elementwise_goes_last(g: Graph, node: Node, acts: list[str], last: set[str]) -> bool:
+    """An elementwise node runs channels-last when its run-time inputs already are and
+    every input broadcasts there as it did channels-first: a squeeze-excite gate
+    [1, C, 1, 1] times its feature map (the rapidocr text classifier's nine such muls
+    had each cost two transposes), a per-channel constant."""
+    out = g.shapes[node.outputs[0]]
+    if len(out) != 4 or not acts or not all(a in last for a in acts):
+        return False
+    shapes = [g.shapes[a] for a in acts]
+    for c in node.inputs:
+        if c in g.consts:
+            if g.consts[c].ndim > 4:
+                return False
+            shapes.append(_nhwc4(g.consts[c].shape))
+    try:
+        return tuple(np.broadcast_shapes(*shapes)) == _nhwc4(out)
+    except ValueError:
+        return False
+
+
+def _nhwc_const(g: Graph, name: str) -> str:
+    """The channels-last copy of a constant operand of an elementwise op (rank 4)."""
+    v = g.consts[name]
+    if v.size == 1:
+        return name
+    hw = name + ".nhwc"
+    if hw not in g.consts:
+        v4 = v.reshape((1,) * (4 - v.ndim) + v.shape)
+        g.set_const(hw, np.ascontiguousarray(v4.transpose(L.TO_NHWC)), g.wtype(name))
+    return hw
 
 
 def _fresh(g: Graph, name: str) -> str:

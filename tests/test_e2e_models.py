@@ -212,21 +212,9 @@ def test_a_vit_exported_by_torch_onnx(tmp_path):
     by torch.onnx as a user would: patch Conv, class token (Expand of a constant,
     Gather of row 0), LayerNormalization, MatMuls of run-time operands, Softmax, Erf
     GELU. fp32 within 1e-4 of ONNX Runtime, int8 cosine >= 0.99."""
-    import warnings
+    import model_sources
 
-    import torch
-    from transformers import ViTConfig, ViTForImageClassification
-
-    torch.manual_seed(0)
-    cfg = ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, intermediate_size=128, num_labels=10)  # fmt: skip
-    model = ViTForImageClassification(cfg).eval()
-    path = tmp_path / "vit.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        names = {"input_names": ["pixel_values"], "output_names": ["logits"]}
-        torch.onnx.export(model, (torch.randn(1, 3, 32, 32),), str(path), opset_version=17,
-                          dynamo=False, **names)  # fmt: skip
+    path = model_sources.vit_onnx(tmp_path / "vit.onnx")
     fp = load(pack(path, tmp_path / "f.epk"))
     q = load(pack(path, tmp_path / "q.epk", quant="int8", min_weights=0))
     for seed in range(3):
@@ -291,31 +279,9 @@ def test_a_recurrent_sequence_model_exported_by_torch(tmp_path, kind):
     per-step logits and the final states (Y_h, and Y_c for the LSTM): ONNX's LSTM /
     GRU / RNN nodes, layout and direction included. fp32 within 1e-4 of ONNX Runtime,
     int8 cosine >= 0.99 (the recurrent weights stay float32)."""
-    import warnings
+    import model_sources
 
-    import torch
-
-    torch.manual_seed(0)
-    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}[kind]
-
-    class Tagger(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = torch.nn.Conv1d(6, 12, 3, padding=1)
-            self.rnn = cls(12, 16, num_layers=2, bidirectional=True, batch_first=True)
-            self.head = torch.nn.Linear(32, 7)
-
-        def forward(self, x):
-            f = torch.relu(self.conv(x)).transpose(1, 2)  # [B, T, C]
-            y, state = self.rnn(f)
-            return (self.head(y), *(state if kind == "lstm" else (state,)))
-
-    names = ["logits", "h_n", "c_n"][: 3 if kind == "lstm" else 2]
-    path = tmp_path / f"{kind}.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Tagger().eval(), (torch.randn(2, 6, 20),), str(path), opset_version=17,
-                          input_names=["x"], output_names=names, dynamo=False)  # fmt: skip
+    path, names = model_sources.recurrent_onnx(kind, tmp_path / f"{kind}.onnx")
     fp = load(pack(path, tmp_path / "f.epk"))
     q = load(pack(path, tmp_path / "q.epk", quant="int8", min_weights=0))
     for seed in range(2):
@@ -333,30 +299,9 @@ def test_a_whisper_tiny_sized_audio_encoder(tmp_path):
     convs, the second with stride 2, then 4 pre-norm attention layers of width 384 over
     1500 positions) from a transformers config with random weights (seeded), exported
     by torch.onnx. fp32 within 1e-4 of ONNX Runtime, int8 cosine >= 0.99."""
-    import warnings
+    import model_sources
 
-    import torch
-    from transformers import WhisperConfig
-    from transformers.models.whisper.modeling_whisper import WhisperEncoder
-
-    torch.manual_seed(0)
-    cfg = WhisperConfig(num_mel_bins=80, d_model=384, encoder_layers=4, encoder_attention_heads=6,
-                        encoder_ffn_dim=1536, max_source_positions=1500)  # fmt: skip
-    encoder = WhisperEncoder(cfg).eval()
-
-    class Encoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.encoder = encoder
-
-        def forward(self, mel):
-            return self.encoder(mel).last_hidden_state
-
-    path = tmp_path / "whisper_encoder.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Encoder(), (torch.randn(1, 80, 3000),), str(path), opset_version=17,
-                          input_names=["mel"], output_names=["hidden"], dynamo=False)  # fmt: skip
+    path = model_sources.whisper_encoder_onnx(tmp_path / "whisper_encoder.onnx")
     x = np.random.default_rng(0).standard_normal((1, 80, 3000)).astype(np.float32)
     (ref,) = ort_run(path, {"mel": x})
     got = load(pack(path, tmp_path / "f.epk")).run({"mel": x})["hidden"]

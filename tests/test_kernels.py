@@ -713,6 +713,13 @@ CASES: dict[str, list[Case]] = {
         binary_case("min_nan_bcast", "min", (2, 3, 4, 5), (1, 3, 1, 5), nan=True),
         binary_case("pow_nan", "pow", (2, 3, 4, 5), (5,), nan=True),
         binary_case("add_relu", "add", (2, 3, 4, 5), (2, 3, 4, 5), act="relu"),
+        # one operand varying on a leading or a trailing run of axes (cpu: binary_rows)
+        binary_case("mul_chan_nchw", "mul", (1, 3, 4, 5), (1, 3, 1, 1)),
+        binary_case("mul_gate_nhwc_inplace", "mul", (1, 4, 5, 8), (1, 1, 1, 8), inplace=True),
+        binary_case("sub_row_reversed", "sub", (5,), (3, 5)),
+        binary_case("div_chan_reversed_clip", "div", (1, 3, 1, 1), (1, 3, 4, 5), act="clip"),
+        binary_case("pow_rows", "pow", (6, 4), (6, 1), const_b=True),
+        binary_case("max_cols_nan", "max", (2, 7), (7,), nan=True),
         # integer tensors: Div toward zero, Mod with the divisor's / the dividend's sign
         *[
             generic_case(f"{k}_i64", [("i64", (3, 4)), ("nz64", (4,))], {"kind": k, **NO_ACT})

@@ -126,7 +126,7 @@ def test_a_channels_last_graph_output_keeps_its_name_and_shape(tmp_path):
 
 
 def test_regions_end_at_ops_without_a_channels_last_form(tmp_path):
-    # a broadcasting add (per-channel constant) and a softmax over channels run
+    # the per-channel add folds into the conv's bias; a softmax over channels runs
     # channels-first; the second conv starts a new region, its input converted again
     nodes = [
         node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
@@ -144,7 +144,6 @@ def test_regions_end_at_ops_without_a_channels_last_form(tmp_path):
         ("transpose", False),
         ("conv", True),
         ("transpose", False),
-        ("binary", False),
         ("softmax", False),
         ("transpose", False),
         ("conv", True),

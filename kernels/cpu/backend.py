@@ -622,26 +622,66 @@ _UFUNC = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divid
 _KIND = {k: i for i, k in enumerate(BINARY_KINDS)}
 
 
+def _rows_form(a_: np.ndarray, b_: np.ndarray, y: np.ndarray):
+    """(x [R, C], z [R or 1, C or 1], rev) when one operand has y's shape and the other
+    varies along a leading or a trailing run of y's axes only (a channel vector in either
+    layout, a row, a scalar): binary_rows' form. None otherwise."""
+    for full, small, rev in ((a_, b_, 0), (b_, a_, 1)):
+        if full.shape != y.shape or small.ndim > y.ndim or not (
+            full.flags.c_contiguous and small.flags.c_contiguous
+        ):
+            continue
+        s = (1,) * (y.ndim - small.ndim) + small.shape
+        if any(d not in (1, n) for d, n in zip(s, y.shape)):
+            continue
+        axes = [i for i, n in enumerate(y.shape) if n != 1]  # size-1 axes go either way
+        varies = [s[i] != 1 for i in axes]
+        lead = next((j for j, v in enumerate(varies) if not v), len(varies))
+        if not any(varies[lead:]):  # varies on leading axes only: a value a row
+            p = axes[lead] if lead < len(axes) else y.ndim
+            z_rows = True
+        else:
+            lead = varies.index(True)
+            if not all(varies[lead:]):
+                continue
+            p, z_rows = axes[lead], False
+        rows, cols = int(np.prod(y.shape[:p])), int(np.prod(y.shape[p:]))
+        z2 = small.reshape((rows, 1) if z_rows else (1, cols))
+        return _readonly(full.reshape(rows, cols)), _readonly(z2), rev
+    return None
+
+
 def _bind_binary(ins, outs, scratch, attrs) -> Bound:
     a_, b_, y = ins[0], ins[1], outs[0]
     if y.dtype != np.float32:  # integer tensors (ops.out_dtype allowed the kind)
         return G.int_binary_step(np, a_, b_, y, attrs["kind"])
-    if y.ndim <= 4:
-        # A numba loop over broadcast views: NumPy's ufuncs would buffer (allocate) when
-        # the planner writes the output over an input, as it does for in-place ops.
+    kind = _KIND[attrs["kind"]]
+    act, a, b = _act(attrs)
+    if all(t.shape == y.shape for t in (a_, b_)):
+        pass  # same shapes: the ufunc below, in place or not, allocates nothing
+    elif (rows := _rows_form(a_, b_, y)) is not None:
+        x2, z2, rev = rows
+        kern, args = _bound(K.binary_rows, (x2, z2, y.reshape(x2.shape), kind, rev, act, a, b))
+        return lambda: kern(*args)
+    elif y.ndim <= 4:
+        # Other broadcasts: a numba loop over 4-D broadcast views; NumPy's ufuncs
+        # allocate a 32 KB buffer a call to broadcast a small operand, in place or not.
         shape4 = (1,) * (4 - y.ndim) + y.shape
         x4 = np.broadcast_to(a_.reshape((1,) * (4 - a_.ndim) + a_.shape), shape4)
         z4 = np.broadcast_to(b_.reshape((1,) * (4 - b_.ndim) + b_.shape), shape4)
         y4 = y.reshape(shape4)
-        kind = _KIND[attrs["kind"]]
-        act, a, b = _act(attrs)
         kern = K.binary4
         return lambda: kern(x4, z4, y4, kind, act, a, b)
     uf = _UFUNC[attrs["kind"]]
     post = _with_act(y, attrs)
+    quiet = attrs["kind"] in ("div", "pow")  # x / 0, 0 ** -1: IEEE results, no warnings
 
     def step() -> None:
-        uf(a_, b_, out=y)
+        if quiet:
+            with np.errstate(all="ignore"):
+                uf(a_, b_, out=y)
+        else:
+            uf(a_, b_, out=y)
         if post is not None:
             post()
 

@@ -875,6 +875,53 @@ def binary4(x, y, out, kind, act, a, b):
                 out[i, j, k, m] = act_scalar(_binop(x[i, j, k, m], y[i, j, k, m], kind), act, a, b)
 
 
+@njit(inline="always")
+def _rowop(xrow, zrow, orow, zc, kind, rev):
+    """orow = xrow (op) zrow (``rev``: zrow (op) xrow), zrow one value when zc == 1. add
+    and mul have loops of their own: _binop's branches kept the common kinds from
+    vectorising (a squeeze-excite mul of 9216 floats: 18 us, 5.8 us so)."""
+    n = orow.shape[0]
+    if zc > 1:
+        if kind == 0:
+            for c in range(n):
+                orow[c] = xrow[c] + zrow[c]
+        elif kind == 2:
+            for c in range(n):
+                orow[c] = xrow[c] * zrow[c]
+        elif rev:
+            for c in range(n):
+                orow[c] = _binop(zrow[c], xrow[c], kind)
+        else:
+            for c in range(n):
+                orow[c] = _binop(xrow[c], zrow[c], kind)
+    else:
+        s = zrow[0]
+        if kind == 0:
+            for c in range(n):
+                orow[c] = xrow[c] + s
+        elif kind == 2:
+            for c in range(n):
+                orow[c] = xrow[c] * s
+        elif rev:
+            for c in range(n):
+                orow[c] = _binop(s, xrow[c], kind)
+        else:
+            for c in range(n):
+                orow[c] = _binop(xrow[c], s, kind)
+
+
+@njit(cache=True)
+def binary_rows(x, z, out, kind, rev, act, a, b):
+    """out = act(x (op) z) over rows: x and out [R, C], z [R or 1, C or 1] (a per-row or
+    per-column operand: a channel vector in either layout, a row, a scalar). Equal
+    indices only, so out may be x (in place)."""
+    zr, zc = z.shape
+    for r in range(out.shape[0]):
+        _rowop(x[r], z[r if zr > 1 else 0], out[r], zc, kind, rev)
+        if act != 0:
+            act_row(out[r], act, a, b)
+
+
 # Winograd's working planes are channels-last (gemm_tiles.wino_conv_*): a
 # tile element is then a contiguous run of channels, one vector load, where the planar
 # layout made it a gather (the tap-gather transforms took 2/3 of a ResNet-18 Winograd
