@@ -5,6 +5,8 @@
   bias (and the add's activation its epilogue).
 - ``x * hard_sigmoid(x)`` (MobileNetV3's h-swish), and ``x * clip(x + 3, 0, 6) / 6``,
   become one ``hard_swish``.
+- linear -> linear with nothing between: one linear of the weights' product (when no
+  larger); linears reading one tensor (Q/K/V, gate/up): one linear, its output sliced.
 - conv + residual add: the add becomes the conv's epilogue (ResNet, MobileNetV2).
 - an activation after conv / linear / binary / affine / matmul: fused as the epilogue.
 
@@ -226,6 +228,111 @@ def fuse_hard_swish(g: Graph) -> int:
     return n
 
 
+def _plain_linear(g: Graph, n: Node) -> bool:
+    """A float32 linear with constant weights and no scale or int8 activations: one
+    whose weights can be combined with another's."""
+    return (
+        n.op == "linear" and n.input("w") in g.consts and not n.input("scale")
+        and g.consts[n.input("w")].dtype == np.float32 and g.consts[n.input("w")].ndim == 2
+        and not n.attrs.get("xq") and "wshape" not in n.attrs
+    )  # fmt: skip
+
+
+def _bias_of(g: Graph, n: Node) -> np.ndarray:
+    rows = g.consts[n.input("w")].shape[0]
+    b = n.input("bias")
+    return g.consts[b].astype(np.float32) if b else np.zeros(rows, np.float32)
+
+
+def merge_consecutive_linears(g: Graph) -> int:
+    """linear -> linear with nothing between (no activation, the first's output read
+    only by the second) becomes one linear of the product of the weights,
+    W2 (W1 x + b1) + b2, when that product is no larger than the two: a low-rank
+    factorisation is left as it is (its two GEMMs do less work)."""
+    n = 0
+    changed = True
+    while changed:
+        changed = False
+        prod, cons = g.producer(), g.consumers()
+        for second in list(g.nodes):
+            if not _plain_linear(g, second):
+                continue
+            first = prod.get(second.inputs[0])
+            if first is None or not _plain_linear(g, first) or first.attrs["act"] != "none":
+                continue
+            if not _single_use(g, first.outputs[0], cons):
+                continue
+            w1, w2 = g.consts[first.input("w")], g.consts[second.input("w")]
+            (m, k), nn = w1.shape, w2.shape[0]
+            if nn * k > m * k + nn * m:
+                continue
+            w = (w2.astype(np.float64) @ w1.astype(np.float64)).astype(np.float32)
+            b = w2.astype(np.float64) @ _bias_of(g, first) + _bias_of(g, second)
+            wn, bn = (
+                _const_name(g, second.name + ".merged_w"),
+                _const_name(g, second.name + ".merged_b"),
+            )
+            g.consts[wn], g.consts[bn] = w, b.astype(np.float32)
+            second.set_input("w", wn)
+            second.set_input("bias", bn)
+            second.inputs[0] = first.inputs[0]
+            second.sources = [*first.sources, *second.sources]
+            g.shapes.pop(first.outputs[0], None)
+            g.nodes.remove(first)
+            n += 1
+            changed = True
+            break
+    return n
+
+
+# Rows up to which sibling linears merge. The slices that split the merged output copy
+# it, which pays while the GEMMs are short: 1 thread, a ViT's 17 tokens ran 11% faster
+# merged (0.245 -> 0.217 ms), MiniLM's 128 tokens 3% slower (66.4 -> 68.7 ms).
+SIBLING_MAX_ROWS = 32
+
+
+def merge_sibling_linears(g: Graph) -> int:
+    """Linears that read the same tensor (attention's Q, K and V projections, an MLP's
+    gate and up) become one linear of their weights stacked, its output sliced back into
+    theirs: one GEMM with more columns in place of several, for inputs of up to
+    SIBLING_MAX_ROWS rows. Returns how many linears were folded into another."""
+    groups: dict[tuple, list[Node]] = {}
+    for node in g.nodes:
+        x = node.inputs[0] if _plain_linear(g, node) else ""
+        if x and x not in g.consts and int(np.prod(g.shapes[x][:-1])) <= SIBLING_MAX_ROWS:
+            key = (node.inputs[0], node.attrs["act"], tuple(node.attrs.get("act_args", ())))
+            groups.setdefault(key, []).append(node)
+    n = 0
+    for (x, _, _), sibs in groups.items():
+        if len(sibs) < 2 or any(s.outputs[0] in g.outputs for s in sibs):
+            continue
+        first = sibs[0]
+        ws = [g.consts[s.input("w")] for s in sibs]
+        if len({w.shape[1] for w in ws}) != 1:
+            continue
+        name = _const_name(g, first.name + ".siblings")
+        wn, bn = _const_name(g, name + ".w"), _const_name(g, name + ".b")
+        g.consts[wn] = np.ascontiguousarray(np.concatenate(ws, axis=0))
+        g.consts[bn] = np.concatenate([_bias_of(g, s) for s in sibs]).astype(np.float32)
+        out_shape = (*g.shapes[x][:-1], int(sum(w.shape[0] for w in ws)))
+        g.shapes[name] = out_shape
+        merged = Node("linear", name, [x, wn, bn], [name], dict(first.attrs),
+                      [src for s in sibs for src in s.sources])  # fmt: skip
+        slices, start = [], 0
+        for s, w in zip(sibs, ws):
+            rank = len(out_shape)
+            attrs = {"starts": [0] * (rank - 1) + [start], "steps": [1] * rank,
+                     "sizes": [*out_shape[:-1], int(w.shape[0])]}  # fmt: skip
+            slices.append(Node("slice", s.name, [name], list(s.outputs), attrs, list(s.sources)))
+            start += int(w.shape[0])
+        at = g.nodes.index(first)
+        for s in sibs:
+            g.nodes.remove(s)
+        g.nodes[at:at] = [merged, *slices]
+        n += len(sibs) - 1
+    return n
+
+
 def fuse_residual(g: Graph) -> int:
     n = 0
     prod, cons = g.producer(), g.consumers()
@@ -277,6 +384,7 @@ def optimise(g: Graph) -> dict[str, int]:
     stats = {
         "batchnorm_folded": fold_batchnorm(g),
         "linear_bias_fused": fuse_linear_bias(g),
+        "linears_merged": merge_consecutive_linears(g) + merge_sibling_linears(g),
         "hard_swish_fused": fuse_decomposed_hard_swish(g) + fuse_hard_swish(g),
         "residual_fused": fuse_residual(g),
         "activation_fused": fuse_activations(g),

@@ -58,8 +58,15 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
         )
         if t not in cache:
             name = _fresh(g, t + suffix)
-            g.shapes[name] = tuple(g.shapes[t][p] for p in perm)
-            nodes.append(Node("transpose", f"{name}.transpose", [t], [name], {"perm": list(perm)}))
+            g.shapes[name] = shape = tuple(g.shapes[t][p] for p in perm)
+            if _pixel(g.shapes[t], not want_last):  # [N, C, 1, 1]: the same bytes
+                nodes.append(
+                    Node("reshape", f"{name}.reshape", [t], [name], {"shape": list(shape)})
+                )
+            else:
+                nodes.append(
+                    Node("transpose", f"{name}.transpose", [t], [name], {"perm": list(perm)})
+                )
             cache[t] = name
         return cache[t]
 
@@ -152,19 +159,28 @@ def pack_panels(g: Graph) -> int:
     return changed
 
 
+def _pixel(shape, nhwc: bool) -> bool:
+    """A 4-D tensor of one pixel a channel ([N, C, 1, 1], or [N, 1, 1, C] channels-last),
+    whose two layouts are the same bytes: converted by a reshape, no copy."""
+    return len(shape) == 4 and (shape[1:3] if nhwc else shape[2:]) == (1, 1)
+
+
 def _nhwc4(shape) -> tuple[int, ...]:
     return tuple(((1,) * (4 - len(shape)) + tuple(shape))[p] for p in L.TO_NHWC)
 
 
 def _elementwise_goes_last(g: Graph, node: Node, acts: list[str], last: set[str]) -> bool:
-    """An elementwise node runs channels-last when its run-time inputs already are and
-    every input broadcasts there as it did channels-first: a squeeze-excite gate
+    """An elementwise node runs channels-last when its run-time inputs already are (or
+    are one pixel a channel: free to convert) and every input broadcasts there as it did
+    channels-first: a squeeze-excite gate
     [1, C, 1, 1] times its feature map (the rapidocr text classifier's nine such muls
     had each cost two transposes), a per-channel constant."""
     out = g.shapes[node.outputs[0]]
-    if len(out) != 4 or not acts or not all(a in last for a in acts):
+    if len(out) != 4 or not acts or not any(a in last for a in acts):
         return False
-    shapes = [g.shapes[a] for a in acts]
+    if not all(a in last or _pixel(g.shapes[a], False) for a in acts):
+        return False
+    shapes = [g.shapes[a] if a in last else _nhwc4(g.shapes[a]) for a in acts]
     for c in node.inputs:
         if c in g.consts:
             if g.consts[c].ndim > 4:

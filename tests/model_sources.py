@@ -223,3 +223,21 @@ def minilm(out: Path, sentences: list[str], seq: int = 32):
     path = _torch_export(Embed(), (tok["input_ids"], tok["attention_mask"]), out, names,
                          ["embedding"])  # fmt: skip
     return path, {k: tok[k].numpy() for k in names}, st
+
+
+def text_page(rng, shape):
+    """A PP-OCR input: a normalised page (PaddleOCR's mean/std: white near 2, black
+    near -1.8) with lines of character-like dark strokes (a float32 array)."""
+    import numpy as np
+
+    x = (2.0 + rng.normal(0, 0.05, shape)).astype(np.float32)
+    rows = max(1, (shape[2] - 30) // 70)
+    for line in range(rows):
+        r0 = min(10 + line * 70, shape[2] - 30)
+        c = int(rng.integers(5, 40))
+        while c < shape[3] - 20:
+            x[:, :, r0 : r0 + rng.integers(18, 28), c : c + rng.integers(3, 7)] = -1.8
+            top = r0 + int(rng.integers(0, 10))
+            x[:, :, top : top + rng.integers(2, 6), c : c + rng.integers(8, 16)] = -1.8
+            c += int(rng.integers(8, 20))
+    return x

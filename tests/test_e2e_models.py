@@ -168,7 +168,7 @@ def test_pp_ocrv4_detector_and_recogniser(tmp_path, kind, shape):
     out = fp.outputs[0]["name"]
     rng = np.random.default_rng(3)
     for _ in range(2):
-        x = _text_page(rng, shape)
+        x = model_sources.text_page(rng, shape)
         (ref,) = ort_run(path, {"x": x})
         if kind == "det":  # the page has text the detector finds
             assert ref.max() > 0.9 and (ref > 0.3).mean() > 0.02
@@ -179,20 +179,6 @@ def test_pp_ocrv4_detector_and_recogniser(tmp_path, kind, shape):
         assert _cos(q.run({"x": x})[out], ref) >= 0.98
 
 
-def _text_page(rng: np.random.Generator, shape) -> np.ndarray:
-    """A normalised page (PaddleOCR's mean/std: white near 2, black near -1.8) with
-    lines of character-like dark strokes."""
-    x = (2.0 + rng.normal(0, 0.05, shape)).astype(np.float32)
-    rows = max(1, (shape[2] - 30) // 70)
-    for line in range(rows):
-        r0 = min(10 + line * 70, shape[2] - 30)
-        c = int(rng.integers(5, 40))
-        while c < shape[3] - 20:
-            x[:, :, r0 : r0 + rng.integers(18, 28), c : c + rng.integers(3, 7)] = -1.8
-            top = r0 + int(rng.integers(0, 10))
-            x[:, :, top : top + rng.integers(2, 6), c : c + rng.integers(8, 16)] = -1.8
-            c += int(rng.integers(8, 20))
-    return x
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
