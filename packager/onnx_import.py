@@ -22,6 +22,8 @@ from ..kernels.ops import get as get_op
 from ..kernels.ref.reference import REFERENCE
 from ..runtime.bundle_format import TENSOR_CODES, TENSOR_DTYPES
 from .ir import Graph, Node, PackError
+from .onnx_quantized import HANDLERS as QUANTIZED_HANDLERS
+from .onnx_quantized import fold_dequantize
 
 MIN_OPSET, MAX_OPSET = 13, 24
 
@@ -705,6 +707,13 @@ def _pool(kind: str):
             attrs["dilations"] = d
         else:
             attrs["count_include_pad"] = int(a.get("count_include_pad", 0))
+        dt = ctx.g.dtype(x)
+        if kind == "max" and dt in ("u8", "i8"):
+            # quantized values (a QOperator model's MaxPool): exact in float32, so the
+            # float pool between two casts
+            f = ctx.emit("cast", [x], ctx.fresh(x + ".f32"), {"to": "f32"})
+            y = ctx.emit("maxpool", [f], ctx.fresh(outs[0] + ".f32"), attrs)
+            return ctx.emit("cast", [y], outs[0], {"to": dt})
         ctx.emit(kind + "pool", [x], outs[0], attrs)
 
     return handler
@@ -1324,6 +1333,7 @@ HANDLERS: dict[str, Handler] = {
     "TopK": _topk,
     "Mod": _mod,
     **dict.fromkeys(_RNN_CELLS, _recurrent),
+    **QUANTIZED_HANDLERS,
     "Slice": _slice,
     "ArgMax": _argmax(False),
     "ArgMin": _argmax(True),
@@ -1405,6 +1415,8 @@ def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
         return np.take_along_axis(v[0], np.where(idx < 0, idx + v[0].shape[ax], idx), axis=ax)
     if op == "IsNaN":
         return np.isnan(v[0])
+    if op == "DequantizeLinear":  # a pre-quantized model's weights and biases
+        return fold_dequantize(v, a)
     return None
 
 
