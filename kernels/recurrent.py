@@ -30,10 +30,13 @@ def _sigmoid(xp, v) -> None:
     xp.reciprocal(v, out=v)
 
 
-def rnn_step(xp, ins, y, scratch, attrs: dict):
+def rnn_step(xp, ins, y, scratch, attrs: dict, recur=None):
     """The step of an ``rnn`` node. ``ins``: x [S, B, I], w [G*H, I], r [G*H, H],
     b [2*G*H] (W's biases then R's), h0 [B, H] or None, c0 [B, H] or None; ``y``
-    [S, B, H]: each step's h (``emit`` "c": each step's cell state, LSTM only)."""
+    [S, B, H]: each step's h (``emit`` "c": each step's cell state, LSTM only).
+    ``recur`` (the cpu backend's numba loop, kernels/cpu/kernels.py rnn_recur) makes,
+    from the buffers, a call that runs every step after the input's GEMM, in place of
+    the ufuncs below."""
     x, w, r, b, h0, c0 = (list(ins) + [None] * 6)[:6]
     cell, reverse = attrs["cell"], bool(attrs.get("reverse"))
     lbr = cell == "gru" and bool(attrs.get("linear_before_reset"))
@@ -52,6 +55,23 @@ def rnn_step(xp, ins, y, scratch, attrs: dict):
     wt, rt = w.T, r.T
     x2, gx2 = x.reshape(steps * batch, -1), gx.reshape(steps * batch, g)
     order = range(steps - 1, -1, -1) if reverse else range(steps)
+    if recur is not None:
+        code = {"lstm": 0, "gru": 1, "rnn": 2}[cell]
+        rbh = rb[2 * hid :] if lbr else bias[:hid]  # read only with linear_before_reset
+        states = (h0 if h0 is not None else zero, c0 if c0 is not None else zero)
+        loop = recur(gx, r, rbh, *states, y, gh, c, t1, t2, code, int(reverse), int(lbr),
+                     int(emit_c))  # fmt: skip
+
+        def run() -> None:
+            xp.add(wb, rb, out=bias)
+            if lbr:
+                xp.copyto(bias[2 * hid :], wb[2 * hid :])
+            xp.matmul(x2, wt, out=gx2)
+            xp.add(gx2, bias, out=gx2)
+            zero.fill(0.0)
+            loop()
+
+        return run
 
     def step() -> None:
         # biases that add outside the reset gate go in with the input's part

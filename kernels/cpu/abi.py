@@ -95,6 +95,12 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             v(arr(u1, 2, ro=True), arr(u2, 2, ro=True), arr(f4, 1), arr(i8, 1, ro=True),
               arr(i8, 1, ro=True)),
         ),
+        "rnn_recur": (
+            "rnn_recur",
+            v(arr(f4, 3), arr(f4, 2, ro=True), arr(f4, 1, "A", ro=True), arr(f4, 2, ro=True),
+              arr(f4, 2, ro=True), arr(f4, 3), arr(f4, 2), arr(f4, 2), arr(f4, 2), arr(f4, 2),
+              i8, i8, i8, i8),
+        ),
         "binary_rows": (
             "binary_rows",
             v(arr(f4, 2, ro=True), arr(f4, 2, ro=True), arr(f4, 2), i8, i8, i8, f4, f4),

@@ -840,7 +840,12 @@ def _rnn_scratch(ins, outs, attrs) -> int:
 
 
 def _bind_rnn(ins, outs, scratch, attrs) -> Bound:
-    return rnn_step(np, ins, outs[0], scratch.view(np.float32), attrs)
+    def recur(gx, r, rbh, h0, c0, y, gates, c, tmp, hb, *flags):
+        ro = [_readonly(a) for a in (r, rbh, h0, c0)]
+        kern, args = _bound(K.rnn_recur, (gx, *ro, y, gates, c, tmp, hb, *flags))
+        return lambda: kern(*args)
+
+    return rnn_step(np, ins, outs[0], scratch.view(np.float32), attrs, recur)
 
 
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
