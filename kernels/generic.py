@@ -198,6 +198,25 @@ def topk_step(xp, x, y, attrs: dict):
     return step
 
 
+def cumsum_step(xp, x, y, attrs: dict):
+    """CumSum into y in place: over reversed views for ``reverse``; ``exclusive`` sums
+    all but the last element into y shifted one along the axis, and zeroes its first."""
+    ax, n = int(attrs["axis"]), x.shape[int(attrs["axis"])]
+    flip = (slice(None),) * ax + (slice(None, None, -1),)
+    src, dst = (x[flip], y[flip]) if attrs.get("reverse") else (x, y)
+    if not attrs.get("exclusive"):
+        return lambda: xp.cumsum(src, axis=ax, out=dst)
+    head, rest = (slice(None),) * ax + (slice(0, 1),), (slice(None),) * ax + (slice(1, n),)
+    part = (slice(None),) * ax + (slice(0, n - 1),)
+
+    def step() -> None:
+        if n > 1:
+            xp.cumsum(src[part], axis=ax, out=dst[rest])
+        dst[head] = 0
+
+    return step
+
+
 def slice_step(xp, x, y, attrs: dict):
     src = x[slice_index(attrs)]
     return lambda: xp.copyto(y, src)
@@ -221,4 +240,6 @@ def generic_step(xp, op: str, ins, y, attrs: dict):
         return gather_elements_step(xp, ins[0], ins[1], y, int(attrs["axis"]))
     if op == "topk":
         return topk_step(xp, ins[0], y, attrs)
+    if op == "cumsum":
+        return cumsum_step(xp, ins[0], y, attrs)
     raise ValueError(f"{op} is not a dtype-generic op")

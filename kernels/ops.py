@@ -430,6 +430,9 @@ OPS: dict[str, OpDef] = {
         # TopK's indices (int64), sorted, the lower index first among equal values;
         # its values are a gather_elements of x at them (packager/onnx_import.py)
         _op("topk", ("x",), _topk_shape, attrs=("axis", "k", "largest")),
+        # CumSum along ``axis``; ``exclusive`` leaves out the element itself, ``reverse``
+        # sums from the end; any number dtype
+        _op("cumsum", ("x",), _same, attrs=("axis", "exclusive", "reverse")),
         # int64 output: the index of the largest (``min``: smallest) value along ``axis``,
         # the first one unless ``select_last``
         _op("argmax", ("x",), _argmax_shape, attrs=("axis", "keepdims")),
@@ -476,7 +479,7 @@ OUT_DTYPES: dict[str, str] = {"argmax": "i64", "topk": "i64"}
 # Ops that move or compare tensors of any arena dtype (kernels/generic.py runs them)
 MOVE_OPS = ("reshape", "transpose", "concat", "slice", "rows", "expand")
 GENERIC_OPS = (*MOVE_OPS, "cast", "compare", "logic", "where", "take", "gather_elements",
-               "topk")  # fmt: skip
+               "topk", "cumsum")  # fmt: skip
 # integer tensors' binary kinds: div truncates toward zero, mod takes the divisor's sign
 # and fmod the dividend's (ONNX Div and Mod, as ONNX Runtime computes them)
 INT_BINARY_KINDS = ("add", "sub", "mul", "max", "min", "div", "mod", "fmod")
@@ -512,6 +515,9 @@ def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
     if op == "topk":
         need(live[0] not in ("bool", "f16"), "numbers (not bool or float16)")
         return "i64"
+    if op == "cumsum":
+        need(live[0] != "bool", "numbers")
+        return live[0]
     if op == "binary" and live and live[0] != "f32":
         need(len(set(live)) == 1 and live[0] not in ("bool", "f16") and
              attrs["kind"] in INT_BINARY_KINDS and attrs.get("act", "none") == "none",

@@ -1224,6 +1224,72 @@ def _recurrent(ctx: _Ctx, ins, outs, a):
             join(parts, out, [1, batch, hid], 0, [1, 0, 2] if layout else None)
 
 
+def _cumsum(ctx: _Ctx, ins, outs, a):
+    ax = int(np.asarray(ctx.const(ins[1], "axis")).reshape(-1)[0])
+    ax = _axis_of(ctx, ins[0], {"axis": ax})
+    attrs = {
+        "axis": ax,
+        "exclusive": int(a.get("exclusive", 0)),
+        "reverse": int(a.get("reverse", 0)),
+    }
+    ctx.emit("cumsum", [ins[0]], outs[0], attrs)
+
+
+def _trilu(ctx: _Ctx, ins, outs, a):
+    """Trilu: ``where`` over a mask of the last two axes (j - i >= k for the upper
+    triangle, <= k for the lower; folded when k is a constant), zeros of x's dtype
+    elsewhere."""
+    x, xs = ins[0], ctx.shape(ins[0])
+    if len(xs) < 2:
+        raise ctx.fail(f"input of rank {len(xs)}; Trilu needs 2 or more")
+    f = ctx.fresh
+    k = ins[1] if len(ins) > 1 and ins[1] else ctx.add_const(f(ctx.node_name + ".k"), np.int64(0))
+    if k not in ctx.g.consts and ctx.g.dtype(k) != "i64":
+        k = ctx.emit("cast", [k], f(k + ".i64"), {"to": "i64"})
+    elif k in ctx.g.consts:
+        ctx.g.consts[k] = ctx.g.consts[k].astype(np.int64).reshape(())
+    else:
+        k = ctx.emit("reshape", [k], f(k + ".scalar"), {"shape": []})
+    j_minus_i = np.arange(xs[-1])[None, :] - np.arange(xs[-2])[:, None]
+    ramp = ctx.add_const(f(ctx.node_name + ".j_minus_i"), j_minus_i.astype(np.int64))
+    kind = "greater_equal" if int(a.get("upper", 1)) else "less_equal"
+    mask = ctx.emit("compare", [ramp, k], f(outs[0] + ".mask"), {"kind": kind})
+    zero_dt = ctx.g.consts[x].dtype if x in ctx.g.consts else TENSOR_DTYPES[ctx.g.dtype(x)]
+    z = ctx.add_const(f(ctx.node_name + ".zero"), np.zeros((), zero_dt))
+    ctx.emit("where", [mask, x, z], outs[0], {})
+
+
+def _one_hot(ctx: _Ctx, ins, outs, a):
+    """OneHot: the indices (negative ones count from the end) compared with a ramp of
+    ``depth`` along the new axis, then ``where`` between the off and on values."""
+    idx = ins[0]
+    depth = int(np.asarray(ctx.const(ins[1], "depth")).reshape(-1)[0])
+    values = np.asarray(ctx.const(ins[2], "values")).reshape(-1)
+    xs = ctx.shape(idx)
+    ax = int(a.get("axis", -1))
+    ax = ax + len(xs) + 1 if ax < 0 else ax
+    if not 0 <= ax <= len(xs):
+        raise ctx.fail(f"axis {a.get('axis')} out of range for indices of rank {len(xs)}")
+    f = ctx.fresh
+    if ctx.g.dtype(idx) != "i64":
+        idx = ctx.emit("cast", [idx], f(idx + ".i64"), {"to": "i64"})
+    zero = ctx.add_const(f(ctx.node_name + ".0"), np.zeros((), np.int64))
+    neg = ctx.emit("compare", [idx, zero], f(idx + ".neg"), {"kind": "less"})
+    dep = ctx.add_const(f(ctx.node_name + ".depth"), np.int64(depth))
+    wrapped = ctx.emit("binary", [idx, dep], f(idx + ".wrapped"), {"kind": "add", **_NO_ACT})
+    idx = ctx.emit("where", [neg, wrapped, idx], f(idx + ".pos"), {})
+    idx = ctx.emit("reshape", [idx], f(idx + ".axis"), {"shape": [*xs[:ax], 1, *xs[ax:]]})
+    ramp_shape = [1] * (len(xs) + 1)
+    ramp_shape[ax] = depth
+    ramp = ctx.add_const(
+        f(ctx.node_name + ".ramp"), np.arange(depth, dtype=np.int64).reshape(ramp_shape)
+    )
+    hot = ctx.emit("compare", [idx, ramp], f(outs[0] + ".hot"), {"kind": "equal"})
+    off = ctx.add_const(f(ctx.node_name + ".off"), values[0].reshape(()))
+    on = ctx.add_const(f(ctx.node_name + ".on"), values[1].reshape(()))
+    ctx.emit("where", [hot, on, off], outs[0], {})
+
+
 def _mod(ctx: _Ctx, ins, outs, a):
     kind = "fmod" if int(a.get("fmod", 0)) else "mod"
     ctx.emit("binary", ins[:2], outs[0], {"kind": kind, **_NO_ACT})
@@ -1332,6 +1398,9 @@ HANDLERS: dict[str, Handler] = {
     "GatherElements": _gather_elements,
     "TopK": _topk,
     "Mod": _mod,
+    "CumSum": _cumsum,
+    "Trilu": _trilu,
+    "OneHot": _one_hot,
     **dict.fromkeys(_RNN_CELLS, _recurrent),
     **QUANTIZED_HANDLERS,
     "Slice": _slice,
@@ -1518,6 +1587,11 @@ def import_onnx(
             graph.dtypes[inp.name] = code
         dims = []
         for d in tt.shape.dim:
+            if d.HasField("dim_value") and d.dim_value == 0:
+                raise PackError(
+                    f"input {inp.name!r} has a dimension of size 0; edgepack plans "
+                    "tensors with at least one element"
+                )
             dims.append(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None)
         if inp.name in overrides:
             shape = overrides.pop(inp.name)

@@ -75,6 +75,7 @@ TOL: dict[str, tuple[float, float]] = {
         ("cast", "compare", "logic", "where", "take", "expand", "gather_elements", "topk"),
         (0.0, 0.0),
     ),
+    "cumsum": (1e-5, 1e-5),
     "resample": (1e-6, 1e-6),
     "conv_transpose": (1e-5, 1e-5),
     "rnn": (1e-5, 1e-5),
@@ -817,6 +818,13 @@ CASES: dict[str, list[Case]] = {
         generic_case("axis1_negative", [("f32", (3, 5)), ("neg64", (3, 4))], {"axis": 1}),
         generic_case("axis0_i64", [("i64", (5, 4)), ("idx64", (2, 4))], {"axis": 0}),
         generic_case("axis2_i32_idx", [("f32", (2, 3, 6)), ("idx32", (2, 2, 3))], {"axis": 2}),
+    ],
+    "cumsum": [
+        generic_case("f32_axis1", [("f32", (2, 6, 3))], {"axis": 1, "exclusive": 0, "reverse": 0}),
+        generic_case("i64_exclusive", [("i64", (7,))], {"axis": 0, "exclusive": 1, "reverse": 0}),
+        generic_case("f32_reverse", [("f32", (3, 5))], {"axis": 1, "exclusive": 0, "reverse": 1}),
+        generic_case("i32_reverse_exclusive", [("i32", (4, 3))],
+                     {"axis": 0, "exclusive": 1, "reverse": 1}),
     ],
     "topk": [
         generic_case("largest_axis1", [("f32", (2, 9, 3))], {"axis": 1, "k": 4, "largest": 1}),
@@ -1736,6 +1744,19 @@ def test_reference_rnn_matches_onnxruntime(case: Case) -> None:
     else:
         got = got[:, 0]
     _compare_ref(ref, got, 1e-5, 1e-6)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES["cumsum"] if not c.name.startswith("ieee_")],
+                         ids=lambda c: c.name)  # fmt: skip
+def test_reference_cumsum_matches_onnxruntime(case: Case) -> None:
+    from onnx import helper
+
+    (x,), attrs = case.make(_rng("ort", "cumsum", case.name), "f32")
+    node = helper.make_node("CumSum", ["x", "axis"], ["y"], exclusive=attrs["exclusive"],
+                            reverse=attrs["reverse"])  # fmt: skip
+    got = _ort_graph([node], {"x": x}, {"axis": np.array(attrs["axis"], np.int64)},
+                     out_type=helper.np_dtype_to_tensor_dtype(x.dtype))  # fmt: skip
+    _compare_ref(R.cumsum([x], attrs), got, 1e-5, 1e-6)
 
 
 # ONNX Runtime's TopK orders NaN by comparisons that are all false (no defined place):

@@ -627,8 +627,10 @@ def _rows_form(a_: np.ndarray, b_: np.ndarray, y: np.ndarray):
     varies along a leading or a trailing run of y's axes only (a channel vector in either
     layout, a row, a scalar): binary_rows' form. None otherwise."""
     for full, small, rev in ((a_, b_, 0), (b_, a_, 1)):
-        if full.shape != y.shape or small.ndim > y.ndim or not (
-            full.flags.c_contiguous and small.flags.c_contiguous
+        if (
+            full.shape != y.shape
+            or small.ndim > y.ndim
+            or not (full.flags.c_contiguous and small.flags.c_contiguous)
         ):
             continue
         s = (1,) * (y.ndim - small.ndim) + small.shape
@@ -1081,7 +1083,17 @@ _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
 _cpu("reduce", _bind_reduce, scratch=_reduce_scratch)
 _cpu("rnn", _bind_rnn, scratch=_rnn_scratch)
-for _op in ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk"):
+for _op in (
+    "expand",
+    "cast",
+    "compare",
+    "logic",
+    "where",
+    "take",
+    "gather_elements",
+    "topk",
+    "cumsum",
+):
     _cpu(_op, _bind_generic(_op))
 _cpu("resample", _bind_resample)
 _cpu("conv_transpose", _bind_conv_transpose)

@@ -400,6 +400,17 @@ def rnn(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return out.astype(np.float32)
 
 
+def cumsum(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x, ax = np.asarray(inputs[0]), int(attrs["axis"])
+    acc = np.float64 if x.dtype.kind == "f" else x.dtype
+    src = np.flip(x, ax) if attrs.get("reverse") else x
+    out = np.cumsum(src.astype(acc), axis=ax)
+    if attrs.get("exclusive"):
+        out = np.concatenate([np.zeros_like(np.take(out, [0], axis=ax)),
+                              np.take(out, range(x.shape[ax] - 1), axis=ax)], axis=ax)  # fmt: skip
+    return (np.flip(out, ax) if attrs.get("reverse") else out).astype(x.dtype)
+
+
 def expand(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.broadcast_to(inputs[0], tuple(attrs["shape"])).copy()
 
@@ -501,6 +512,7 @@ REFERENCE: dict[str, RefFn] = {
     "take": take,
     "gather_elements": gather_elements,
     "topk": topk,
+    "cumsum": cumsum,
     "rnn": rnn,
     "expand": expand,
     "resample": resample,
