@@ -760,6 +760,9 @@ CASES: dict[str, list[Case]] = {
     ],
     "conv_transpose": [
         deconv_case("k2_s2", (1, 4, 5, 6), (4, 3, 2, 2), s=(2, 2)),
+        # kernel = stride: one GEMM and a pixel shuffle on the cpu backend
+        deconv_case("k2_s2_bias_batch2", (2, 4, 3, 5), (4, 3, 2, 2), s=(2, 2), bias=True),
+        deconv_case("k3_s3_rect", (1, 2, 4, 3), (2, 5, 3, 3), s=(3, 3), bias=True),
         deconv_case(
             "k3_s2_p1_bias", (2, 3, 4, 4), (3, 5, 3, 3), s=(2, 2), p=(1, 1, 1, 1), bias=True
         ),
