@@ -20,6 +20,7 @@ ACTIVATIONS: dict[str, int] = {
     "tanh": 5,
     "hard_sigmoid": 6,  # a = alpha, b = beta
     "hard_swish": 7,
+    "silu": 8,  # x * sigmoid(x) (YOLO's and EfficientNet's SiLU / swish)
 }
 
 
@@ -49,4 +50,8 @@ def apply_act_ref(y: np.ndarray, act: str, args: tuple[float, float] = (0.0, 0.0
         return np.clip(y * np.float32(a) + np.float32(b), 0, 1).astype(y.dtype)
     if act == "hard_swish":
         return (y * np.clip(y / np.float32(6) + np.float32(0.5), 0, 1)).astype(y.dtype)
+    if act == "silu":  # -inf gives NaN, as x * sigmoid(x) does in ONNX Runtime
+        with np.errstate(over="ignore", invalid="ignore"):
+            y64 = y.astype(np.float64)
+            return (y64 / (1.0 + np.exp(-y64))).astype(y.dtype)
     raise ValueError(f"unknown activation {act!r}")

@@ -4,7 +4,7 @@
 - ``linear`` or conv followed by an add of a constant vector: the vector becomes its
   bias (and the add's activation its epilogue).
 - ``x * hard_sigmoid(x)`` (MobileNetV3's h-swish), and ``x * clip(x + 3, 0, 6) / 6``,
-  become one ``hard_swish``.
+  become one ``hard_swish``; ``x * sigmoid(x)`` one ``silu``.
 - linear -> linear with nothing between: one linear of the weights' product (when no
   larger); linears reading one tensor (Q/K/V, gate/up): one linear, its output sliced.
 - conv + residual add: the add becomes the conv's epilogue (ResNet, MobileNetV2).
@@ -205,6 +205,32 @@ def fuse_decomposed_hard_swish(g: Graph) -> int:
     return n
 
 
+def fuse_silu(g: Graph) -> int:
+    """x * sigmoid(x) (SiLU as exporters write it: YOLOv5-v11, EfficientNet) becomes
+    one ``silu`` unary, which the activation rewrite folds into the conv before it:
+    YOLOv8n's 57 Sigmoid nodes took half its time at 640 x 640 (112 of 222 ms) beside
+    their multiplies."""
+    n = 0
+    prod, cons = g.producer(), g.consumers()
+    for mul in list(g.nodes):
+        if mul.op != "binary" or mul.attrs["kind"] != "mul" or mul.attrs["act"] != "none":
+            continue
+        for s_name, x in (mul.inputs, mul.inputs[::-1]):
+            sg = prod.get(s_name)
+            if sg is None or sg.op != "unary" or sg.attrs["act"] != "sigmoid":
+                continue
+            if sg.inputs[0] != x or not _single_use(g, s_name, cons):
+                continue
+            if g.shapes.get(x) != g.shapes[mul.outputs[0]]:
+                continue
+            sg.attrs = {"act": "silu", "act_args": [0.0, 0.0]}
+            _merge(g, sg, mul)
+            prod, cons = g.producer(), g.consumers()
+            n += 1
+            break
+    return n
+
+
 def fuse_hard_swish(g: Graph) -> int:
     n = 0
     prod, cons = g.producer(), g.consumers()
@@ -386,6 +412,7 @@ def optimise(g: Graph) -> dict[str, int]:
         "linear_bias_fused": fuse_linear_bias(g),
         "linears_merged": merge_consecutive_linears(g) + merge_sibling_linears(g),
         "hard_swish_fused": fuse_decomposed_hard_swish(g) + fuse_hard_swish(g),
+        "silu_fused": fuse_silu(g),
         "residual_fused": fuse_residual(g),
         "activation_fused": fuse_activations(g),
     }

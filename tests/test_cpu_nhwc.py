@@ -27,7 +27,8 @@ GUARD = 64  # elements of guard band on each side of a buffer
 OUT_SENTINEL = F32(-12345.0)
 DW_TOL = (1e-4, 1e-4)  # tests/test_kernels.py TOL["dwconv"]: float32 sums vs float64
 ACT_ARGS = {"none": (0.0, 0.0), "relu": (0.0, 0.0), "clip": (0.0, 6.0)}
-ACT_ARGS |= {"leaky_relu": (0.1, 0.0), "hard_swish": (0.0, 0.0), "sigmoid": (0.0, 0.0)}
+ACT_ARGS |= {"leaky_relu": (0.1, 0.0), "hard_swish": (0.0, 0.0), "sigmoid": (0.0, 0.0),
+            "silu": (0.0, 0.0)}
 
 
 def _guarded(a: np.ndarray, fill: float) -> np.ndarray:

@@ -110,3 +110,23 @@ def test_sibling_projections_share_one_gemm(tmp_path):
     nodes = _run(tmp_path, m, {"x": rand(2, 5, 12)})
     linears = [n for n in nodes if n["op"] == "linear"]
     assert len(linears) == 1 and [n["op"] for n in nodes].count("slice") == 3
+
+
+def test_silu_written_as_sigmoid_and_mul_becomes_the_convs_epilogue(tmp_path):
+    # YOLO's SiLU as torch.onnx writes it: Conv, Sigmoid, Mul(conv, sigmoid)
+    m = model(
+        [
+            node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("Sigmoid", ["c"], ["s"]),
+            helper.make_node("Mul", ["c", "s"], ["y"]),
+        ],
+        [("x", [1, 3, 8, 8])],
+        ["y"],
+        {"w": rand(4, 3, 3, 3)},
+    )
+    x = rand(1, 3, 8, 8) * 6
+    x.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]  # as ORT: NaN, NaN/inf through the conv
+    nodes = _run(tmp_path, m, {"x": x})
+    assert [(n["op"], n["attrs"].get("act")) for n in nodes if n["op"] != "transpose"] == [
+        ("conv", "silu")
+    ]

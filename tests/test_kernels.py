@@ -99,6 +99,7 @@ ACT_ARGS: dict[str, tuple[float, float]] = {
     "tanh": (0.0, 0.0),
     "hard_sigmoid": (0.2, 0.5),
     "hard_swish": (0.0, 0.0),
+    "silu": (0.0, 0.0),
 }
 assert set(ACT_ARGS) == set(ACTIVATIONS), "a new activation needs act_args here"
 
@@ -754,6 +755,7 @@ CASES: dict[str, list[Case]] = {
         unary_case("sigmoid_large", "sigmoid", scale=60.0),
         unary_case("tanh_large", "tanh", scale=60.0),
         unary_case("hard_swish_wide", "hard_swish", scale=6.0),
+        unary_case("silu_wide", "silu", scale=60.0),
         unary_case("clip_no_lower", "clip", args=(float(np.finfo(F32).min), 0.5)),
         unary_case("relu_inplace", "relu", inplace=True),
         unary_case("sigmoid_inplace_1d", "sigmoid", shape=(37,), inplace=True),

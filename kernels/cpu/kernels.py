@@ -44,8 +44,10 @@ def act_scalar(v, act, a, b):
         return np.tanh(v)
     if act == 6:
         return _clamp01(v * a + b, np.float32(0), np.float32(1))
-    # 7: hard_swish
-    return v * _clamp01(v / np.float32(6) + np.float32(0.5), np.float32(0), np.float32(1))
+    if act == 7:
+        return v * _clamp01(v / np.float32(6) + np.float32(0.5), np.float32(0), np.float32(1))
+    # 8: silu, x / (1 + exp(-x)): 0 for x far below 0, NaN at -inf (as x * sigmoid(x))
+    return v / (np.float32(1) + np.exp(-v))
 
 
 @njit(inline="always")
@@ -190,9 +192,12 @@ def act_row(row, act, a, b):
     elif act == 6:
         for i in range(n):
             row[i] = act_scalar(row[i], 6, a, b)
-    else:
+    elif act == 7:
         for i in range(n):
             row[i] = act_scalar(row[i], 7, a, b)
+    else:
+        for i in range(n):
+            row[i] = act_scalar(row[i], 8, a, b)
 
 
 @njit(inline="always")

@@ -74,6 +74,8 @@ def act(v, code, a, b):
         return clamp_nan(v * a + b, f32(0.0), f32(1.0))
     if code == 7:
         return v * clamp_nan(v / f32(6.0) + f32(0.5), f32(0.0), f32(1.0))
+    if code == 8:  # silu
+        return v / (f32(1.0) + math.exp(-v))
     return v
 
 
