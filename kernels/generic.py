@@ -13,6 +13,9 @@ import numpy as np
 
 from .ops import slice_index
 
+# the ops generic_step runs (each backend binds the other move ops itself)
+STEP_OPS = ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk",
+            "cumsum")  # fmt: skip
 _REDUCE_PRE = {"l1": "abs", "l2": "square", "sum_square": "square", "log_sum_exp": "exp"}
 
 

@@ -55,6 +55,17 @@ def rnn_step(xp, ins, y, scratch, attrs: dict, recur=None):
     wt, rt = w.T, r.T
     x2, gx2 = x.reshape(steps * batch, -1), gx.reshape(steps * batch, g)
     order = range(steps - 1, -1, -1) if reverse else range(steps)
+
+    def inputs_part() -> None:
+        """Every step's input gates, x W^T + biases (those adding outside the reset gate
+        of a linear_before_reset GRU), one GEMM; the zero state cleared."""
+        xp.add(wb, rb, out=bias)
+        if lbr:
+            xp.copyto(bias[2 * hid :], wb[2 * hid :])
+        xp.matmul(x2, wt, out=gx2)
+        xp.add(gx2, bias, out=gx2)
+        zero.fill(0.0)
+
     if recur is not None:
         code = {"lstm": 0, "gru": 1, "rnn": 2}[cell]
         rbh = rb[2 * hid :] if lbr else bias[:hid]  # read only with linear_before_reset
@@ -63,24 +74,13 @@ def rnn_step(xp, ins, y, scratch, attrs: dict, recur=None):
                      int(emit_c))  # fmt: skip
 
         def run() -> None:
-            xp.add(wb, rb, out=bias)
-            if lbr:
-                xp.copyto(bias[2 * hid :], wb[2 * hid :])
-            xp.matmul(x2, wt, out=gx2)
-            xp.add(gx2, bias, out=gx2)
-            zero.fill(0.0)
+            inputs_part()
             loop()
 
         return run
 
     def step() -> None:
-        # biases that add outside the reset gate go in with the input's part
-        xp.add(wb, rb, out=bias)
-        if lbr:
-            xp.copyto(bias[2 * hid :], wb[2 * hid :])
-        xp.matmul(x2, wt, out=gx2)
-        xp.add(gx2, bias, out=gx2)
-        zero.fill(0.0)
+        inputs_part()
         h = h0 if h0 is not None else zero
         if cell == "lstm":
             xp.copyto(c, c0 if c0 is not None else zero)

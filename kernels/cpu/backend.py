@@ -1142,17 +1142,7 @@ _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
 _cpu("reduce", _bind_reduce, scratch=_reduce_scratch)
 _cpu("rnn", _bind_rnn, scratch=_rnn_scratch)
-for _op in (
-    "expand",
-    "cast",
-    "compare",
-    "logic",
-    "where",
-    "take",
-    "gather_elements",
-    "topk",
-    "cumsum",
-):
+for _op in G.STEP_OPS:
     _cpu(_op, _bind_generic(_op))
 _cpu("resample", _bind_resample)
 _cpu("conv_transpose", _bind_conv_transpose, scratch=_conv_transpose_scratch)

@@ -588,17 +588,7 @@ _cuda("slice", _bind_slice)
 _cuda("argmax", _bind_argmax)
 _cuda("reduce", _bind_reduce, scratch=_reduce_scratch)
 _cuda("rnn", _bind_rnn, scratch=_rnn_scratch)
-for _op in (
-    "expand",
-    "cast",
-    "compare",
-    "logic",
-    "where",
-    "take",
-    "gather_elements",
-    "topk",
-    "cumsum",
-):
+for _op in G.STEP_OPS:
     _cuda(_op, _bind_generic(_op))
 _cuda("resample", _bind_resample)
 _cuda("conv_transpose", _bind_conv_transpose)
