@@ -22,8 +22,7 @@ from ..kernels.ops import get as get_op
 from ..kernels.ref.reference import REFERENCE
 from ..runtime.bundle_format import TENSOR_CODES, TENSOR_DTYPES
 from .ir import Graph, Node, PackError
-from .onnx_quantized import HANDLERS as QUANTIZED_HANDLERS
-from .onnx_quantized import fold_dequantize
+from .onnx_quantized import fold_dequantize, quantized_handlers
 
 MIN_OPSET, MAX_OPSET = 13, 24
 
@@ -1402,7 +1401,6 @@ HANDLERS: dict[str, Handler] = {
     "Trilu": _trilu,
     "OneHot": _one_hot,
     **dict.fromkeys(_RNN_CELLS, _recurrent),
-    **QUANTIZED_HANDLERS,
     "Slice": _slice,
     "ArgMax": _argmax(False),
     "ArgMin": _argmax(True),
@@ -1417,6 +1415,7 @@ HANDLERS: dict[str, Handler] = {
     "Dropout": _identity,  # inference: identity (its mask output must be unused)
     **dict.fromkeys(MATH_OPS, _math),
 }
+HANDLERS.update(quantized_handlers(HANDLERS))
 
 
 # --- pack-time constant evaluation (shape arithmetic and friends) -----------------------

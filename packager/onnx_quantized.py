@@ -150,13 +150,11 @@ def _dynamic_quantize_linear(ctx, ins, outs, a):
     ctx.emit("cast", [t], outs[0], {"to": "u8"})
 
 
-def _qlinear(float_op: str):
+def _qlinear(float_op, handlers: dict):
     """QLinearMatMul (a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp) and QLinearConv
     (x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp, bias int32)."""
 
     def handler(ctx, ins, outs, a):
-        from .onnx_import import HANDLERS
-
         ins = ins + [""] * (9 - len(ins))
         ra, rb = len(ctx.shape(ins[0])), len(ctx.shape(ins[3]))
         sa, za, _ = _params(ctx, ins[0:3], {"axis": 1}, ra)
@@ -173,19 +171,17 @@ def _qlinear(float_op: str):
             bias = ctx.const(ins[8], "bias").astype(np.float32) * ctx.g.consts[bs].reshape(-1)
             args.append(_const(ctx, "bias", bias.astype(np.float32)))
         y = ctx.fresh(outs[0] + ".float")
-        HANDLERS[float_op](ctx, args, [y], dict(a))
+        handlers[float_op](ctx, args, [y], dict(a))
         sy, zy, code = _params(ctx, ["", ins[6], ins[7]], {"axis": 1}, len(ctx.shape(y)))
         quantize(ctx, y, sy, zy, code, outs[0])
 
     return handler
 
 
-def _integer(float_op: str):
+def _integer(float_op, handlers: dict):
     """MatMulInteger (a, b, a_zp, b_zp) and ConvInteger (x, w, x_zp, w_zp): int32 out."""
 
     def handler(ctx, ins, outs, a):
-        from .onnx_import import HANDLERS
-
         ins = ins + [""] * (4 - len(ins))
         ra, rb = len(ctx.shape(ins[0])), len(ctx.shape(ins[1]))
         # A's zero point: one, or a row's (MatMul); B's: one, or an output channel's
@@ -198,7 +194,7 @@ def _integer(float_op: str):
                 t = ctx.emit("binary", [t, zf], ctx.fresh(x + ".zp"), {"kind": "sub", **_NO_ACT})
             fs.append(t)
         y = ctx.fresh(outs[0] + ".float")
-        HANDLERS[float_op](ctx, fs, [y], dict(a))
+        handlers[float_op](ctx, fs, [y], dict(a))
         ctx.emit("cast", [y], outs[0], {"to": "i32"})
 
     return handler
@@ -220,12 +216,15 @@ def fold_dequantize(vals: list, a: dict) -> np.ndarray:
     )
 
 
-HANDLERS = {
-    "QuantizeLinear": _quantize_linear,
-    "DequantizeLinear": _dequantize_linear,
-    "DynamicQuantizeLinear": _dynamic_quantize_linear,
-    "QLinearMatMul": _qlinear("MatMul"),
-    "QLinearConv": _qlinear("Conv"),
-    "MatMulInteger": _integer("MatMul"),
-    "ConvInteger": _integer("Conv"),
-}
+def quantized_handlers(handlers: dict) -> dict:
+    """The quantized ops' import handlers; ``handlers`` is the importer's table, whose
+    MatMul and Conv run the float op between (looked up when a node is imported)."""
+    return {
+        "QuantizeLinear": _quantize_linear,
+        "DequantizeLinear": _dequantize_linear,
+        "DynamicQuantizeLinear": _dynamic_quantize_linear,
+        "QLinearMatMul": _qlinear("MatMul", handlers),
+        "QLinearConv": _qlinear("Conv", handlers),
+        "MatMulInteger": _integer("MatMul", handlers),
+        "ConvInteger": _integer("Conv", handlers),
+    }
