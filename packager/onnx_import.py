@@ -22,7 +22,7 @@ from ..kernels.ops import get as get_op
 from ..kernels.ref.reference import REFERENCE
 from ..runtime.bundle_format import TENSOR_CODES, TENSOR_DTYPES
 from .ir import Graph, Node, PackError
-from .onnx_quantized import fold_dequantize, quantized_handlers
+from .onnx_quantized import quantized_handlers
 
 MIN_OPSET, MAX_OPSET = 13, 24
 
@@ -1483,8 +1483,6 @@ def _fold_numpy(ctx: _Ctx, op: str, vals: list, a: dict):
         return np.take_along_axis(v[0], np.where(idx < 0, idx + v[0].shape[ax], idx), axis=ax)
     if op == "IsNaN":
         return np.isnan(v[0])
-    if op == "DequantizeLinear":  # a pre-quantized model's weights and biases
-        return fold_dequantize(v, a)
     return None
 
 

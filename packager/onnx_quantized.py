@@ -21,8 +21,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from .ir import PackError
-
 # the saturation range of each quantized type (ONNX's QuantizeLinear)
 QRANGE = {"u8": (0, 255), "i8": (-128, 127), "u16": (0, 65535), "i16": (-32768, 32767)}
 _NO_ACT = {"act": "none", "act_args": [0.0, 0.0]}
@@ -198,22 +196,6 @@ def _integer(float_op, handlers: dict):
         ctx.emit("cast", [y], outs[0], {"to": "i32"})
 
     return handler
-
-
-def fold_dequantize(vals: list, a: dict) -> np.ndarray:
-    """DequantizeLinear of constants (a weight, a bias): (x - zero_point) * scale."""
-    x, scale = np.asarray(vals[0]), np.asarray(vals[1], np.float32)
-    zp = np.asarray(vals[2]) if len(vals) > 2 and vals[2] is not None else np.zeros((), x.dtype)
-    if int(a.get("block_size", 0)):
-        raise PackError("DequantizeLinear: blocked quantization (block_size) is not supported")
-    if scale.size > 1:
-        axis = int(a.get("axis", 1)) % x.ndim
-        shape = [1] * x.ndim
-        shape[axis] = scale.size
-        scale, zp = scale.reshape(shape), zp.reshape(shape) if zp.size > 1 else zp
-    return ((x.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale).astype(
-        np.float32
-    )
 
 
 def quantized_handlers(handlers: dict) -> dict:
