@@ -14,11 +14,12 @@ from .runtime.cli import ERRORS, add_runtime_commands, dispatch
 
 def cmd_build(a: argparse.Namespace) -> int:
     # The packager (and onnx) is imported only for this command.
-    from .packager.onnx_import import parse_shape_overrides
+    from .packager.onnx_import import parse_constant_inputs, parse_shape_overrides
     from .runtime.payload import read_key
 
     kw = dict(
         input_shapes=parse_shape_overrides(a.input_shape),
+        constant_inputs=parse_constant_inputs(a.const_input),
         calib=a.calib,
         max_error=a.max_error,
         min_weights=a.quant_min_weights,
@@ -161,6 +162,13 @@ def make_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME=1x3x224x224",
         help="fix an input's shape (repeat for several inputs)",
+    )
+    p.add_argument(
+        "--const-input",
+        action="append",
+        metavar="NAME=FILE.npy|1,2,3",
+        help="fix an input's values at pack time: it becomes a constant and the bundle "
+        "no longer takes it (e.g. a Resize's scales or a Slice's starts given as inputs)",
     )
     p.add_argument(
         "--calib",

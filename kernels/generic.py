@@ -15,7 +15,7 @@ from .ops import slice_index
 
 # the ops generic_step runs (each backend binds the other move ops itself)
 STEP_OPS = ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk",
-            "cumsum")  # fmt: skip
+            "cumsum", "scatter_elements", "gather_nd", "scatter_nd")  # fmt: skip
 _REDUCE_PRE = {"l1": "abs", "l2": "square", "sum_square": "square", "log_sum_exp": "exp"}
 
 
@@ -91,7 +91,9 @@ _COMPARE = {"equal": "equal", "less": "less", "less_equal": "less_equal",
             "greater": "greater", "greater_equal": "greater_equal"}  # fmt: skip
 _LOGIC = {"and": "logical_and", "or": "logical_or", "xor": "logical_xor", "not": "logical_not"}
 _INT_BINARY = {"add": "add", "sub": "subtract", "mul": "multiply", "max": "maximum",
-               "min": "minimum", "mod": "mod", "fmod": "fmod"}  # fmt: skip
+               "min": "minimum", "mod": "mod", "fmod": "fmod", "pow": "power",
+               "bit_and": "bitwise_and", "bit_or": "bitwise_or",
+               "bit_xor": "bitwise_xor"}  # fmt: skip
 
 
 def compare_step(xp, a, b, y, kind: str):
@@ -182,6 +184,97 @@ def gather_elements_step(xp, x, idx, y, axis: int):
     return step
 
 
+_SCATTER_UFUNC = {"add": "add", "mul": "multiply", "max": "maximum", "min": "minimum"}
+
+
+def _scatter(xp, dst, at, values, reduction: str) -> None:
+    """dst[at] = values (the last of repeated ``at`` wins on NumPy), or combined with
+    ``reduction`` through the ufunc's unbuffered ``at`` (every repeat counts). CuPy's
+    ufunc.at takes add, max and min; mul is NumPy's (the CUDA simulator's) only."""
+    if reduction == "none":
+        dst[at] = values
+    else:
+        getattr(xp, _SCATTER_UFUNC[reduction]).at(dst, at, values)
+
+
+def scatter_elements_step(xp, x, idx, upd, y, attrs: dict):
+    """ScatterElements: y = x, then each update at the flat offset of its element with
+    its coordinate along ``axis`` replaced by its index (a table of the other
+    coordinates' offsets made here, once; the offsets in a buffer of their own)."""
+    ax, reduction = int(attrs["axis"]), attrs["reduction"]
+    n = x.shape[ax]
+    stride = int(np.prod(x.shape[ax + 1 :], dtype=np.int64))
+    coords = np.indices(idx.shape, dtype=np.int64)
+    coords[ax] = 0
+    base = xp.asarray(np.ravel_multi_index(tuple(coords), x.shape).astype(np.int64))
+    off = xp.empty(idx.shape, np.int64)
+    dst, flat, vals = y.reshape(-1), idx.reshape(-1), upd.reshape(-1)
+
+    def step() -> None:
+        _check_index(xp, flat, n, "ScatterElements")
+        xp.copyto(y, x)
+        xp.mod(idx, n, out=off)
+        xp.multiply(off, stride, out=off)
+        xp.add(off, base, out=off)
+        _scatter(xp, dst, off.reshape(-1), vals, reduction)
+
+    return step
+
+
+def _nd_rows_step(xp, x_shape, idx, b: int, what: str):
+    """(step writing, for each index tuple of GatherND / ScatterND, its row of x viewed
+    as [rows, inner], the rows buffer, inner): the tuple's coordinates wrapped and
+    dotted with their strides, plus the batch offset (a table made here, once)."""
+    k = idx.shape[-1]
+    dims = np.asarray(x_shape[b : b + k], np.int64)
+    strides = np.asarray([int(np.prod(dims[j + 1 :])) for j in range(k)], np.int64)
+    batch = np.indices(idx.shape[:b], dtype=np.int64) if b else None
+    base = np.zeros(idx.shape[:-1], np.int64)
+    if b:
+        flat_b = np.ravel_multi_index(tuple(batch), idx.shape[:b]) * int(np.prod(dims))
+        base += flat_b.reshape(flat_b.shape + (1,) * (idx.ndim - 1 - b))
+    base, dims_x, strides_x = xp.asarray(base), xp.asarray(dims), xp.asarray(strides)
+    tmp, rows = xp.empty(idx.shape, np.int64), xp.empty(idx.shape[:-1], np.int64)
+    lead = tuple(range(idx.ndim - 1))
+
+    def step() -> None:
+        if idx.size and (bool((idx.min(axis=lead) < -dims_x).any())
+                         or bool((idx.max(axis=lead) >= dims_x).any())):  # fmt: skip
+            raise IndexError(f"{what}: an index outside an axis")
+        xp.mod(idx, dims_x, out=tmp)
+        xp.multiply(tmp, strides_x, out=tmp)
+        xp.sum(tmp, axis=-1, out=rows)
+        xp.add(rows, base, out=rows)
+
+    return step, rows, int(np.prod(x_shape[b + k :], dtype=np.int64))
+
+
+def gather_nd_step(xp, x, idx, y, attrs: dict):
+    b = int(attrs["batch_dims"])
+    index, rows, inner = _nd_rows_step(xp, x.shape, idx, b, "GatherND")
+    src = x.reshape(-1, inner)
+    dst = y.reshape(rows.shape + (inner,))
+
+    def step() -> None:
+        index()
+        xp.take(src, rows, axis=0, out=dst)
+
+    return step
+
+
+def scatter_nd_step(xp, x, idx, upd, y, attrs: dict):
+    index, rows, inner = _nd_rows_step(xp, x.shape, idx, 0, "ScatterND")
+    dst, vals = y.reshape(-1, inner), upd.reshape(-1, inner)
+    flat = rows.reshape(-1)
+
+    def step() -> None:
+        index()
+        xp.copyto(y, x)
+        _scatter(xp, dst, flat, vals, attrs["reduction"])
+
+    return step
+
+
 def topk_step(xp, x, y, attrs: dict):
     """TopK's indices along ``axis``: a stable sort of x (negated for the largest: -x
     for floats, ~x for integers, exact), its first k. The sort allocates its order per
@@ -245,4 +338,10 @@ def generic_step(xp, op: str, ins, y, attrs: dict):
         return topk_step(xp, ins[0], y, attrs)
     if op == "cumsum":
         return cumsum_step(xp, ins[0], y, attrs)
+    if op == "scatter_elements":
+        return scatter_elements_step(xp, ins[0], ins[1], ins[2], y, attrs)
+    if op == "gather_nd":
+        return gather_nd_step(xp, ins[0], ins[1], y, attrs)
+    if op == "scatter_nd":
+        return scatter_nd_step(xp, ins[0], ins[1], ins[2], y, attrs)
     raise ValueError(f"{op} is not a dtype-generic op")

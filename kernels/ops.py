@@ -225,6 +225,42 @@ def _take_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (*x[:ax], *idx, *x[ax + 1 :])
 
 
+SCATTER_REDUCTIONS = ("none", "add", "mul", "max", "min")
+
+
+def _scatter_elements_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, idx, upd, ax = ins[0], ins[1], ins[2], int(attrs["axis"])
+    if (idx != upd or len(idx) != len(x) or not 0 <= ax < len(x)
+            or any(i > d for k, (i, d) in enumerate(zip(idx, x)) if k != ax)
+            or attrs["reduction"] not in SCATTER_REDUCTIONS):  # fmt: skip
+        raise OpError(f"scatter_elements along axis {ax} of {list(x)}: indices {list(idx)}, "
+                      f"updates {list(upd)}, reduction {attrs['reduction']!r}")  # fmt: skip
+    return tuple(x)
+
+
+def _nd_split(x: Shape, idx: Shape, b: int) -> int:
+    """k, the number of x's axes an index tuple of GatherND / ScatterND names."""
+    k = idx[-1] if idx else 0
+    if not idx or b < 0 or b + k > len(x) or tuple(idx[:b]) != tuple(x[:b]) or k < 1:
+        raise OpError(f"nd indices {list(idx)} into {list(x)} (batch_dims {b})")
+    return k
+
+
+def _gather_nd_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, idx, b = ins[0], ins[1], int(attrs["batch_dims"])
+    k = _nd_split(x, idx, b)
+    return (*idx[:-1], *x[b + k :])
+
+
+def _scatter_nd_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, idx, upd = ins[0], ins[1], ins[2]
+    k = _nd_split(x, idx, 0)
+    if tuple(upd) != (*idx[:-1], *x[k:]) or attrs["reduction"] not in SCATTER_REDUCTIONS:
+        raise OpError(f"scatter_nd of updates {list(upd)} at indices {list(idx)} into "
+                      f"{list(x)}, reduction {attrs['reduction']!r}")  # fmt: skip
+    return tuple(x)
+
+
 def _topk_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x, ax, k = ins[0], int(attrs["axis"]), int(attrs["k"])
     if not 0 <= ax < len(x) or not 0 <= k <= x[ax]:
@@ -368,7 +404,7 @@ NORM_KINDS = ("rms", "layer")
 GATE_ACTS = ("silu", "gelu_tanh")
 # binary's kinds, in the order of the kernels' integer codes (kernels/cpu/kernels.py _binop)
 BINARY_KINDS = ("add", "sub", "mul", "div", "max", "min", "pow")
-INT_ONLY_KINDS = ("mod", "fmod")  # binary kinds of integer tensors only
+INT_ONLY_KINDS = ("mod", "fmod", "bit_and", "bit_or", "bit_xor")  # integer tensors only
 COMPARE_KINDS = ("equal", "less", "less_equal", "greater", "greater_equal")
 LOGIC_KINDS = ("and", "or", "xor", "not")
 
@@ -427,6 +463,15 @@ OPS: dict[str, OpDef] = {
         _op("take", ("x", "indices"), _take_shape, attrs=("axis",)),
         # GatherElements: y[i][j][k] = x[i][indices[i][j][k]][k] (axis 1), any dtype of x
         _op("gather_elements", ("x", "indices"), _gather_elements_shape, attrs=("axis",)),
+        # ScatterElements: y = x, then y[i][indices[i][j][k]][k] (axis 1) = updates[i][j][k]
+        # (or combined with it by ``reduction``: add, mul, max, min)
+        _op("scatter_elements", ("x", "indices", "updates"), _scatter_elements_shape,
+            attrs=("axis", "reduction")),
+        # GatherND: y[i..] = x[b.., indices[b.., i.., :], ...] (the last axis of indices
+        # names the first k axes of x after ``batch_dims``); ScatterND writes the same
+        # slices of y = x from updates
+        _op("gather_nd", ("x", "indices"), _gather_nd_shape, attrs=("batch_dims",)),
+        _op("scatter_nd", ("x", "indices", "updates"), _scatter_nd_shape, attrs=("reduction",)),
         # TopK's indices (int64), sorted, the lower index first among equal values;
         # its values are a gather_elements of x at them (packager/onnx_import.py)
         _op("topk", ("x",), _topk_shape, attrs=("axis", "k", "largest")),
@@ -479,10 +524,10 @@ OUT_DTYPES: dict[str, str] = {"argmax": "i64", "topk": "i64"}
 # Ops that move or compare tensors of any arena dtype (kernels/generic.py runs them)
 MOVE_OPS = ("reshape", "transpose", "concat", "slice", "rows", "expand")
 GENERIC_OPS = (*MOVE_OPS, "cast", "compare", "logic", "where", "take", "gather_elements",
-               "topk", "cumsum")  # fmt: skip
+               "topk", "cumsum", "scatter_elements", "gather_nd", "scatter_nd")  # fmt: skip
 # integer tensors' binary kinds: div truncates toward zero, mod takes the divisor's sign
 # and fmod the dividend's (ONNX Div and Mod, as ONNX Runtime computes them)
-INT_BINARY_KINDS = ("add", "sub", "mul", "max", "min", "div", "mod", "fmod")
+INT_BINARY_KINDS = ("add", "sub", "mul", "max", "min", "div", "pow", *INT_ONLY_KINDS)
 INDEX_DTYPES = ("i32", "i64")
 
 
@@ -509,8 +554,13 @@ def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
     if op == "where":
         need(dts[0] == "bool" and dts[1] == dts[2], "a bool condition, two sides of one dtype")
         return dts[1]
-    if op in ("take", "gather_elements"):
+    if op in ("take", "gather_elements", "gather_nd"):
         need(dts[1] in INDEX_DTYPES, "int32 or int64 indices")
+        return dts[0]
+    if op in ("scatter_elements", "scatter_nd"):
+        need(dts[1] in INDEX_DTYPES and dts[0] == dts[2],
+             "int32 or int64 indices, updates of x's dtype")  # fmt: skip
+        need(attrs["reduction"] == "none" or dts[0] != "bool", "numbers to reduce")
         return dts[0]
     if op == "topk":
         need(live[0] not in ("bool", "f16"), "numbers (not bool or float16)")

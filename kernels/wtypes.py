@@ -231,7 +231,8 @@ QUANTIZE: dict[str, Callable] = {r.name: r.quantize for r in ROWS}
 DEQUANTIZE: dict[str, Callable] = {r.name: r.dequantize for r in ROWS}
 
 # Non-weight tensors a bundle may hold too (scales, tables, padding), by numpy dtype.
-PLAIN_ST: dict[str, str] = {"i32": "I32", "u8": "U8", "i64": "I64", "bool": "BOOL"}
+PLAIN_ST: dict[str, str] = {"i32": "I32", "u8": "U8", "i64": "I64", "bool": "BOOL", "f64": "F64",
+                            "i16": "I16", "u32": "U32", "u64": "U64"}  # fmt: skip
 
 assert all(r.quantize and r.dequantize for r in ROWS), "every row needs both references"
 # Block layouts pinned at import (a change here changes every bundle's bytes).
@@ -272,7 +273,8 @@ def of_array(a: np.ndarray) -> str:
     if name is not None:
         return name
     short = {np.dtype("<i4"): "i32", np.dtype("u1"): "u8", np.dtype("<i8"): "i64",
-             np.dtype("|b1"): "bool"}.get(np.dtype(a.dtype))  # fmt: skip
+             np.dtype("|b1"): "bool", np.dtype("<f8"): "f64", np.dtype("<i2"): "i16",
+             np.dtype("<u4"): "u32", np.dtype("<u8"): "u64"}.get(np.dtype(a.dtype))  # fmt: skip
     if short is None:
         raise ValueError(f"a constant of dtype {a.dtype} cannot be stored in a bundle")
     return short

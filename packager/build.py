@@ -116,6 +116,7 @@ def build(
     conv_algo: str = "auto",
     layout: str = "auto",
     log: Callable[[str], None] = print,
+    constant_inputs: Mapping[str, np.ndarray | str] | None = None,
 ) -> BuildResult:
     if quant not in MODES:
         raise PackError(f"--quant {quant!r}; choose from {', '.join(MODES)}")
@@ -126,7 +127,8 @@ def build(
         log(f"[{i}/{steps}] {what} ({time.perf_counter() - t0:.1f}s)")
 
     stage(1, f"import {Path(model).name}")
-    g = import_onnx(model, input_shapes, log=lambda s: log("      " + s))
+    g = import_onnx(model, input_shapes, log=lambda s: log("      " + s),
+                    constant_inputs=constant_inputs)
     n_onnx = len(g.nodes)
     stage(2, "fold and fuse")
     stats = optimise(g)

@@ -1,4 +1,4 @@
-"""ONNX (opsets 7-24; 7-12 converted to 13 first) -> edgepack IR, static shapes, folding.
+"""ONNX (opsets 13-24; older ones converted to 13 first) -> edgepack IR, static shapes, folding.
 
 One pass in ONNX's topological order. Each ONNX node is either folded to a constant
 (all its inputs known at pack time, e.g. shape arithmetic) or lowered to IR ops
@@ -22,6 +22,8 @@ from ..kernels.ops import get as get_op
 from ..kernels.ref.reference import REFERENCE
 from ..runtime.bundle_format import TENSOR_CODES, TENSOR_DTYPES
 from .ir import Graph, Node, PackError
+from .onnx_composite import COMPOSITE_HANDLERS
+from .onnx_norms import NORM_HANDLERS
 from .onnx_quantized import quantized_handlers
 
 MIN_OPSET, MAX_OPSET = 13, 24
@@ -395,11 +397,29 @@ def _matmul(ctx: _Ctx, ins, outs, a):
     if B in ctx.g.consts and len(sb) == 2 and len(sa) >= 1 and A not in ctx.g.consts:
         _linear(ctx, A, ctx.const(B).astype(np.float32).T, None, outs[0], ctx.node_name)
         return
-    if len(sa) < 2 or len(sb) < 2:
-        raise ctx.fail("1-D MatMul operands are supported only as a constant right-hand side")
+    if len(sa) < 2 or len(sb) < 2:  # numpy's rule: a 1-D side is a row (left) or a column
+        if not sa or not sb:
+            raise ctx.fail("MatMul of a scalar")
+        a2 = _reshaped(ctx, A, (1, sa[0])) if len(sa) == 1 else A
+        b2 = _reshaped(ctx, B, (sb[0], 1)) if len(sb) == 1 else B
+        if ctx.shape(a2)[-1] != ctx.shape(b2)[-2]:
+            raise ctx.fail(f"inner dimensions differ: {sa} @ {sb}")
+        y = ctx.emit("matmul", [a2, b2], ctx.fresh(outs[0] + ".2d"), dict(_NO_ACT))
+        ys = list(ctx.shape(y))
+        shape = ys[:-2] + ([ys[-2]] if len(sa) > 1 else []) + ([ys[-1]] if len(sb) > 1 else [])
+        _reshape_to(ctx, y, outs[0], shape)
+        return
     if sa[-1] != sb[-2]:
         raise ctx.fail(f"inner dimensions differ: {sa} @ {sb}")
     ctx.emit("matmul", [A, B], outs[0], {"act": "none", "act_args": [0.0, 0.0]})
+
+
+def _reshaped(ctx: _Ctx, x: str, shape) -> str:
+    if x in ctx.g.consts:
+        return ctx.add_const(ctx.fresh(x + ".r"), np.asarray(ctx.g.consts[x]).reshape(shape))
+    out = ctx.fresh(x + ".r")
+    _reshape_to(ctx, x, out, shape)
+    return out
 
 
 def _tensor_code(elem_type: int) -> str | None:
@@ -643,13 +663,6 @@ def _binary(kind: str):
     return handler
 
 
-def _pow(ctx: _Ctx, ins, outs, a):
-    e = ins[1]
-    if e in ctx.g.consts and ctx.g.consts[e].dtype.kind in "iu":  # an integer exponent
-        ctx.g.consts[e] = ctx.g.consts[e].astype(np.float32)  # exact below 2**24
-    _binary("pow")(ctx, ins, outs, a)
-
-
 def _variadic(kind: str, mean: bool = False):
     """Max, Min, Sum, Mean: a chain of binary nodes over the (broadcast) inputs."""
 
@@ -722,62 +735,6 @@ def _global_avg(ctx: _Ctx, ins, outs, a):
     ctx.emit("global_avgpool", [ins[0]], outs[0], {})
 
 
-def _batchnorm(ctx: _Ctx, ins, outs, a):
-    if int(a.get("training_mode", 0)):
-        raise ctx.fail("training_mode=1 is not supported (export the model in eval mode)")
-    if len(outs) > 1 and any(outs[1:]):
-        raise ctx.fail("running-statistics outputs are not supported")
-    x = ins[0]
-    gamma, beta, mean, var = (ctx.const(n).astype(np.float64) for n in ins[1:5])
-    eps = float(a.get("epsilon", 1e-5))
-    scale = gamma / np.sqrt(var + eps)
-    shift = beta - mean * scale
-    sn = ctx.add_const(ctx.fresh(ctx.node_name + ".scale"), scale.astype(np.float32))
-    tn = ctx.add_const(ctx.fresh(ctx.node_name + ".shift"), shift.astype(np.float32))
-    ctx.emit(
-        "channel_affine",
-        [x, sn, tn],
-        outs[0],
-        {"act": "none", "act_args": [0.0, 0.0]},
-    )
-
-
-def _layer_norm(kind: str):
-    """LayerNormalization / RMSNormalization over the axes from ``axis`` on: the rows of
-    x as [outer, inner] through the norm op, its weights (and bias) broadcast to
-    inner. The optional Mean / InvStdDev outputs (training) are refused."""
-
-    def handler(ctx: _Ctx, ins, outs, a):
-        if any(outs[1:]):
-            raise ctx.fail("the Mean / InvStdDev outputs are not supported")
-        xs = ctx.shape(ins[0])
-        ax = int(a.get("axis", -1))
-        if not -len(xs) <= ax < len(xs):
-            raise ctx.fail(f"axis {ax} out of range for rank {len(xs)}")
-        ax %= len(xs)
-        inner = xs[ax:]
-        n = int(np.prod(inner))
-        consts = []
-        for i, what in ((1, "scale"), (2, "bias")):
-            if len(ins) <= i or not ins[i]:
-                consts.append("")
-                continue
-            v = ctx.const(ins[i], what).astype(np.float32)
-            try:
-                v = np.broadcast_to(v, inner).reshape(n)
-            except ValueError:
-                raise ctx.fail(f"{what} of shape {list(v.shape)} for axes {list(inner)}") from None
-            consts.append(ctx.add_const(ctx.fresh(f"{ctx.node_name}.{what}"), v.copy()))
-        w, b = consts
-        rows = ctx.fresh(ins[0] + ".rows")
-        _reshape_to(ctx, ins[0], rows, (int(np.prod(xs[:ax])), n))
-        normed = ctx.emit("norm", [rows, w] + ([b] if b else []), ctx.fresh(outs[0] + ".rows"),
-                          {"kind": kind, "eps": float(a.get("epsilon", 1e-5))})  # fmt: skip
-        _reshape_to(ctx, normed, outs[0], xs)
-
-    return handler
-
-
 def _argmax(is_min: bool):
     def handler(ctx: _Ctx, ins, outs, a):
         xs = ctx.shape(ins[0])
@@ -838,41 +795,6 @@ def _split(ctx: _Ctx, ins, outs, a):
         if out:
             ctx.emit("slice", [ins[0]], out, _slice_attrs(xs, {ax: (start, start + n, 1)}))
         start += n
-
-
-def _group_norm(instance: bool):
-    """InstanceNormalization (a group per channel) and GroupNormalization: the rows of
-    each (image, group) through the norm op (mean and variance, no weights), then the
-    per-channel scale and bias as channel_affine (BatchNormalization's op)."""
-
-    def handler(ctx: _Ctx, ins, outs, a):
-        xs = ctx.shape(ins[0])
-        if len(xs) < 3:
-            raise ctx.fail(f"input rank {len(xs)}; expected N, C and spatial axes")
-        n, c, spatial = xs[0], xs[1], int(np.prod(xs[2:]))
-        groups = c if instance else int(a["num_groups"])
-        if groups < 1 or c % groups:
-            raise ctx.fail(f"{c} channels in {groups} groups")
-        scale = ctx.const(ins[1], "scale").astype(np.float32).reshape(-1)
-        bias = ctx.const(ins[2], "bias").astype(np.float32).reshape(-1)
-        if not instance and ctx.opset < 21 and scale.size == groups:  # opset 18: per group
-            scale, bias = np.repeat(scale, c // groups), np.repeat(bias, c // groups)
-        if scale.size != c or bias.size != c:
-            raise ctx.fail(f"scale/bias of {scale.size}/{bias.size} for {c} channels")
-        width = c // groups * spatial
-        rows = ctx.fresh(ins[0] + ".groups")
-        _reshape_to(ctx, ins[0], rows, (n * groups, width))
-        ones = ctx.add_const(ctx.fresh(ctx.node_name + ".ones"), np.ones(width, np.float32))
-        normed = ctx.emit("norm", [rows, ones], ctx.fresh(outs[0] + ".normed"),
-                          {"kind": "layer", "eps": float(a.get("epsilon", 1e-5))})  # fmt: skip
-        planes = ctx.fresh(outs[0] + ".planes")
-        _reshape_to(ctx, normed, planes, (n, c, spatial, 1))
-        sn = ctx.add_const(ctx.fresh(ctx.node_name + ".scale"), scale)
-        bn = ctx.add_const(ctx.fresh(ctx.node_name + ".bias"), bias)
-        y = ctx.emit("channel_affine", [planes, sn, bn], ctx.fresh(outs[0] + ".affine"), _NO_ACT)
-        _reshape_to(ctx, y, outs[0], xs)
-
-    return handler
 
 
 def _resize(ctx: _Ctx, ins, outs, a):
@@ -1120,6 +1042,26 @@ def _gather_elements(ctx: _Ctx, ins, outs, a):
     ctx.emit("gather_elements", ins[:2], outs[0], {"axis": _axis_of(ctx, ins[0], a)})
 
 
+def _reduction(ctx: _Ctx, a: dict) -> str:
+    r = _decode(a.get("reduction", "none"))
+    if r not in ("none", "add", "mul", "max", "min"):
+        raise ctx.fail(f"reduction={r!r}; supported: none, add, mul, max, min")
+    return r
+
+
+def _scatter_elements(ctx: _Ctx, ins, outs, a):
+    ctx.emit("scatter_elements", ins[:3], outs[0],
+             {"axis": _axis_of(ctx, ins[0], a), "reduction": _reduction(ctx, a)})  # fmt: skip
+
+
+def _scatter_nd(ctx: _Ctx, ins, outs, a):
+    ctx.emit("scatter_nd", ins[:3], outs[0], {"reduction": _reduction(ctx, a)})
+
+
+def _gather_nd(ctx: _Ctx, ins, outs, a):
+    ctx.emit("gather_nd", ins[:2], outs[0], {"batch_dims": int(a.get("batch_dims", 0))})
+
+
 def _topk(ctx: _Ctx, ins, outs, a):
     """TopK: the indices node (int64), and the values a gather_elements of x at them.
     ``sorted`` 0 allows any order; the sorted one is given."""
@@ -1336,6 +1278,19 @@ def _pad(ctx: _Ctx, ins, outs, a):
     )
 
 
+def _dropout(ctx: _Ctx, ins, outs, a):
+    """Dropout at inference: the identity, and its mask (if asked for) all true.
+    training_mode true with a ratio above 0 draws random masks: refused."""
+    train = ctx.opt_const(ins, 2)
+    ratio = ctx.opt_const(ins, 1)
+    if train is not None and bool(np.asarray(train).reshape(-1)[0]):
+        if ratio is None or float(np.asarray(ratio).reshape(-1)[0]) > 0:
+            raise ctx.fail("training_mode=true draws random masks; export in eval mode")
+    _identity(ctx, ins[:1], outs[:1], a)
+    if len(outs) > 1 and outs[1]:
+        ctx.add_const(outs[1], np.ones(ctx.shape(ins[0]), bool))
+
+
 Handler = Callable[[_Ctx, list, list, dict], None]
 HANDLERS: dict[str, Handler] = {
     "Conv": _as_2d(_conv, weighted=True),
@@ -1346,7 +1301,6 @@ HANDLERS: dict[str, Handler] = {
     "Sub": _binary("sub"),
     "Mul": _binary("mul"),
     "Div": _binary("div"),
-    "Pow": _pow,
     "Max": _variadic("max"),
     "Min": _variadic("min"),
     "Sum": _variadic("add"),
@@ -1363,7 +1317,6 @@ HANDLERS: dict[str, Handler] = {
     "MaxPool": _as_2d(_pool("max"), weighted=False),
     "AveragePool": _as_2d(_pool("avg"), weighted=False),
     "GlobalAveragePool": _global_avg,
-    "BatchNormalization": _batchnorm,
     "Flatten": _flatten,
     "Reshape": _reshape,
     "Transpose": _transpose,
@@ -1395,6 +1348,10 @@ HANDLERS: dict[str, Handler] = {
     "IsInf": _isinf,
     "Gather": _gather,
     "GatherElements": _gather_elements,
+    "ScatterElements": _scatter_elements,
+    "Scatter": _scatter_elements,  # opset 9-10's name (axis 0 by default, no reduction)
+    "ScatterND": _scatter_nd,
+    "GatherND": _gather_nd,
     "TopK": _topk,
     "Mod": _mod,
     "CumSum": _cumsum,
@@ -1406,15 +1363,13 @@ HANDLERS: dict[str, Handler] = {
     "ArgMin": _argmax(True),
     "Split": _split,
     "Resize": _resize,
-    "LayerNormalization": _layer_norm("layer"),
-    "RMSNormalization": _layer_norm("rms"),
-    "InstanceNormalization": _group_norm(True),
-    "GroupNormalization": _group_norm(False),
     "Pad": _pad,
     "Identity": _identity,
-    "Dropout": _identity,  # inference: identity (its mask output must be unused)
+    "Dropout": _dropout,
     **dict.fromkeys(MATH_OPS, _math),
 }
+HANDLERS.update(NORM_HANDLERS)
+HANDLERS.update(COMPOSITE_HANDLERS)
 HANDLERS.update(quantized_handlers(HANDLERS))
 
 
@@ -1521,12 +1476,61 @@ def parse_shape_overrides(specs: list[str] | None) -> dict[str, tuple[int, ...]]
     return out
 
 
+def parse_constant_inputs(specs: list[str] | None) -> dict[str, str]:
+    """``["name=values.npy", "axes=0,2", ...]`` -> {name: spec}; the values are read
+    against the input's declared type in import_onnx (resolve_constant_input)."""
+    out = {}
+    for s in specs or []:
+        name, sep, value = s.partition("=")
+        if not name or not sep or not value:
+            raise PackError(f"bad --const-input {s!r}; expected NAME=FILE.npy or NAME=1,2,3")
+        out[name] = value
+    return out
+
+
+def resolve_constant_input(name: str, spec, code: str, dims: list[int | None]) -> np.ndarray:
+    """The value an input is fixed to at pack time (--const-input): an array, a .npy
+    file, or comma-separated numbers, in the input's declared dtype and shape."""
+    dtype = np.dtype(TENSOR_DTYPES[code])
+    if isinstance(spec, np.ndarray):
+        v = spec
+    elif str(spec).endswith(".npy"):
+        try:
+            v = np.load(spec, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise PackError(f"--const-input {name}: cannot read {spec}: {e}") from None
+    else:
+        try:
+            v = np.array([float(x) for x in str(spec).split(",")])
+        except ValueError:
+            raise PackError(
+                f"--const-input {name}={spec}: expected a .npy file or numbers like 1,2,3"
+            ) from None
+        if len(dims) == 0 and v.size == 1:
+            v = v.reshape(())
+        elif None not in dims and int(np.prod(dims)) == v.size:
+            v = v.reshape(dims)
+    if v.dtype.kind not in "biuf" or (v.dtype.kind == "f" and dtype.kind in "biu"
+                                      and not np.array_equal(v, np.round(v))):
+        raise PackError(f"--const-input {name}: values of dtype {v.dtype} for a {code} input")
+    if len(v.shape) != len(dims) or any(d is not None and d != s for d, s in zip(dims, v.shape)):
+        raise PackError(
+            f"--const-input {name}: values of shape {list(v.shape)} do not fit the "
+            f"input's shape {[d or '?' for d in dims]}"
+        )
+    return np.ascontiguousarray(v.astype(dtype))
+
+
 def import_onnx(
     model: onnx.ModelProto | str | Path,
     input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     log: Callable[[str], None] = lambda s: None,
+    constant_inputs: Mapping[str, np.ndarray | str] | None = None,
 ) -> Graph:
-    """Import an ONNX model into edgepack IR with static shapes."""
+    """Import an ONNX model into edgepack IR with static shapes. ``constant_inputs``
+    fixes inputs to values at pack time (--const-input): they become constants, so
+    what they set (a Resize's scales, a Slice's starts, a Reshape's target) folds into
+    the plan, and the bundle no longer takes them."""
     src_bytes = None
     if not isinstance(model, onnx.ModelProto):
         src_bytes = Path(model).read_bytes()
@@ -1534,23 +1538,25 @@ def import_onnx(
     else:
         src_bytes = model.SerializeToString()
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if opset is not None and 7 <= opset < MIN_OPSET:
+    if opset is not None and opset < MIN_OPSET:
         # Older exporters (e.g. Paddle's opset 11) are common; ONNX's own converter
-        # rewrites them to opset 13 semantics (Squeeze axes as inputs, ...).
+        # rewrites them to opset 13 semantics (Squeeze axes as inputs, ...). Below
+        # opset 7 it succeeds for the ops whose adapters it has, and says which not.
         from onnx import version_converter
 
         try:
             model = version_converter.convert_version(model, MIN_OPSET)
         except Exception as e:  # the converter raises bare RuntimeErrors
             raise PackError(
-                f"model uses ONNX opset {opset} and could not be converted to {MIN_OPSET}: {e}"
+                f"model uses ONNX opset {opset} and could not be converted to {MIN_OPSET}: "
+                f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}"
             ) from None
         log(f"converted from ONNX opset {opset} to {MIN_OPSET}")
         opset = MIN_OPSET
     if opset is None or not (MIN_OPSET <= opset <= MAX_OPSET):
         raise PackError(
-            f"model uses ONNX opset {opset}; supported: 7-{MAX_OPSET} (7-{MIN_OPSET - 1} are "
-            f"converted to {MIN_OPSET}; convert others with onnx.version_converter)"
+            f"model uses ONNX opset {opset}; supported: up to {MAX_OPSET} (opsets below "
+            f"{MIN_OPSET} are converted to {MIN_OPSET} with onnx's version converter)"
         )
     others = [o.domain for o in model.opset_import if o.domain not in ("", "ai.onnx")]
     g0 = model.graph
@@ -1563,6 +1569,7 @@ def import_onnx(
         "graph_name": g0.name,
     }
     overrides = dict(input_shapes or {})
+    fixed = dict(constant_inputs or {})
     for inp in g0.input:
         if inp.name in inits:
             continue  # old-style models list initializers as inputs
@@ -1584,12 +1591,23 @@ def import_onnx(
             graph.dtypes[inp.name] = code
         dims = []
         for d in tt.shape.dim:
-            if d.HasField("dim_value") and d.dim_value == 0:
+            if d.HasField("dim_value") and d.dim_value == 0 and inp.name not in fixed:
                 raise PackError(
                     f"input {inp.name!r} has a dimension of size 0; edgepack plans "
-                    "tensors with at least one element"
+                    "tensors with at least one element (an empty operand, such as a "
+                    f"Reduce's axes, can be fixed with --const-input {inp.name}=...)"
                 )
             dims.append(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None)
+        if inp.name in fixed:
+            v = resolve_constant_input(inp.name, fixed.pop(inp.name), code, dims)
+            graph.dtypes.pop(inp.name, None)
+            graph.consts[inp.name] = v
+            graph.meta.setdefault("constant_inputs", {})[inp.name] = {
+                "dtype": code, "shape": list(v.shape),
+                "sha256": hashlib.sha256(v.tobytes()).hexdigest(),
+            }  # fmt: skip
+            log(f"input {inp.name!r} fixed at pack time to {code}{list(v.shape)} values")
+            continue
         if inp.name in overrides:
             shape = overrides.pop(inp.name)
             if len(shape) != len(dims) or any(
@@ -1613,6 +1631,13 @@ def import_onnx(
             shape = tuple(1 if d is None else d for d in dims)
         graph.inputs.append(inp.name)
         graph.shapes[inp.name] = tuple(shape)
+    if fixed:
+        raise PackError(
+            f"--const-input names unknown inputs {sorted(fixed)}; model inputs: "
+            f"{[i.name for i in g0.input if i.name not in inits]}"
+        )
+    if constant_inputs and not graph.inputs:
+        raise PackError("every model input is fixed by --const-input; nothing to run")
     if overrides:
         raise PackError(
             f"--input-shape names unknown inputs {sorted(overrides)}; model inputs: {graph.inputs}"
@@ -1660,9 +1685,17 @@ def import_onnx(
             raise
         except (KeyError, ValueError, IndexError, TypeError) as e:
             raise ctx.fail(f"cannot import ({type(e).__name__}: {e})") from None
+    if not graph.inputs and all(o in graph.consts for o in graph.outputs):
+        raise PackError("the model takes no inputs and its outputs are constants; nothing to run")
     for o in graph.outputs:
-        if o in graph.consts:
-            raise PackError(f"output {o!r} is a constant; nothing to run")
+        if o in graph.consts:  # a constant output (EyeLike, a Shape): copied out per run
+            v = graph.consts.pop(o)
+            src = ctx.add_const(ctx.fresh(o + ".value"), v)
+            graph.nodes.append(Node("expand", f"{o}/value", [src], [o], {"shape": list(v.shape)},
+                                    [o]))  # fmt: skip
+            graph.shapes[o] = tuple(v.shape)
+            if v.dtype != np.float32:
+                graph.dtypes[o] = TENSOR_CODES[v.dtype]
         if o not in graph.shapes:
             raise PackError(f"output {o!r} is produced by no node")
     graph.remove_dead()

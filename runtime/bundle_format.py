@@ -34,6 +34,10 @@ ST_DTYPES: dict[str, str] = {
     "I32": "<i4",
     "I64": "<i8",
     "BOOL": "|b1",
+    "F64": "<f8",
+    "I16": "<i2",
+    "U32": "<u4",
+    "U64": "<u8",
 }
 PAD_PREFIX = "__pad__."  # filler entries that keep every tensor 64-byte aligned
 # Arena tensors' dtypes: float32 activations; int32 token ids, positions and slots;

@@ -199,7 +199,7 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
     if case == "overlap":
         head["q"]["data_offsets"] = [0, 3]  # inside c's [0, 16)
     elif case == "dtype":
-        head["c"]["dtype"] = "F64"
+        head["c"]["dtype"] = "C64"
     elif case == "missing":
         manifest["weights"]["nope"] = {"shape": [1], "dtype": "f32"}
     elif case == "arena":
@@ -237,7 +237,7 @@ def test_structurally_bad_bundles_with_valid_checksums(tmp_path, case):
     # each case fails for its own reason (a header of another version would mask them all)
     why = {
         "overlap": "overlaps another or leaves a hole",
-        "dtype": "unsupported dtype 'F64'",
+        "dtype": "unsupported dtype 'C64'",
         "missing": "weight 'nope' listed in the manifest is missing",
         "arena": "planned outside the arena",
         "shape": "manifest and weight header disagree",

@@ -19,8 +19,10 @@ def _run(tmp_path, m, feeds):
     s = load(pack(path, tmp_path / "m.epk"))
     got = s.run(feeds)
     refs = ort_run(path, feeds)
-    for o, ref in zip(s.outputs, refs):
-        np.testing.assert_allclose(got[o["name"]], ref, rtol=1e-5, atol=1e-5)
+    for o, ref in zip(s.outputs, refs):  # atol: float32 rounding at the output's scale
+        finite = np.abs(ref[np.isfinite(ref)])
+        scale = float(finite.max()) if finite.size else 1.0
+        np.testing.assert_allclose(got[o["name"]], ref, rtol=1e-5, atol=1e-6 * max(scale, 10))
     return s.manifest["graph"]["nodes"]
 
 

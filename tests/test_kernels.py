@@ -72,10 +72,13 @@ TOL: dict[str, tuple[float, float]] = {
     "argmax": (0.0, 0.0),
     "reduce": (1e-5, 1e-5),
     **dict.fromkeys(
-        ("cast", "compare", "logic", "where", "take", "expand", "gather_elements", "topk"),
+        ("cast", "compare", "logic", "where", "take", "expand", "gather_elements", "topk",
+         "gather_nd"),
         (0.0, 0.0),
     ),
     "cumsum": (1e-5, 1e-5),
+    "scatter_elements": (1e-6, 1e-6),  # add / mul of repeats: the order of the sum
+    "scatter_nd": (1e-6, 1e-6),
     "resample": (1e-6, 1e-6),
     "conv_transpose": (1e-5, 1e-5),
     "rnn": (1e-5, 1e-5),
@@ -433,6 +436,9 @@ def generic_case(name: str, ins: list, attrs: dict, inplace: bool = False) -> Ca
                 x.reshape(-1)[:1] = 0.0  # a zero: bool casts and comparisons see one
             elif kind == "bool":
                 x = rng.random(shape) < 0.5
+            elif kind == "perm64":  # distinct indices along the last axis (of 5 or more)
+                rows = [rng.permutation(5)[: shape[-1]] for _ in range(int(np.prod(shape[:-1])))]
+                x = np.asarray(rows, np.int64).reshape(shape)
             elif kind.startswith(("idx", "neg")):
                 lo = -4 if kind == "neg64" else 0
                 x = rng.integers(lo, 5, shape).astype(np.int32 if kind == "idx32" else np.int64)
@@ -727,6 +733,12 @@ CASES: dict[str, list[Case]] = {
             generic_case(f"{k}_i64", [("i64", (3, 4)), ("nz64", (4,))], {"kind": k, **NO_ACT})
             for k in ("div", "mod", "fmod")
         ],
+        *[  # bitwise ops and integer powers (ONNX's BitwiseAnd/Or/Xor, Pow)
+            generic_case(f"{k}_{dt}", [(dt, (3, 4)), (dt, (4,))], {"kind": k, **NO_ACT})
+            for k, dt in (("bit_and", "i32"), ("bit_or", "u8"), ("bit_xor", "i64"),
+                          ("bit_and", "i8"))
+        ],
+        generic_case("pow_i64", [("i64", (3, 4)), ("idx64", (4,))], {"kind": "pow", **NO_ACT}),
         generic_case(
             "div_i64_inplace",
             [("i64", (2, 5)), ("nz64", (2, 5))],
@@ -823,6 +835,29 @@ CASES: dict[str, list[Case]] = {
         generic_case("axis1_negative", [("f32", (3, 5)), ("neg64", (3, 4))], {"axis": 1}),
         generic_case("axis0_i64", [("i64", (5, 4)), ("idx64", (2, 4))], {"axis": 0}),
         generic_case("axis2_i32_idx", [("f32", (2, 3, 6)), ("idx32", (2, 2, 3))], {"axis": 2}),
+    ],
+    "scatter_elements": [
+        generic_case("none_axis1", [("f32", (3, 5)), ("perm64", (3, 4)), ("f32", (3, 4))],
+                     {"axis": 1, "reduction": "none"}),  # fmt: skip
+        generic_case("add_axis0_repeats", [("f32", (5, 4)), ("neg64", (6, 4)), ("f32", (6, 4))],
+                     {"axis": 0, "reduction": "add"}),  # fmt: skip
+        generic_case("max_i64", [("i64", (2, 6)), ("idx32", (2, 3)), ("i64", (2, 3))],
+                     {"axis": 1, "reduction": "max"}),  # fmt: skip
+        generic_case("mul_axis2", [("f32", (2, 3, 5)), ("idx64", (2, 2, 4)), ("f32", (2, 2, 4))],
+                     {"axis": 2, "reduction": "mul"}),  # fmt: skip
+    ],
+    "gather_nd": [
+        generic_case("rows", [("f32", (5, 6)), ("idx64", (3, 1))], {"batch_dims": 0}),
+        generic_case("elements_i32", [("i32", (5, 5, 2)), ("neg64", (2, 3, 2))], {"batch_dims": 0}),
+        generic_case("batch1", [("f32", (2, 5, 3)), ("idx64", (2, 4, 1))], {"batch_dims": 1}),
+    ],
+    "scatter_nd": [
+        generic_case("none_one_row", [("f32", (5, 6)), ("idx64", (1, 1)), ("f32", (1, 6))],
+                     {"reduction": "none"}),  # fmt: skip
+        generic_case("add_repeats", [("f32", (5, 5, 2)), ("neg64", (4, 2)), ("f32", (4, 2))],
+                     {"reduction": "add"}),  # fmt: skip
+        generic_case("min_i64", [("i64", (6, 2)), ("idx64", (3, 1)), ("i64", (3, 2))],
+                     {"reduction": "min"}),  # fmt: skip
     ],
     "cumsum": [
         generic_case("f32_axis1", [("f32", (2, 6, 3))], {"axis": 1, "exclusive": 0, "reverse": 0}),
@@ -1338,6 +1373,8 @@ def _poison(dtype) -> float | int:
     """What an output holds before a run: NaN, or for integer outputs (argmax's int64)
     a value no kernel writes."""
     kind = np.dtype(dtype).kind
+    if kind == "u":
+        return 251  # none of the cases' unsigned values (0..9)
     return np.nan if kind == "f" else False if kind == "b" else -7  # bool: the sentinel's not
 
 
@@ -1700,7 +1737,8 @@ def test_reference_softmax_matches_onnxruntime(case: Case) -> None:
 
 
 _ONNX_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max",
-                "min": "Min", "pow": "Pow", "mod": "Mod", "fmod": "Mod"}  # fmt: skip
+                "min": "Min", "pow": "Pow", "mod": "Mod", "fmod": "Mod", "bit_and": "BitwiseAnd",
+                "bit_or": "BitwiseOr", "bit_xor": "BitwiseXor"}  # fmt: skip
 assert set(_ONNX_BINARY) == {*BINARY_KINDS, *INT_ONLY_KINDS}
 
 
@@ -1713,11 +1751,12 @@ def test_reference_binary_matches_onnxruntime(case: Case) -> None:
     (a, b), attrs = case.make(_rng("ort", "binary", case.name), "f32")
     if attrs["act"] != "none":
         pytest.skip("ONNX has no fused activation")
-    kw = {"fmod": int(attrs["kind"] == "fmod")} if attrs["kind"] in INT_ONLY_KINDS else {}
+    kw = {"fmod": int(attrs["kind"] == "fmod")} if attrs["kind"] in ("mod", "fmod") else {}
     node = helper.make_node(_ONNX_BINARY[attrs["kind"]], ["a", "b"], ["y"], **kw)
     ref = R.binary([a, b], attrs)
     got = _ort_graph(
-        [node], {"a": a, "b": b}, {}, out_type=helper.np_dtype_to_tensor_dtype(ref.dtype)
+        [node], {"a": a, "b": b}, {}, out_type=helper.np_dtype_to_tensor_dtype(ref.dtype),
+        **({"opset": 18} if attrs["kind"].startswith("bit_") else {}),  # Bitwise*: opset 18
     )
     _compare_ref(ref, got, 1e-6, 1e-7)
 
@@ -1789,6 +1828,28 @@ def test_reference_topk_gather_elements_match_onnxruntime(case: Case) -> None:
                          out_type=helper.np_dtype_to_tensor_dtype(ins[0].dtype))  # fmt: skip
         ref = R.gather_elements(ins, attrs)
     np.testing.assert_array_equal(ref, got)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(op, c) for op in ("scatter_elements", "gather_nd", "scatter_nd") for c in CASES[op]
+     if not c.name.startswith("ieee_")],
+    ids=lambda oc: f"{oc[0]}-{oc[1].name}",
+)  # fmt: skip
+def test_reference_scatter_gather_nd_match_onnxruntime(case) -> None:
+    """ScatterElements, GatherND and ScatterND as ORT (opset 18: every reduction)."""
+    from onnx import helper
+
+    op, c = case
+    ins, attrs = c.make(_rng("ort", op, c.name), "f32")
+    onnx_op = {"scatter_elements": "ScatterElements", "gather_nd": "GatherND",
+               "scatter_nd": "ScatterND"}[op]  # fmt: skip
+    names = ["x", "i", "u"][: len(ins)]
+    kw = {k: v for k, v in attrs.items() if k != "reduction" or v != "none"}
+    node = helper.make_node(onnx_op, names, ["y"], **kw)
+    got = _ort_graph([node], dict(zip(names, ins)), {}, opset=18,
+                     out_type=helper.np_dtype_to_tensor_dtype(ins[0].dtype))  # fmt: skip
+    np.testing.assert_allclose(R.REFERENCE[op](ins, attrs), got, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", CASES["reduce"], ids=lambda c: c.name)

@@ -280,8 +280,8 @@ def test_dynamic_batch_and_input_shape(tmp_path):
             "only 2-D convolutions",
         ),
         (
-            lambda: model([node("Relu", ["x"], ["y"])], [("x", [2])], ["y"], opset=6),
-            "model uses ONNX opset 6; supported: 7-24",
+            lambda: model([node("Relu", ["x"], ["y"])], [("x", [2])], ["y"], opset=26),
+            "model uses ONNX opset 26; supported: up to 24",
         ),
     ],
 )
@@ -497,3 +497,52 @@ def test_1d_conv_transpose(tmp_path):
     up = node("ConvTranspose", ["x", "w"], ["y"], strides=[2], pads=[1, 0], output_padding=[1])
     m = model([up], [("x", [1, 3, 9])], ["y"], {"w": rand(3, 4, 4)})
     check(tmp_path, m, {"x": rand(1, 3, 9)})
+
+
+def test_const_input_fixes_shape_operands_at_pack_time(tmp_path):
+    """--const-input: a Resize's scales and a Slice's starts given as graph inputs are
+    fixed at pack time; the bundle takes the data input only and answers as ORT fed
+    the same values. Bad values are refused naming the input."""
+    import subprocess
+    import sys
+
+    nodes = [
+        node("Resize", ["x", "", "scales"], ["r"], mode="nearest"),
+        node("Slice", ["r", "starts", "ends", "axes"], ["y"]),
+    ]
+    m = model(nodes, [("x", [1, 2, 3, 4]), ("starts", [1]), ("ends", [1]), ("axes", [1])],
+              ["y"], opset=18)  # fmt: skip
+    for name in ("starts", "ends", "axes"):
+        inp = next(i for i in m.graph.input if i.name == name)
+        inp.type.tensor_type.elem_type = TensorProto.INT64
+    m.graph.input.append(helper.make_tensor_value_info("scales", F, [4]))
+    path = tmp_path / "shape_inputs.onnx"
+    onnx.save(m, path)
+    with pytest.raises(PackError, match="'scales' must be a constant known at pack time"):
+        pack(path, tmp_path / "a.epk")
+    x = rand(1, 2, 3, 4)
+    values = {"scales": np.array([1, 1, 2, 2], np.float32), "starts": np.array([1]),
+              "ends": np.array([5]), "axes": np.array([2])}  # fmt: skip
+    npy = tmp_path / "scales.npy"
+    np.save(npy, values["scales"])
+    out = tmp_path / "fixed.epk"
+    r = subprocess.run(
+        [sys.executable, "-m", "edgepack.cli", "build", str(path), "-o", str(out),
+         "--const-input", f"scales={npy}", "--const-input", "starts=1",
+         "--const-input", "ends=5", "--const-input", "axes=2"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "input 'scales' fixed at pack time" in r.stdout
+    s = load(out)
+    assert [i["name"] for i in s.inputs] == ["x"]
+    want = ort_run(m, {"x": x, **values})[0]
+    np.testing.assert_array_equal(s.run({"x": x})["y"], want)
+    for bad, needle in (
+        ({"scales": np.ones(3, np.float32)}, r"values of shape \[3\] do not fit"),
+        ({"nope": np.ones(1)}, "--const-input names unknown inputs"),
+        ({"starts": "1.5"}, "values of dtype float64 for a i64 input"),
+        ({"starts": "a,b"}, "expected a .npy file or numbers"),
+    ):
+        with pytest.raises(PackError, match=needle):
+            pack(path, tmp_path / "b.epk", constant_inputs=bad)

@@ -160,7 +160,8 @@ _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divi
 # integer division as ONNX Runtime's Div and Mod: toward zero; the divisor's sign (mod)
 # or the dividend's (fmod)
 _INT_BINARY = {**_BINARY, "mod": np.mod, "fmod": np.fmod,
-               "div": lambda a, b: (a - np.fmod(a, b)) // b}  # fmt: skip
+               "div": lambda a, b: (a - np.fmod(a, b)) // b, "bit_and": np.bitwise_and,
+               "bit_or": np.bitwise_or, "bit_xor": np.bitwise_xor}  # fmt: skip
 
 
 def binary(inputs: Sequence[Array | None], attrs: dict) -> Array:
@@ -347,6 +348,61 @@ def take(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.take(x, np.where(idx < 0, idx + n, idx), axis=ax)
 
 
+_SCATTER_UFUNC = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _in_range(idx: np.ndarray, n, what: str) -> np.ndarray:
+    """idx with negative entries counted from the end (n: one size, or one per last
+    axis); an index outside is an error."""
+    if idx.size and (np.any(idx < -np.asarray(n)) or np.any(idx >= np.asarray(n))):
+        raise IndexError(f"{what}: an index outside an axis")
+    return np.where(idx < 0, idx + n, idx)
+
+
+def _scatter_into(y: np.ndarray, where: tuple, value, reduction: str) -> None:
+    if reduction == "none":
+        y[where] = value
+    else:
+        y[where] = _SCATTER_UFUNC[reduction](y[where], value)
+
+
+def scatter_elements(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """One element at a time, in index order (repeated indices: the last one wins, or
+    each combines in turn with ``reduction``)."""
+    x, upd = inputs[0], inputs[2]
+    ax = int(attrs["axis"])
+    idx = _in_range(np.asarray(inputs[1]).astype(np.int64), x.shape[ax], "ScatterElements")
+    y = np.array(x, copy=True)
+    for pos in np.ndindex(*idx.shape):
+        dst = list(pos)
+        dst[ax] = idx[pos]
+        _scatter_into(y, tuple(dst), upd[pos], attrs["reduction"])
+    return y
+
+
+def _nd_rows(x_shape, idx: np.ndarray, b: int, what: str) -> tuple[np.ndarray, int]:
+    k = idx.shape[-1]
+    return _in_range(idx.astype(np.int64), np.asarray(x_shape[b : b + k]), what), k
+
+
+def gather_nd(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x, b = inputs[0], int(attrs["batch_dims"])
+    idx, k = _nd_rows(x.shape, np.asarray(inputs[1]), b, "GatherND")
+    out = np.empty((*idx.shape[:-1], *x.shape[b + k :]), x.dtype)
+    for pos in np.ndindex(*idx.shape[:-1]):
+        out[pos] = x[(*pos[:b], *idx[pos])]
+    return out
+
+
+def scatter_nd(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    x, upd = inputs[0], inputs[2]
+    idx, _ = _nd_rows(x.shape, np.asarray(inputs[1]), 0, "ScatterND")
+    y = np.array(x, copy=True)
+    for pos in np.ndindex(*idx.shape[:-1]):
+        _scatter_into(y, tuple(idx[pos]), upd[pos], attrs["reduction"])
+    return y
+
+
 def gather_elements(inputs: Sequence[Array | None], attrs: dict) -> Array:
     x, idx, ax = inputs[0], np.asarray(inputs[1]).astype(np.int64), int(attrs["axis"])
     n = x.shape[ax]
@@ -511,6 +567,9 @@ REFERENCE: dict[str, RefFn] = {
     "where": where,
     "take": take,
     "gather_elements": gather_elements,
+    "scatter_elements": scatter_elements,
+    "gather_nd": gather_nd,
+    "scatter_nd": scatter_nd,
     "topk": topk,
     "cumsum": cumsum,
     "rnn": rnn,
