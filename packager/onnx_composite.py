@@ -134,8 +134,11 @@ def pow_(ctx, ins, outs, a):
         _cast(ctx, y, xd, outs[0])
         return
     elif xd != ed:
-        e = _cast(ctx, e, xd) if e not in ctx.g.consts else ctx.add_const(
-            ctx.fresh(e + "." + xd), ctx.g.consts[e].astype(TENSOR_DTYPES[xd]))
+        e = (
+            _cast(ctx, e, xd)
+            if e not in ctx.g.consts
+            else ctx.add_const(ctx.fresh(e + "." + xd), ctx.g.consts[e].astype(TENSOR_DTYPES[xd]))
+        )
     _bin(ctx, "pow", x, e, outs[0])
 
 

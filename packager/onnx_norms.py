@@ -203,7 +203,7 @@ def lrn(ctx, ins, outs, a):
     size, c = int(a["size"]), xs[1]
     lo, hi = (size - 1) // 2, -(-(size - 1) // 2)
     idx = np.arange(c)
-    band = ((idx[None, :] >= idx[:, None] - lo) & (idx[None, :] <= idx[:, None] + hi))
+    band = (idx[None, :] >= idx[:, None] - lo) & (idx[None, :] <= idx[:, None] + hi)
     w = ctx.add_const(ctx.fresh(ctx.node_name + ".band"),
                       band.astype(np.float32).reshape(c, c, 1, 1))  # fmt: skip
     sq = _bin(ctx, "mul", ins[0], ins[0])
