@@ -15,7 +15,7 @@ from .ops import slice_index
 
 # the ops generic_step runs (each backend binds the other move ops itself)
 STEP_OPS = ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk",
-            "cumsum", "scatter_elements", "gather_nd", "scatter_nd")  # fmt: skip
+            "cumsum", "scatter_elements", "gather_nd", "scatter_nd", "pool_nd")  # fmt: skip
 _REDUCE_PRE = {"l1": "abs", "l2": "square", "sum_square": "square", "log_sum_exp": "exp"}
 
 
@@ -275,6 +275,57 @@ def scatter_nd_step(xp, x, idx, upd, y, attrs: dict):
     return step
 
 
+def pool_nd_step(xp, x, y, attrs: dict):
+    """N-D pooling as one reduction over a strided window view of a padded copy of x
+    (the copy, made here once, holds -inf or 0 in its pads and the ceil_mode margin;
+    each run copies x into its interior). The mean divides by a table of each
+    window's counted taps, made here from the same view over a mask."""
+    k, s, d, out = attrs["kernel"], attrs["strides"], attrs["dilations"], attrs["out"]
+    nd, pads, kind = len(k), attrs["pads"], attrs["kind"]
+    sp = x.shape[2:]
+    # the padded extent: every tap of every window inside it
+    ext = [max(sp[i] + pads[i] + pads[nd + i], (out[i] - 1) * s[i] + (k[i] - 1) * d[i] + 1)
+           for i in range(nd)]  # fmt: skip
+    fill = -np.inf if kind == "max" else 0.0
+    buf = xp.full((*x.shape[:2], *ext), fill, np.float32)
+    inner = buf[(slice(None), slice(None), *(slice(pads[i], pads[i] + sp[i]) for i in range(nd)))]
+
+    def windows(a):
+        st = a.strides
+        return xp.lib.stride_tricks.as_strided(
+            a, (*a.shape[:2], *out, *k),
+            (*st[:2], *(st[2 + i] * s[i] for i in range(nd)),
+             *(st[2 + i] * d[i] for i in range(nd))))  # fmt: skip
+
+    view, axes = windows(buf), tuple(range(2 + nd, 2 + 2 * nd))
+    count = None
+    if kind == "avg":  # taps inside x, or inside x and its explicit pads
+        m = np.zeros((1, 1, *ext), np.float32)
+        lim = [sp[i] + (pads[i] + pads[nd + i] if attrs["count_include_pad"] else 0)
+               for i in range(nd)]  # fmt: skip
+        lo = [0 if attrs["count_include_pad"] else pads[i] for i in range(nd)]
+        m[(0, 0, *(slice(lo[i], lo[i] + lim[i]) for i in range(nd)))] = 1.0
+        count = xp.asarray(windows(m).sum(axis=axes, dtype=np.float32))
+    p = float(attrs.get("p", 2))
+
+    def step() -> None:
+        xp.copyto(inner, x)
+        if kind == "max":
+            xp.max(view, axis=axes, out=y)
+            return
+        if kind == "lp":
+            xp.abs(inner, out=inner)
+            if p != 1.0:
+                xp.power(inner, np.float32(p), out=inner)
+        xp.sum(view, axis=axes, out=y)
+        if kind == "avg":
+            xp.divide(y, count, out=y)
+        elif p != 1.0:
+            xp.power(y, np.float32(1.0 / p), out=y)
+
+    return step
+
+
 def topk_step(xp, x, y, attrs: dict):
     """TopK's indices along ``axis``: a stable sort of x (negated for the largest: -x
     for floats, ~x for integers, exact), its first k. The sort allocates its order per
@@ -344,4 +395,6 @@ def generic_step(xp, op: str, ins, y, attrs: dict):
         return gather_nd_step(xp, ins[0], ins[1], y, attrs)
     if op == "scatter_nd":
         return scatter_nd_step(xp, ins[0], ins[1], ins[2], y, attrs)
+    if op == "pool_nd":
+        return pool_nd_step(xp, ins[0], y, attrs)
     raise ValueError(f"{op} is not a dtype-generic op")

@@ -261,6 +261,15 @@ def _scatter_nd_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return tuple(x)
 
 
+def _pool_nd_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, nd = ins[0], len(attrs["kernel"])
+    if (len(x) != nd + 2 or attrs["kind"] not in ("max", "avg", "lp")
+            or not len(attrs["strides"]) == len(attrs["dilations"]) == len(attrs["out"]) == nd
+            or len(attrs["pads"]) != 2 * nd):  # fmt: skip
+        raise OpError(f"pool_nd of {list(x)} with kernel {attrs['kernel']}")
+    return (x[0], x[1], *attrs["out"])
+
+
 def _topk_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x, ax, k = ins[0], int(attrs["axis"]), int(attrs["k"])
     if not 0 <= ax < len(x) or not 0 <= k <= x[ax]:
@@ -478,6 +487,13 @@ OPS: dict[str, OpDef] = {
         # CumSum along ``axis``; ``exclusive`` leaves out the element itself, ``reverse``
         # sums from the end; any number dtype
         _op("cumsum", ("x",), _same, attrs=("axis", "exclusive", "reverse")),
+        # pooling over any number of spatial axes (x [N, C, *spatial]): max, average
+        # (``count_include_pad``) or Lp (``p``) of each window of ``kernel`` taps,
+        # ``dilations`` apart, ``strides`` apart, over x padded by ``pads`` (begins, then
+        # ends); ``out`` the output's spatial shape (ceil_mode decided at pack time)
+        _op("pool_nd", ("x",), _pool_nd_shape,
+            attrs=("kind", "kernel", "strides", "dilations", "pads", "out", "count_include_pad",
+                   "p")),  # fmt: skip
         # int64 output: the index of the largest (``min``: smallest) value along ``axis``,
         # the first one unless ``select_last``
         _op("argmax", ("x",), _argmax_shape, attrs=("axis", "keepdims")),

@@ -136,17 +136,19 @@ def _decode(v):
 
 
 def _spatial_pads(ctx: _Ctx, a: dict, in_hw, k, s, d) -> list[int]:
-    """[top, left, bottom, right] from pads / auto_pad for 2-D ops."""
+    """The begin pads of each spatial axis, then the end pads ([top, left, bottom, right]
+    in 2-D), from pads / auto_pad."""
+    nd = len(in_hw)
     auto = _decode(a.get("auto_pad", "NOTSET"))
     if auto in ("NOTSET", ""):
-        p = list(a.get("pads", [0, 0, 0, 0]))
-        if len(p) != 4:
-            raise ctx.fail(f"pads {p} (only 2-D spatial ops are supported)")
+        p = [int(v) for v in a.get("pads", [0] * (2 * nd))]
+        if len(p) != 2 * nd:
+            raise ctx.fail(f"pads {p} for {nd} spatial axes")
         if min(p) < 0:
             raise ctx.fail(f"negative pads {p} are not supported")
-        return [p[0], p[1], p[2], p[3]]
+        return p
     if auto == "VALID":
-        return [0, 0, 0, 0]
+        return [0] * (2 * nd)
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         heads, tails = [], []
         for x, kk, ss, dd in zip(in_hw, k, s, d):
@@ -155,7 +157,7 @@ def _spatial_pads(ctx: _Ctx, a: dict, in_hw, k, s, d) -> list[int]:
             head = small if auto == "SAME_UPPER" else total - small
             heads.append(head)
             tails.append(total - head)
-        return [heads[0], heads[1], tails[0], tails[1]]
+        return heads + tails
     raise ctx.fail(f"auto_pad={auto!r}; supported: NOTSET, VALID, SAME_UPPER, SAME_LOWER")
 
 
@@ -687,9 +689,12 @@ def _variadic(kind: str, mean: bool = False):
 
 def _pool_out(ctx, a, xs, k, s, d, pads):
     ceil = int(a.get("ceil_mode", 0))
+    nd = len(xs) - 2
     out = []
-    for i in range(2):
-        span = xs[2 + i] + pads[i] + pads[i + 2] - ((k[i] - 1) * d[i] + 1)
+    for i in range(nd):
+        span = xs[2 + i] + pads[i] + pads[i + nd] - ((k[i] - 1) * d[i] + 1)
+        if span < 0:
+            raise ctx.fail(f"a window of {k} (dilations {d}) is larger than the padded input")
         o = (-(-span // s[i]) if ceil else span // s[i]) + 1
         if ceil and (o - 1) * s[i] >= xs[2 + i] + pads[i]:
             o -= 1  # the last window may not start inside the bottom/right padding
@@ -698,22 +703,33 @@ def _pool_out(ctx, a, xs, k, s, d, pads):
 
 
 def _pool(kind: str):
+    """MaxPool / AveragePool / LpPool. 2-D max and average pools without dilations (in
+    average) take the fast 2-D kernels; the rest (1-D LpPool, 3-D, dilated average)
+    the N-D pool (kernels/generic.py pool_nd_step)."""
+
     def handler(ctx: _Ctx, ins, outs, a):
         x = ins[0]
         xs = ctx.shape(x)
-        if len(xs) != 4:
-            raise ctx.fail("only 2-D pooling (NCHW) is supported")
+        nd = len(xs) - 2
+        if nd < 1:
+            raise ctx.fail(f"input rank {len(xs)}; expected N, C and spatial axes")
         if len(outs) > 1 and outs[1]:
             raise ctx.fail("the Indices output of MaxPool is not supported")
         if int(a.get("storage_order", 0)):
             raise ctx.fail("storage_order=1 is not supported")
         k = list(a["kernel_shape"])
-        s = list(a.get("strides", [1, 1]))
-        d = list(a.get("dilations", [1, 1]))
-        if kind == "avg" and d != [1, 1]:
-            raise ctx.fail(f"dilations {d} for AveragePool are not supported")
+        s = list(a.get("strides", [1] * nd))
+        d = list(a.get("dilations", [1] * nd))
+        if not len(k) == len(s) == len(d) == nd:
+            raise ctx.fail(f"kernel {k}, strides {s}, dilations {d} for {nd} spatial axes")
         pads = _spatial_pads(ctx, a, xs[2:], k, s, d)
-        oh, ow = _pool_out(ctx, a, xs, k, s, d, pads)
+        out = _pool_out(ctx, a, xs, k, s, d, pads)
+        if nd != 2 or kind == "lp" or (kind == "avg" and d != [1, 1]):
+            attrs = {"kind": kind, "kernel": k, "strides": s, "dilations": d, "pads": pads,
+                     "out": out, "count_include_pad": int(a.get("count_include_pad", 0)),
+                     "p": int(a.get("p", 2))}  # fmt: skip
+            return ctx.emit("pool_nd", [x], outs[0], attrs)
+        oh, ow = out
         attrs = {"kernel": k, "strides": s, "pads": pads, "out_hw": [oh, ow]}
         if kind == "max":
             attrs["dilations"] = d
@@ -1316,6 +1332,7 @@ HANDLERS: dict[str, Handler] = {
     "LogSoftmax": _softmax(True),
     "MaxPool": _as_2d(_pool("max"), weighted=False),
     "AveragePool": _as_2d(_pool("avg"), weighted=False),
+    "LpPool": _pool("lp"),
     "GlobalAveragePool": _global_avg,
     "Flatten": _flatten,
     "Reshape": _reshape,

@@ -77,6 +77,7 @@ TOL: dict[str, tuple[float, float]] = {
         (0.0, 0.0),
     ),
     "cumsum": (1e-5, 1e-5),
+    "pool_nd": (1e-5, 1e-6),
     "scatter_elements": (1e-6, 1e-6),  # add / mul of repeats: the order of the sum
     "scatter_nd": (1e-6, 1e-6),
     "resample": (1e-6, 1e-6),
@@ -911,6 +912,27 @@ CASES: dict[str, list[Case]] = {
         softmax_case("log_4d_axis1", (2, 3, 4, 5), 1, log=True),
         softmax_case("log_large_values", (2, 10), 1, scale=1e4, log=True),
     ],
+    "pool_nd": [  # (ceil mode shows only in ``out``: avg_3d_ceil has a margin of 1)
+        generic_case("max_3d_dilated", [("f32", (1, 2, 5, 6, 4))],
+                     {"kind": "max", "kernel": [2, 3, 2], "strides": [2, 1, 2],
+                      "dilations": [1, 2, 1], "pads": [1, 0, 1, 0, 1, 1], "out": [3, 3, 3],
+                      "count_include_pad": 0, "p": 2}),  # fmt: skip
+        generic_case("avg_2d_dilated", [("f32", (1, 3, 7, 7))],
+                     {"kind": "avg", "kernel": [3, 3], "strides": [1, 1], "dilations": [2, 2],
+                      "pads": [1, 1, 1, 1], "out": [5, 5], "count_include_pad": 0,
+                      "p": 2}),  # fmt: skip
+        generic_case("avg_3d_ceil_include_pad", [("f32", (1, 1, 5, 5, 5))],
+                     {"kind": "avg", "kernel": [2, 2, 2], "strides": [2, 2, 2],
+                      "dilations": [1, 1, 1], "pads": [0, 0, 1, 0, 0, 1], "out": [3, 3, 3],
+                      "count_include_pad": 1, "p": 2}),  # fmt: skip
+        generic_case("lp_1d_p3", [("f32", (2, 3, 9))],
+                     {"kind": "lp", "kernel": [3], "strides": [2], "dilations": [1],
+                      "pads": [1, 1], "out": [5], "count_include_pad": 0, "p": 3}),  # fmt: skip
+        generic_case("lp_2d_p2", [("f32", (1, 2, 6, 6))],
+                     {"kind": "lp", "kernel": [2, 2], "strides": [2, 2], "dilations": [1, 1],
+                      "pads": [0, 0, 0, 0], "out": [3, 3], "count_include_pad": 0,
+                      "p": 2}),  # fmt: skip
+    ],
     "maxpool": [
         pool_case("k3_s2_p1", "max"),
         pool_case("k3_s2_p1_ceil", "max", ceil=1),
@@ -1723,6 +1745,29 @@ def test_reference_pool_matches_onnxruntime(op: str, case: Case) -> None:
         **extra,
     )
     _compare_ref(R.REFERENCE[op]([x], attrs), _ort_run(node, {"x": x}, {}), 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES["pool_nd"] if not c.name.startswith("ieee_")], ids=lambda c: c.name
+)
+def test_reference_pool_nd_matches_onnxruntime(case: Case) -> None:
+    """MaxPool / AveragePool / LpPool over 1-3 spatial axes as ORT (ceil_mode where the
+    case's ``out`` needs it)."""
+    from onnx import helper
+
+    (x,), attrs = case.make(_rng("ort", "pool_nd", case.name), "f32")
+    op = {"max": "MaxPool", "avg": "AveragePool", "lp": "LpPool"}[attrs["kind"]]
+    kw = {"count_include_pad": attrs["count_include_pad"]} if op == "AveragePool" else {}
+    kw |= {"p": attrs["p"]} if op == "LpPool" else {}
+    floor = [(x.shape[2 + i] + attrs["pads"][i] + attrs["pads"][i + len(attrs["kernel"])]
+              - (attrs["kernel"][i] - 1) * attrs["dilations"][i] - 1) // attrs["strides"][i] + 1
+             for i in range(len(attrs["kernel"]))]  # fmt: skip
+    node = helper.make_node(op, ["x"], ["y"], kernel_shape=attrs["kernel"],
+                            strides=attrs["strides"], pads=attrs["pads"],
+                            dilations=attrs["dilations"], ceil_mode=int(floor != attrs["out"]),
+                            **kw)  # fmt: skip
+    got = _ort_graph([node], {"x": x}, {}, opset=19)
+    _compare_ref(R.REFERENCE["pool_nd"]([x], attrs), got, 1e-5, 1e-6)
 
 
 @pytest.mark.parametrize("case", CASES["softmax"], ids=lambda c: c.name)

@@ -348,6 +348,30 @@ def take(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.take(x, np.where(idx < 0, idx + n, idx), axis=ax)
 
 
+def pool_nd(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """One window at a time: its taps inside x (max, the Lp norm, or the mean over the
+    taps inside x, or inside x and its explicit pads with count_include_pad)."""
+    x = np.asarray(inputs[0], np.float64)
+    k, s, d, out = attrs["kernel"], attrs["strides"], attrs["dilations"], attrs["out"]
+    nd, pads, kind = len(k), attrs["pads"], attrs["kind"]
+    y = np.empty((*x.shape[:2], *out), np.float64)
+    for o in np.ndindex(*out):
+        taps = [[o[i] * s[i] + t * d[i] - pads[i] for t in range(k[i])] for i in range(nd)]
+        inside = [[p for p in ts if 0 <= p < x.shape[2 + i]] for i, ts in enumerate(taps)]
+        padded = [[p for p in ts if p < x.shape[2 + i] + pads[nd + i]] for i, ts in enumerate(taps)]
+        win = x[(slice(None), slice(None), *np.ix_(*inside))] if all(inside) else None
+        idx = (slice(None), slice(None), *o)
+        if kind == "max":
+            y[idx] = win.max(axis=tuple(range(2, 2 + nd))) if win is not None else -np.inf
+        elif kind == "lp":
+            p = attrs["p"]
+            y[idx] = (np.abs(win) ** p).sum(axis=tuple(range(2, 2 + nd))) ** (1.0 / p)
+        else:
+            n = np.prod([len(t) for t in (padded if attrs["count_include_pad"] else inside)])
+            y[idx] = win.sum(axis=tuple(range(2, 2 + nd))) / n
+    return y.astype(np.float32)
+
+
 _SCATTER_UFUNC = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
@@ -568,6 +592,7 @@ REFERENCE: dict[str, RefFn] = {
     "take": take,
     "gather_elements": gather_elements,
     "scatter_elements": scatter_elements,
+    "pool_nd": pool_nd,
     "gather_nd": gather_nd,
     "scatter_nd": scatter_nd,
     "topk": topk,
