@@ -543,19 +543,39 @@ def _depth_space(to_space: bool):
     return handler
 
 
+def _dtype_of(ctx: _Ctx, name: str) -> str:
+    if name in ctx.g.consts:
+        return TENSOR_CODES.get(ctx.g.consts[name].dtype, "?")
+    return ctx.g.dtype(name)
+
+
 def _attention(ctx: _Ctx, ins, outs, a):
     """ONNX Attention (opset 23/24) composed from matmul, softmax, binary and the moves,
     as ONNX's reference computes it: 3-D inputs split into heads, past key/value
     concatenated in front, grouped kv heads repeated, Q and K each scaled by
     sqrt(scale), softcap, the mask (bool: -inf where False) and the causal bias added,
-    softmax, rows that every key masks set to 0, times V. nonpad_kv_seqlen and the
-    qk_matmul_output output are refused."""
+    softmax, rows that every key masks set to 0, times V. nonpad_kv_seqlen (keys
+    from it on masked per batch, the causal frontier at it) and the qk_matmul_output
+    output (mode 0 or 1: the softcapped scores; 2: with the bias added; 3: after the
+    softmax) as onnx's reference.
+    float16 inputs are computed in float32 between casts."""
     get = lambda i: ins[i] if len(ins) > i and ins[i] else ""  # noqa: E731
     q, k, v, mask, past_k, past_v = (get(i) for i in range(6))
-    if get(6):
-        raise ctx.fail("nonpad_kv_seqlen is not supported")
-    if len(outs) > 3 and outs[3]:
-        raise ctx.fail("the qk_matmul_output output is not supported")
+    nonpad = get(6)
+    if ctx.g.dtype(q) == "f16":
+        ins32 = [t if not t or i == 6 or (i == 3 and _dtype_of(ctx, t) == "bool") else
+                 ctx.emit("cast", [t], ctx.fresh(t + ".f32"), {"to": "f32"})
+                 for i, t in enumerate(ins)]  # fmt: skip
+        outs32 = [ctx.fresh(o + ".f32") if o else "" for o in outs]
+        _attention(ctx, ins32, outs32, a)
+        for o, o32 in zip(outs, outs32):
+            if o:
+                ctx.emit("cast", [o32], o, {"to": "f16"})
+        return
+    qk_out = outs[3] if len(outs) > 3 and outs[3] else ""
+    mode = int(a.get("qk_matmul_output_mode", 0))
+    if nonpad and (past_k or past_v):
+        raise ctx.fail("nonpad_kv_seqlen with past key/value")
     if any(int(a.get(w, -1)) >= 0 for w in ("left_window_size", "right_window_size")):
         raise ctx.fail("sliding windows are not supported")
     qs = ctx.shape(q)
@@ -611,6 +631,7 @@ def _attention(ctx: _Ctx, ins, outs, a):
         t = ctx.emit("unary", [t], f(ctx.node_name + ".qk_t"),
                      {"act": "tanh", "act_args": [0.0, 0.0]})  # fmt: skip
         sc = ctx.emit("binary", [t, cn], f(ctx.node_name + ".qk_s"), {"kind": "mul", **_NO_ACT})
+    raw = sc  # qk_matmul_output modes 0 and 1: the (softcapped) scores
     bias = ""
     if mask:
         if ctx.shape(mask)[-1] != l_len:
@@ -622,15 +643,42 @@ def _attention(ctx: _Ctx, ins, outs, a):
             bias = ctx.emit("where", [mask, zero, ninf], f(ctx.node_name + ".bias"), {})
         else:
             bias = mask
-    if int(a.get("is_causal", 0)):
-        off = l_len - s_len if (past_k or past_v) else 0
-        allowed = np.arange(l_len)[None, :] <= np.arange(s_len)[:, None] + off
-        cz = ctx.add_const(f(ctx.node_name + ".causal"),
-                           np.where(allowed, 0.0, -np.inf).astype(np.float32))  # fmt: skip
-        bias = cz if not bias else ctx.emit("binary", [bias, cz], f(ctx.node_name + ".bc"),
+    def add_bias(bias: str, cz: str) -> str:
+        return cz if not bias else ctx.emit("binary", [bias, cz], f(ctx.node_name + ".bc"),
                                             {"kind": "add", **_NO_ACT})  # fmt: skip
+
+    def where_bias(allowed: str) -> str:
+        zero = ctx.add_const(f(ctx.node_name + ".z"), np.zeros((), np.float32))
+        ninf = ctx.add_const(f(ctx.node_name + ".ni"), np.float32(-np.inf))
+        return ctx.emit("where", [allowed, zero, ninf], f(ctx.node_name + ".nb"), {})
+
+    nb = ""
+    if nonpad:  # [B] valid keys per batch, as [B, 1, 1, 1]
+        nb = f(nonpad + ".b")
+        _reshape_to(ctx, nonpad, nb, (b, 1, 1, 1))
+        if ctx.g.dtype(nb) != "i64":
+            nb = ctx.emit("cast", [nb], f(nonpad + ".i64"), {"to": "i64"})
+    if int(a.get("is_causal", 0)):
+        if nonpad:  # key j allowed for query i while j - i + S <= nonpad[b]
+            dist = np.arange(l_len)[None, :] - np.arange(s_len)[:, None] + s_len
+            dn = ctx.add_const(f(ctx.node_name + ".dist"), dist.reshape(1, 1, s_len, l_len))
+            ok = ctx.emit("compare", [dn, nb], f(ctx.node_name + ".causal_ok"),
+                          {"kind": "less_equal"})  # fmt: skip
+            bias = add_bias(bias, where_bias(ok))
+        else:
+            off = ctx.shape(past_k)[2] if past_k else 0  # the frontier: after the past keys
+            allowed = np.arange(l_len)[None, :] <= np.arange(s_len)[:, None] + off
+            cz = ctx.add_const(f(ctx.node_name + ".causal"),
+                               np.where(allowed, 0.0, -np.inf).astype(np.float32))  # fmt: skip
+            bias = add_bias(bias, cz)
+    if nonpad:  # keys from nonpad[b] on are padding
+        keys = ctx.add_const(f(ctx.node_name + ".keys"), np.arange(l_len).reshape(1, 1, 1, -1))
+        ok = ctx.emit("compare", [keys, nb], f(ctx.node_name + ".pad_ok"), {"kind": "less"})
+        bias = add_bias(bias, where_bias(ok))
     if bias:
         sc = ctx.emit("binary", [sc, bias], f(ctx.node_name + ".qkb"), {"kind": "add", **_NO_ACT})
+    if qk_out and mode in (0, 1, 2):  # as onnx's reference (1.23): mode 2 holds the bias
+        _identity(ctx, [sc if mode == 2 else raw], [qk_out], {})
     p = ctx.emit("softmax", [sc], f(ctx.node_name + ".p"), {"axis": 3})
     if bias:  # rows every key masks: 0 (the softmax of all -inf is NaN)
         last = len(ctx.shape(bias)) - 1
@@ -640,6 +688,10 @@ def _attention(ctx: _Ctx, ins, outs, a):
         dead = ctx.emit("compare", [top, ninf], f(ctx.node_name + ".dead"), {"kind": "equal"})
         zero = ctx.add_const(f(ctx.node_name + ".zero2"), np.zeros((), np.float32))
         p = ctx.emit("where", [dead, zero, p], f(ctx.node_name + ".p0"), {})
+    if qk_out and mode == 3:
+        _identity(ctx, [p], [qk_out], {})
+    elif qk_out and mode not in (0, 1, 2):
+        raise ctx.fail(f"qk_matmul_output_mode={mode}; supported: 0-3")
     if len(qs) == 4:
         ctx.emit("matmul", [p, v4], outs[0], dict(_NO_ACT))
         return
