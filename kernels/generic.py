@@ -15,7 +15,8 @@ from .ops import slice_index
 
 # the ops generic_step runs (each backend binds the other move ops itself)
 STEP_OPS = ("expand", "cast", "compare", "logic", "where", "take", "gather_elements", "topk",
-            "cumsum", "scatter_elements", "gather_nd", "scatter_nd", "pool_nd")  # fmt: skip
+            "cumsum", "scatter_elements", "gather_nd", "scatter_nd", "pool_nd",
+            "grid_sample")  # fmt: skip
 _REDUCE_PRE = {"l1": "abs", "l2": "square", "sum_square": "square", "log_sum_exp": "exp"}
 
 
@@ -397,4 +398,8 @@ def generic_step(xp, op: str, ins, y, attrs: dict):
         return scatter_nd_step(xp, ins[0], ins[1], ins[2], y, attrs)
     if op == "pool_nd":
         return pool_nd_step(xp, ins[0], y, attrs)
+    if op == "grid_sample":
+        from .sampling import grid_sample_step
+
+        return grid_sample_step(xp, ins[0], ins[1], y, attrs)
     raise ValueError(f"{op} is not a dtype-generic op")

@@ -270,6 +270,15 @@ def _pool_nd_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (x[0], x[1], *attrs["out"])
 
 
+def _grid_sample_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, g = ins[0], ins[1]
+    if (len(x) < 3 or len(g) != len(x) or g[0] != x[0] or g[-1] != len(x) - 2
+            or attrs["mode"] not in ("nearest", "linear", "cubic")
+            or attrs["padding_mode"] not in ("zeros", "border", "reflection")):  # fmt: skip
+        raise OpError(f"grid_sample of {list(x)} at a grid of {list(g)}, {attrs}")
+    return (x[0], x[1], *g[1:-1])
+
+
 def _topk_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x, ax, k = ins[0], int(attrs["axis"]), int(attrs["k"])
     if not 0 <= ax < len(x) or not 0 <= k <= x[ax]:
@@ -491,6 +500,10 @@ OPS: dict[str, OpDef] = {
         # (``count_include_pad``) or Lp (``p``) of each window of ``kernel`` taps,
         # ``dilations`` apart, ``strides`` apart, over x padded by ``pads`` (begins, then
         # ends); ``out`` the output's spatial shape (ceil_mode decided at pack time)
+        # GridSample (kernels/sampling.py): x [N, C, *spatial] sampled at grid
+        # [N, *out, len(spatial)] (normalized coordinates, innermost axis first)
+        _op("grid_sample", ("x", "grid"), _grid_sample_shape,
+            attrs=("mode", "padding_mode", "align_corners")),
         _op("pool_nd", ("x",), _pool_nd_shape,
             attrs=("kind", "kernel", "strides", "dilations", "pads", "out", "count_include_pad",
                    "p")),  # fmt: skip

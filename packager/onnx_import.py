@@ -1130,6 +1130,14 @@ def _gather_nd(ctx: _Ctx, ins, outs, a):
     ctx.emit("gather_nd", ins[:2], outs[0], {"batch_dims": int(a.get("batch_dims", 0))})
 
 
+def _grid_sample(ctx: _Ctx, ins, outs, a):
+    mode = _decode(a.get("mode", "linear" if ctx.opset >= 20 else "bilinear"))
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)  # opset 16's names
+    attrs = {"mode": mode, "padding_mode": _decode(a.get("padding_mode", "zeros")),
+             "align_corners": int(a.get("align_corners", 0))}  # fmt: skip
+    ctx.emit("grid_sample", ins[:2], outs[0], attrs)
+
+
 def _topk(ctx: _Ctx, ins, outs, a):
     """TopK: the indices node (int64), and the values a gather_elements of x at them.
     ``sorted`` 0 allows any order; the sorted one is given."""
@@ -1421,6 +1429,7 @@ HANDLERS: dict[str, Handler] = {
     "Scatter": _scatter_elements,  # opset 9-10's name (axis 0 by default, no reduction)
     "ScatterND": _scatter_nd,
     "GatherND": _gather_nd,
+    "GridSample": _grid_sample,
     "TopK": _topk,
     "Mod": _mod,
     "CumSum": _cumsum,

@@ -78,6 +78,7 @@ TOL: dict[str, tuple[float, float]] = {
     ),
     "cumsum": (1e-5, 1e-5),
     "pool_nd": (1e-5, 1e-6),
+    "grid_sample": (1e-5, 1e-5),
     "scatter_elements": (1e-6, 1e-6),  # add / mul of repeats: the order of the sum
     "scatter_nd": (1e-6, 1e-6),
     "resample": (1e-6, 1e-6),
@@ -437,6 +438,8 @@ def generic_case(name: str, ins: list, attrs: dict, inplace: bool = False) -> Ca
                 x.reshape(-1)[:1] = 0.0  # a zero: bool casts and comparisons see one
             elif kind == "bool":
                 x = rng.random(shape) < 0.5
+            elif kind == "grid":  # normalized coordinates, some outside [-1, 1]
+                x = rng.uniform(-1.4, 1.4, shape).astype(F32)
             elif kind == "perm64":  # distinct indices along the last axis (of 5 or more)
                 rows = [rng.permutation(5)[: shape[-1]] for _ in range(int(np.prod(shape[:-1])))]
                 x = np.asarray(rows, np.int64).reshape(shape)
@@ -911,6 +914,16 @@ CASES: dict[str, list[Case]] = {
         softmax_case("large_values", (2, 10), 1, scale=100.0),
         softmax_case("log_4d_axis1", (2, 3, 4, 5), 1, log=True),
         softmax_case("log_large_values", (2, 10), 1, scale=1e4, log=True),
+    ],
+    "grid_sample": [
+        *[generic_case(f"{m}_{pad}_{'corners' if al else 'edges'}",
+                       [("f32", (1, 2, 4, 5)), ("grid", (1, 3, 6, 2))],
+                       {"mode": m, "padding_mode": pad, "align_corners": al})
+          for m, pad, al in (("linear", "zeros", 0), ("nearest", "border", 1),
+                             ("cubic", "reflection", 0), ("cubic", "zeros", 1),
+                             ("linear", "reflection", 1), ("nearest", "zeros", 0))],
+        generic_case("linear_3d_border", [("f32", (2, 1, 3, 4, 2)), ("grid", (2, 2, 3, 2, 3))],
+                     {"mode": "linear", "padding_mode": "border", "align_corners": 0}),  # fmt: skip
     ],
     "pool_nd": [  # (ceil mode shows only in ``out``: avg_3d_ceil has a margin of 1)
         generic_case("max_3d_dilated", [("f32", (1, 2, 5, 6, 4))],
@@ -1768,6 +1781,21 @@ def test_reference_pool_nd_matches_onnxruntime(case: Case) -> None:
                             **kw)  # fmt: skip
     got = _ort_graph([node], {"x": x}, {}, opset=19)
     _compare_ref(R.REFERENCE["pool_nd"]([x], attrs), got, 1e-5, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES["grid_sample"] if not c.name.startswith("ieee_")],
+    ids=lambda c: c.name,
+)  # fmt: skip
+def test_reference_grid_sample_matches_onnxruntime(case: Case) -> None:
+    from onnx import helper
+
+    (x, grid), attrs = case.make(_rng("ort", "grid_sample", case.name), "f32")
+    node = helper.make_node("GridSample", ["x", "g"], ["y"], mode=attrs["mode"],
+                            padding_mode=attrs["padding_mode"],
+                            align_corners=attrs["align_corners"])  # fmt: skip
+    got = _ort_graph([node], {"x": x, "g": grid}, {}, opset=20)
+    _compare_ref(R.REFERENCE["grid_sample"]([x, grid], attrs), got, 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize("case", CASES["softmax"], ids=lambda c: c.name)

@@ -54,7 +54,7 @@ DTYPES = {
     )
 }
 # Measured on the selection below (onnx 1.23): a ratchet, raised as coverage grows.
-PASS_FLOOR = 594
+PASS_FLOOR = 612
 FIXED_FLOOR = 147
 
 

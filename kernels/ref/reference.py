@@ -8,6 +8,8 @@ absent optional input.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -348,6 +350,76 @@ def take(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return np.take(x, np.where(idx < 0, idx + n, idx), axis=ax)
 
 
+def _gs_reflect(v: float, lo: float, hi: float) -> float:
+    rng = hi - lo
+    if rng <= 0:
+        return lo
+    if lo <= v <= hi:
+        return v
+    d = lo - v if v < lo else v - hi
+    k, r = divmod(d, rng)
+    if v < lo:
+        return lo + r if k % 2 == 0 else hi - r
+    return hi - r if k % 2 == 0 else lo + r
+
+
+def grid_sample(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """One output point at a time: its pixel coordinate per axis (from the grid's
+    normalized one, listed innermost axis first), then the sum over the taps of each
+    axis (nearest 1, linear 2, cubic 4 with Keys' a = -0.75) of their weights' product
+    times the pixel, read by the padding rule."""
+    x, grid = np.asarray(inputs[0], np.float64), np.asarray(inputs[1], np.float64)
+    mode, pad, align = attrs["mode"], attrs["padding_mode"], bool(attrs["align_corners"])
+    n, c, *dims = x.shape
+    nd = len(dims)
+    y = np.zeros((n, c, *grid.shape[1:-1]))
+
+    def cubic(t: float) -> list[float]:
+        a = -0.75
+        near = lambda s: ((a + 2) * s - (a + 3)) * s * s + 1  # noqa: E731
+        far = lambda s: ((a * s - 5 * a) * s + 8 * a) * s - 4 * a  # noqa: E731
+        return [far(t + 1), near(t), near(1 - t), far(2 - t)]
+
+    for b in range(n):
+        for o in np.ndindex(*grid.shape[1:-1]):
+            taps = []
+            for i, d in enumerate(dims):
+                g = float(np.float32(grid[(b, *o, nd - 1 - i)]))
+                v = (g + 1) / 2 * (d - 1) if align else ((g + 1) * d - 1) / 2
+                v = float(np.float32(v))
+                if mode == "nearest":
+                    v = float(np.rint(v))
+                lo, hi = (0.0, d - 1.0) if align else (-0.5, d - 0.5)
+                if (v < lo or v > hi) and pad == "border":
+                    v = min(max(v, 0.0), d - 1.0)
+                elif (v < lo or v > hi) and pad == "reflection":
+                    v = _gs_reflect(v, lo, hi)
+                if mode == "nearest":
+                    axis = [(int(v), 1.0)]
+                else:
+                    f = math.floor(v)
+                    t = v - f
+                    ws = [1 - t, t] if mode == "linear" else cubic(t)
+                    first = f - (1 if mode == "cubic" else 0)
+                    axis = [(first + k, w) for k, w in enumerate(ws)]
+                read = []
+                for idx, w in axis:
+                    if pad == "zeros" and not 0 <= idx < d:
+                        idx = None
+                    elif pad == "reflection":
+                        idx = int(_gs_reflect(float(idx), lo, hi))
+                    if idx is not None:
+                        idx = min(max(idx, 0), d - 1)
+                    read.append((idx, w))
+                taps.append(read)
+            for combo in itertools.product(*taps):
+                w = float(np.prod([wk for _, wk in combo]))
+                px = (np.zeros(c) if any(i is None for i, _ in combo)
+                      else x[(b, slice(None), *[i for i, _ in combo])])  # fmt: skip
+                y[(b, slice(None), *o)] += w * px
+    return y.astype(np.float32)
+
+
 def pool_nd(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """One window at a time: its taps inside x (max, the Lp norm, or the mean over the
     taps inside x, or inside x and its explicit pads with count_include_pad)."""
@@ -593,6 +665,7 @@ REFERENCE: dict[str, RefFn] = {
     "gather_elements": gather_elements,
     "scatter_elements": scatter_elements,
     "pool_nd": pool_nd,
+    "grid_sample": grid_sample,
     "gather_nd": gather_nd,
     "scatter_nd": scatter_nd,
     "topk": topk,
