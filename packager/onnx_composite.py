@@ -155,7 +155,170 @@ def eye_like(ctx, ins, outs, a):
     ctx.add_const(outs[0], np.eye(xs[0], xs[1], k=int(a.get("k", 0)), dtype=np_dt))
 
 
+def _slice_last(ctx, x: str, start: int, step: int, size: int) -> str:
+    xs = ctx.shape(x)
+    r = len(xs)
+    return ctx.emit("slice", [x], ctx.fresh(f"{x}.s{start}"),
+                    {"starts": [0] * (r - 1) + [start], "steps": [1] * (r - 1) + [step],
+                     "sizes": [*xs[:-1], size]})  # fmt: skip
+
+
+def _reshape(ctx, x: str, shape, out: str | None = None) -> str:
+    return ctx.emit("reshape", [x], out or ctx.fresh(x + ".r"), {"shape": [int(d) for d in shape]})
+
+
+def rotary_embedding(ctx, ins, outs, a):
+    """RotaryEmbedding (opset 23): the first ``rotary_embedding_dim`` features of each
+    head rotated by the cos/sin caches (at position_ids, or given per token), as
+    halves or interleaved pairs: real = cos x1 - sin x2, imag = sin x1 + cos x2."""
+    x, cos, sin = ins[:3]
+    pos = ins[3] if len(ins) > 3 and ins[3] else ""
+    xs = ctx.shape(x)
+    if len(xs) == 3:  # [B, S, hidden] -> [B, S, H, D]; the caches broadcast over H
+        h = int(a.get("num_heads", 0))
+        if h <= 0 or xs[2] % h:
+            raise ctx.fail(f"3-D input {list(xs)} needs num_heads dividing {xs[2]}")
+        x4 = _reshape(ctx, x, (xs[0], xs[1], h, xs[2] // h))
+        head_axis = 2
+    elif len(xs) == 4:  # [B, H, S, D]
+        x4, head_axis = x, 1
+    else:
+        raise ctx.fail(f"input rank {len(xs)}; expected 3 or 4")
+    b, d = xs[0], ctx.shape(x4)[3]
+    seq = xs[1] if len(xs) == 3 else xs[2]
+    rd = int(a.get("rotary_embedding_dim", 0)) or d
+    half = rd // 2
+    if rd % 2 or rd > d:
+        raise ctx.fail(f"rotary_embedding_dim {rd} for heads of {d}")
+    caches = []
+    for t in (cos, sin):
+        if pos:
+            t = ctx.emit("take", [t, pos], ctx.fresh(t + ".at"), {"axis": 0})
+        if tuple(ctx.shape(t)) != (b, seq, half):
+            raise ctx.fail(f"a cache of {list(ctx.shape(t))} for [{b}, {seq}, {half}]")
+        shape = [b, seq, half]
+        shape.insert(head_axis, 1)
+        caches.append(_reshape(ctx, t, shape))
+    c, s_ = caches
+    inter = bool(int(a.get("interleaved", 0)))
+    x1 = _slice_last(ctx, x4, 0, 2 if inter else 1, half)
+    x2 = _slice_last(ctx, x4, 1 if inter else half, 2 if inter else 1, half)
+    real = _bin(ctx, "sub", _bin(ctx, "mul", c, x1), _bin(ctx, "mul", s_, x2))
+    imag = _bin(ctx, "add", _bin(ctx, "mul", s_, x1), _bin(ctx, "mul", c, x2))
+    lead = list(ctx.shape(x1)[:-1])
+    if inter:  # pairs (real, imag) side by side
+        parts = [_reshape(ctx, t, [*lead, half, 1]) for t in (real, imag)]
+        pairs = ctx.emit("concat", parts, ctx.fresh(x + ".pairs"), {"axis": len(lead) + 1})
+        rot = _reshape(ctx, pairs, [*lead, rd])
+    else:
+        rot = ctx.emit("concat", [real, imag], ctx.fresh(x + ".rot"), {"axis": len(lead)})
+    y = rot
+    if rd < d:
+        rest = _slice_last(ctx, x4, rd, 1, d - rd)
+        y = ctx.emit("concat", [rot, rest], ctx.fresh(x + ".all"), {"axis": len(lead)})
+    _reshape(ctx, y, xs, outs[0])
+
+
+def _nll(ctx, logp: str, target: str, weight: str, a: dict, out: str) -> None:
+    """NegativeLogLikelihoodLoss of log-probabilities [N, C, d...] at target [N, d...]:
+    -logp[n, target, d...] * weight[target], 0 where target is ignore_index; reduced
+    by none, sum, or mean (over the weights of the targets counted)."""
+    xs = ctx.shape(logp)
+    ts = list(ctx.shape(target))
+    if ts != [xs[0], *xs[2:]]:
+        raise ctx.fail(f"target {ts} for input {list(xs)}")
+    reduction = a.get("reduction", b"mean")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else str(reduction)
+    if reduction not in ("none", "sum", "mean"):
+        raise ctx.fail(f"reduction={reduction!r}; supported: none, sum, mean")
+    t, ignore = target, None
+    if "ignore_index" in a:
+        tdt = TENSOR_DTYPES[_dtype(ctx, t)]
+        ii = ctx.add_const(
+            ctx.fresh(ctx.node_name + ".ii"), np.asarray(int(a["ignore_index"]), tdt)
+        )
+        ignore = ctx.emit("compare", [t, ii], ctx.fresh(ctx.node_name + ".ignored"),
+                          {"kind": "equal"})  # fmt: skip
+        z = ctx.add_const(
+            ctx.fresh(ctx.node_name + ".z"), np.zeros((), TENSOR_DTYPES[_dtype(ctx, t)])
+        )
+        t = ctx.emit("where", [ignore, z, t], ctx.fresh(ctx.node_name + ".target"), {})
+    picked = ctx.emit("gather_elements", [logp, _reshape(ctx, t, [xs[0], 1, *xs[2:]])],
+                      ctx.fresh(ctx.node_name + ".picked"), {"axis": 1})  # fmt: skip
+    minus = ctx.add_const(ctx.fresh(ctx.node_name + ".minus"), np.float32(-1.0))
+    loss = _bin(ctx, "mul", _reshape(ctx, picked, ts), minus)
+    w = ""
+    if weight:
+        w = ctx.emit("take", [weight, t], ctx.fresh(ctx.node_name + ".w"), {"axis": 0})
+        loss = _bin(ctx, "mul", loss, w)
+    zero = ctx.add_const(ctx.fresh(ctx.node_name + ".zero"), np.zeros((), np.float32))
+    if ignore is not None:
+        loss = ctx.emit("where", [ignore, zero, loss], ctx.fresh(ctx.node_name + ".kept"), {})
+    if reduction == "none":
+        ctx.emit("reshape", [loss], out, {"shape": ts})
+        return
+    every = {"kind": "sum", "axes": list(range(len(ts))), "keepdims": 0}
+    total = ctx.emit("reduce", [loss], out if reduction == "sum" else ctx.fresh(out + ".sum"),
+                     every)  # fmt: skip
+    if reduction == "sum":
+        return
+    counted = w or ctx.add_const(ctx.fresh(ctx.node_name + ".ones"), np.ones(ts, np.float32))
+    if ignore is not None:
+        counted = ctx.emit("where", [ignore, zero, counted], ctx.fresh(ctx.node_name + ".n"), {})
+    if counted in ctx.g.consts and ignore is None:
+        n = ctx.add_const(ctx.fresh(ctx.node_name + ".count"), np.float32(np.prod(ts)))
+    else:
+        n = ctx.emit("reduce", [counted], ctx.fresh(ctx.node_name + ".count"), every)
+    _bin(ctx, "div", total, n, out)
+
+
+def nll_loss(ctx, ins, outs, a):
+    _nll(ctx, ins[0], ins[1], ins[2] if len(ins) > 2 else "", a, outs[0])
+
+
+def softmax_cross_entropy(ctx, ins, outs, a):
+    """SoftmaxCrossEntropyLoss: NLL of log_softmax(scores, axis 1); the optional
+    second output is those log-probabilities."""
+    xs = ctx.shape(ins[0])
+    logp = outs[1] if len(outs) > 1 and outs[1] else ctx.fresh(outs[0] + ".logp")
+    ctx.emit("softmax", [ins[0]], logp, {"axis": 1 % len(xs), "log": True})
+    _nll(ctx, logp, ins[1], ins[2] if len(ins) > 2 else "", a, outs[0])
+
+
+def affine_grid(ctx, ins, outs, a):
+    """AffineGrid: each output point's normalized coordinates (x, y[, z], 1), constants
+    of the plan, times theta [N, 2 or 3, 3 or 4] (a broadcast multiply and a sum over
+    the last axis: grid[n, p, j] = sum_k base[p, k] theta[n, j, k])."""
+    theta = ins[0]
+    size = [int(v) for v in np.asarray(ctx.const(ins[1], "size")).reshape(-1)]
+    n, spatial = size[0], size[2:]
+    nd = len(spatial)
+    if nd not in (2, 3) or tuple(ctx.shape(theta)) != (n, nd, nd + 1):
+        raise ctx.fail(f"theta {list(ctx.shape(theta))} for size {size}")
+    align = bool(int(a.get("align_corners", 0)))
+
+    def axis(d: int) -> np.ndarray:
+        if align:
+            return np.linspace(-1.0, 1.0, d) if d > 1 else np.zeros(1)
+        return (2 * np.arange(d) + 1) / d - 1
+
+    mesh = np.meshgrid(*[axis(d) for d in spatial], indexing="ij")  # D, H, W order
+    coords = [m.reshape(-1) for m in mesh][::-1]  # x (innermost) first
+    pts = int(np.prod(spatial))
+    base = np.stack([*coords, np.ones(pts)], axis=1).astype(np.float32)  # [P, nd + 1]
+    bn = ctx.add_const(ctx.fresh(ctx.node_name + ".base"), base.reshape(1, pts, 1, nd + 1))
+    t4 = _reshape(ctx, theta, (n, 1, nd, nd + 1))
+    prod = _bin(ctx, "mul", t4, bn)
+    g = ctx.emit("reduce", [prod], ctx.fresh(ctx.node_name + ".g"),
+                 {"kind": "sum", "axes": [3], "keepdims": 0})  # fmt: skip
+    _reshape(ctx, g, (n, *spatial, nd), outs[0])
+
+
 COMPOSITE_HANDLERS = {
+    "RotaryEmbedding": rotary_embedding,
+    "NegativeLogLikelihoodLoss": nll_loss,
+    "SoftmaxCrossEntropyLoss": softmax_cross_entropy,
+    "AffineGrid": affine_grid,
     "PRelu": prelu,
     "Swish": swish,
     "Tile": tile,
