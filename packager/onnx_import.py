@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..kernels.ops import GENERIC_OPS, INT_CONSTS, OpError, out_dtype, output_shape
+from ..kernels.ops import GENERIC_OPS, INT_CONSTS, OUT_DTYPES, OpError, out_dtype, output_shape
 from ..kernels.ops import get as get_op
 from ..kernels.ref.reference import REFERENCE
 from ..runtime.bundle_format import TENSOR_CODES, TENSOR_DTYPES
@@ -80,6 +80,16 @@ class _Ctx:
             raise self.fail(str(e)) from None
         consts = self.g.consts
         runtime = [self.g.dtype(i) for i in inputs if i and i not in consts]
+        if op not in GENERIC_OPS and "f16" in runtime and set(runtime) <= {"f16", "f32"}:
+            # float16 tensors through a float32 op: cast in, and out again where the op
+            # gives floats (float16 values are exact in float32)
+            ins32 = [i if not i or i in consts or self.g.dtype(i) != "f16" else
+                     self.emit("cast", [i], self.fresh(i + ".f32"), {"to": "f32"})
+                     for i in inputs]  # fmt: skip
+            if OUT_DTYPES.get(op, "f32") != "f32":
+                return self.emit(op, ins32, out, attrs)
+            y32 = self.emit(op, ins32, self.fresh(out + ".f32"), attrs)
+            return self.emit("cast", [y32], out, {"to": "f16"})
         # dtype-generic ops (and binary over integer tensors) keep every dtype; the
         # others take float32 tensors, their constants cast to float32 here
         generic = op in GENERIC_OPS or (op == "binary" and (
@@ -168,6 +178,18 @@ def _act_node(act: str, args=(0.0, 0.0)):
             args_ = (float(a.get("alpha", 0.01)), 0.0)
         elif act == "hard_sigmoid":
             args_ = (float(a.get("alpha", 0.2)), float(a.get("beta", 0.5)))
+        elif act == "clip" and _dtype_of(ctx, x) not in ("f32", "f16"):
+            # integers: max and min with the bounds (integer binaries, exact)
+            y = x
+            for k, kind in ((1, "max"), (2, "min")):
+                bound = ctx.opt_const(ins, k)
+                if bound is not None:
+                    v = np.asarray(bound, TENSOR_DTYPES[_dtype_of(ctx, x)])
+                    c = ctx.add_const(ctx.fresh(f"{ctx.node_name}.{kind}"), v)
+                    y = ctx.emit("binary", [y, c], ctx.fresh(outs[0] + "." + kind),
+                                 {"kind": kind, **_NO_ACT})  # fmt: skip
+            _identity(ctx, [y], outs[:1], a)
+            return
         elif act == "clip":
             lo = ctx.opt_const(ins, 1)
             hi = ctx.opt_const(ins, 2)
@@ -473,7 +495,9 @@ def _isinf(ctx: _Ctx, ins, outs, a):
     picks = []
     for sign, attr in ((1, "detect_positive"), (-1, "detect_negative")):
         if int(a.get(attr, 1)):
-            inf = ctx.add_const(ctx.fresh(f"{ctx.node_name}.inf{sign}"), np.float32(sign * np.inf))
+            dt = TENSOR_DTYPES[_dtype_of(ctx, ins[0])]
+            inf = ctx.add_const(ctx.fresh(f"{ctx.node_name}.inf{sign}"),
+                                np.asarray(sign * np.inf, dt))  # fmt: skip
             picks.append(ctx.emit("compare", [ins[0], inf], ctx.fresh(outs[0] + ".inf"),
                                   {"kind": "equal"}))  # fmt: skip
     if not picks:
@@ -1052,6 +1076,11 @@ REDUCE_OPS = {"ReduceSum": ("sum", 13), "ReduceMax": ("max", 18), "ReduceMin": (
 def _reduce(ctx: _Ctx, ins, outs, a):
     kind, since = REDUCE_OPS[ctx.node.op_type]
     xs = ctx.shape(ins[0])
+    if _dtype_of(ctx, ins[0]) == "bool" and kind in ("max", "min"):  # any / all
+        f = ctx.emit("cast", [ins[0]], ctx.fresh(ins[0] + ".f32"), {"to": "f32"})
+        y = ctx.fresh(outs[0] + ".f32")
+        _reduce(ctx, [f, *ins[1:]], [y], a)
+        return ctx.emit("cast", [y], outs[0], {"to": "bool"})
     axes = _axes(ctx, ins, a, len(xs), since)
     if not axes:
         if int(a.get("noop_with_empty_axes", 0)):
