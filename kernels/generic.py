@@ -299,6 +299,9 @@ def pool_nd_step(xp, x, y, attrs: dict):
              *(st[2 + i] * d[i] for i in range(nd))))  # fmt: skip
 
     view, axes = windows(buf), tuple(range(2 + nd, 2 + 2 * nd))
+    if kind.startswith("argmax"):
+        return _pool_argmax_step(xp, x, y, inner, view, windows, ext, pads, sp,
+                                 kind == "argmax_col")  # fmt: skip
     count = None
     if kind == "avg":  # taps inside x, or inside x and its explicit pads
         m = np.zeros((1, 1, *ext), np.float32)
@@ -323,6 +326,39 @@ def pool_nd_step(xp, x, y, attrs: dict):
             xp.divide(y, count, out=y)
         elif p != 1.0:
             xp.power(y, np.float32(1.0 / p), out=y)
+
+    return step
+
+
+def _pool_argmax_step(xp, x, y, inner, view, windows, ext, pads, sp, col: bool):
+    """MaxPool's Indices: one pass per tap of the window, keeping the largest value so
+    far and its flat index into x (a table of the padded buffer's positions, -1 in the
+    pads, made here once); strictly larger replaces, so the first maximum wins."""
+    nd = len(sp)
+    table = np.full((*x.shape[:2], *ext), -1, np.int64)
+    n_sp = int(np.prod(sp, dtype=np.int64))
+    spatial = np.arange(n_sp, dtype=np.int64).reshape(sp, order="F" if col else "C")
+    planes = np.arange(x.shape[0] * x.shape[1], dtype=np.int64).reshape(*x.shape[:2], *[1] * nd)
+    table[(slice(None), slice(None), *(slice(pads[i], pads[i] + sp[i]) for i in range(nd)))] = (
+        planes * n_sp + spatial)
+    at = windows(xp.asarray(table))
+    k = view.shape[2 + nd :]
+    best = xp.empty(y.shape, np.float32)
+    take, unset = xp.empty(y.shape, bool), xp.empty(y.shape, bool)
+    taps = [(view[(Ellipsis, *t)], at[(Ellipsis, *t)], xp.asarray(at[(Ellipsis, *t)] >= 0))
+            for t in np.ndindex(*k)]  # fmt: skip
+
+    def step() -> None:
+        xp.copyto(inner, x)
+        best.fill(-np.inf)
+        y.fill(-1)
+        for v, i, valid in taps:
+            xp.greater(v, best, out=take)
+            xp.less(y, 0, out=unset)
+            xp.logical_or(take, unset, out=take)  # the first tap inside x starts it
+            xp.logical_and(take, valid, out=take)
+            xp.copyto(best, v, where=take)
+            xp.copyto(y, i, where=take)
 
     return step
 

@@ -263,7 +263,7 @@ def _scatter_nd_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
 
 def _pool_nd_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x, nd = ins[0], len(attrs["kernel"])
-    if (len(x) != nd + 2 or attrs["kind"] not in ("max", "avg", "lp")
+    if (len(x) != nd + 2 or attrs["kind"] not in ("max", "avg", "lp", "argmax", "argmax_col")
             or not len(attrs["strides"]) == len(attrs["dilations"]) == len(attrs["out"]) == nd
             or len(attrs["pads"]) != 2 * nd):  # fmt: skip
         raise OpError(f"pool_nd of {list(x)} with kernel {attrs['kernel']}")
@@ -499,7 +499,9 @@ OPS: dict[str, OpDef] = {
         # pooling over any number of spatial axes (x [N, C, *spatial]): max, average
         # (``count_include_pad``) or Lp (``p``) of each window of ``kernel`` taps,
         # ``dilations`` apart, ``strides`` apart, over x padded by ``pads`` (begins, then
-        # ends); ``out`` the output's spatial shape (ceil_mode decided at pack time)
+        # ends); ``out`` the output's spatial shape (ceil_mode decided at pack time);
+        # kind argmax: MaxPool's Indices (int64, the flat NCHW... index of the first max;
+        # argmax_col: storage_order 1, the spatial axes' part of it column-major)
         # GridSample (kernels/sampling.py): x [N, C, *spatial] sampled at grid
         # [N, *out, len(spatial)] (normalized coordinates, innermost axis first)
         _op("grid_sample", ("x", "grid"), _grid_sample_shape,
@@ -597,6 +599,9 @@ def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
     if op == "cumsum":
         need(live[0] != "bool", "numbers")
         return live[0]
+    if op == "pool_nd" and attrs["kind"].startswith("argmax"):  # MaxPool's Indices
+        need(live == ["f32"], "float32 tensors")
+        return "i64"
     if op == "binary" and live and live[0] != "f32":
         need(len(set(live)) == 1 and live[0] not in ("bool", "f16") and
              attrs["kind"] in INT_BINARY_KINDS and attrs.get("act", "none") == "none",

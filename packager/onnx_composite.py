@@ -314,7 +314,84 @@ def affine_grid(ctx, ins, outs, a):
     _reshape(ctx, g, (n, *spatial, nd), outs[0])
 
 
+def col2im(ctx, ins, outs, a):
+    """Col2Im: the blocks' values summed into the image they were cut from: one
+    scatter_elements (add) of the flattened input into a zero image with one spare
+    slot at the end, which takes what falls in the padding, at constant indices."""
+    x = ins[0]
+    n, ck, blocks = ctx.shape(x)
+    img = [int(v) for v in np.asarray(ctx.const(ins[1], "image_shape")).reshape(-1)]
+    blk = [int(v) for v in np.asarray(ctx.const(ins[2], "block_shape")).reshape(-1)]
+    nd = len(img)
+    d = list(a.get("dilations", [1] * nd))
+    s = list(a.get("strides", [1] * nd))
+    p = list(a.get("pads", [0] * (2 * nd)))
+    k = int(np.prod(blk))
+    counts = [
+        (img[i] + p[i] + p[nd + i] - (d[i] * (blk[i] - 1) + 1)) // s[i] + 1 for i in range(nd)
+    ]
+    if ck % k or int(np.prod(counts)) != blocks or len(blk) != nd:
+        raise ctx.fail(f"input {[n, ck, blocks]} for image {img}, blocks {blk}")
+    c, hw = ck // k, int(np.prod(img))
+    kk = np.indices(blk).reshape(nd, -1)  # [nd, K]
+    bb = np.indices(counts).reshape(nd, -1)  # [nd, L]
+    pos = (
+        bb[:, None, :] * np.asarray(s)[:, None, None]
+        + kk[:, :, None] * np.asarray(d)[:, None, None]
+    )
+    pos = pos - np.asarray(p[:nd])[:, None, None]  # [nd, K, L] image coordinates
+    inside = np.all((pos >= 0) & (pos < np.asarray(img)[:, None, None]), axis=0)
+    flat = np.ravel_multi_index(tuple(np.clip(pos, 0, np.asarray(img)[:, None, None] - 1)), img)
+    flat = np.where(inside, flat, -1)  # -1: the spare slot
+    idx = (np.arange(c)[:, None, None] * hw + flat[None]).reshape(1, -1)
+    idx = np.where(idx < 0, c * hw, idx)
+    idx = np.broadcast_to(idx, (n, idx.shape[1])).astype(np.int64)
+    zeros = ctx.add_const(
+        ctx.fresh(ctx.node_name + ".canvas"), np.zeros((n, c * hw + 1), np.float32)
+    )
+    at = ctx.add_const(ctx.fresh(ctx.node_name + ".at"), idx.copy())
+    flat_x = _reshape(ctx, x, (n, ck * blocks))
+    summed = ctx.emit("scatter_elements", [zeros, at, flat_x], ctx.fresh(ctx.node_name + ".sum"),
+                      {"axis": 1, "reduction": "add"})  # fmt: skip
+    cut = ctx.emit("slice", [summed], ctx.fresh(ctx.node_name + ".img"),
+                   {"starts": [0, 0], "steps": [1, 1], "sizes": [n, c * hw]})  # fmt: skip
+    _reshape(ctx, cut, (n, c, *img), outs[0])
+
+
+def tensor_scatter(ctx, ins, outs, a):
+    """TensorScatter (opset 24, a KV cache update): update written into past_cache
+    along ``axis`` from write_indices[b] on (mode circular: modulo the cache's length);
+    a scatter_elements at indices write_indices[b] + j made each run."""
+    past, upd = ins[:2]
+    wi = ins[2] if len(ins) > 2 and ins[2] else ""
+    ps, us = ctx.shape(past), ctx.shape(upd)
+    r = len(ps)
+    ax = int(a.get("axis", -2)) % r
+    if ax == 0 or any(ps[i] != us[i] for i in range(r) if i != ax) or us[ax] > ps[ax]:
+        raise ctx.fail(f"update {list(us)} into cache {list(ps)} along axis {ax}")
+    mode = a.get("mode", b"linear")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    along = [1] * r
+    along[ax] = us[ax]
+    steps = ctx.add_const(ctx.fresh(ctx.node_name + ".steps"),
+                          np.arange(us[ax], dtype=np.int64).reshape(along))  # fmt: skip
+    if wi:
+        w = _reshape(ctx, wi, [ps[0]] + [1] * (r - 1))
+        if _dtype(ctx, w) != "i64":
+            w = _cast(ctx, w, "i64")
+        steps = _bin(ctx, "add", w, steps)
+    if mode == "circular":
+        length = ctx.add_const(ctx.fresh(ctx.node_name + ".len"), np.asarray(ps[ax], np.int64))
+        steps = _bin(ctx, "mod", steps, length)
+    elif mode != "linear":
+        raise ctx.fail(f"mode={mode!r}; supported: linear, circular")
+    at = ctx.emit("expand", [steps], ctx.fresh(ctx.node_name + ".at"), {"shape": list(us)})
+    ctx.emit("scatter_elements", [past, at, upd], outs[0], {"axis": ax, "reduction": "none"})
+
+
 COMPOSITE_HANDLERS = {
+    "Col2Im": col2im,
+    "TensorScatter": tensor_scatter,
     "RotaryEmbedding": rotary_embedding,
     "NegativeLogLikelihoodLoss": nll_loss,
     "SoftmaxCrossEntropyLoss": softmax_cross_entropy,

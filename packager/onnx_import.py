@@ -269,9 +269,12 @@ def _as_2d(handler, weighted: bool):
         if "output_shape" in a:
             a["output_shape"] = [1, *list(a["output_shape"])[-1:]]
         y4 = ctx.fresh(outs[0] + ".2d")
-        handler(ctx, ins, [y4, *outs[1:]], a)
-        ys = ctx.shape(y4)
-        _reshape_to(ctx, y4, outs[0], (ys[0], ys[1], ys[3]))
+        more = [ctx.fresh(o + ".2d") if o else "" for o in outs[1:]]  # MaxPool's Indices
+        handler(ctx, ins, [y4, *more], a)
+        for o4, o in zip([y4, *more], outs):
+            if o:
+                s4 = ctx.shape(o4)
+                _reshape_to(ctx, o4, o, (s4[0], s4[1], s4[3]))
 
     return wrapped
 
@@ -328,11 +331,13 @@ def _conv_transpose(ctx: _Ctx, ins, outs, a):
         out = None
     if out is not None:  # pads from the wanted size (the operator text's rule)
         total = [full[i] - out[i] for i in range(2)]
-        if min(total) < 0:
-            raise ctx.fail(f"output_shape {out} is larger than the {full} canvas")
         upper = auto == "SAME_UPPER"
-        begin = [t // 2 if upper else t - t // 2 for t in total]
+        # a canvas smaller than output_shape grows at its end (ORT: zero padding,
+        # the extra rows and columns hold only the bias)
+        begin = [0 if t < 0 else t // 2 if upper else t - t // 2 for t in total]
         pads = [begin[0], begin[1], total[0] - begin[0], total[1] - begin[1]]
+        if min(pads) < 0:  # larger than the canvas: zeros (and the bias) beyond it
+            return _conv_transpose_beyond(ctx, ins, outs, a, w, g, s, d, pads, out)
     elif auto == "VALID" or auto in ("NOTSET", ""):
         pads = [int(v) for v in a.get("pads", [0, 0, 0, 0])] if auto != "VALID" else [0] * 4
         if len(pads) != 4 or min(pads) < 0:
@@ -346,6 +351,27 @@ def _conv_transpose(ctx: _Ctx, ins, outs, a):
     ctx.add_const(wname, w)
     attrs = {"strides": s, "pads": pads, "dilations": d, "group": g, "out_hw": out}
     ctx.emit("conv_transpose", [x, wname, b], outs[0], attrs)
+
+
+def _conv_transpose_beyond(ctx: _Ctx, ins, outs, a, w, g, s, d, pads, out):
+    """A ConvTranspose whose output_shape reaches past its canvas: the canvas (its
+    non-negative pads cropped) without bias, zero-padded by the negative pads, then
+    the bias added."""
+    x, wname = ins[0], ins[1]
+    crop = [max(p, 0) for p in pads]
+    grow = [max(-p, 0) for p in pads]
+    inner = [out[i] - grow[i] - grow[i + 2] for i in range(2)]
+    ctx.add_const(wname, w)
+    attrs = {"strides": s, "pads": crop, "dilations": d, "group": g, "out_hw": inner}
+    y = ctx.emit("conv_transpose", [x, wname, ""], ctx.fresh(outs[0] + ".canvas"), attrs)
+    n, c = ctx.shape(y)[:2]
+    y = ctx.emit("pad", [y], ctx.fresh(outs[0] + ".grown") if len(ins) > 2 and ins[2] else outs[0],
+                 {"pads": [0, 0, grow[0], grow[1], 0, 0, grow[2], grow[3]], "mode": "constant",
+                  "value": 0.0})  # fmt: skip
+    if len(ins) > 2 and ins[2]:
+        bias = ctx.const(ins[2], "bias").astype(np.float32).reshape(1, c, 1, 1)
+        b = ctx.add_const(ctx.fresh(ctx.node_name + ".bias"), bias)
+        ctx.emit("binary", [y, b], outs[0], {"kind": "add", **_NO_ACT})
 
 
 def _linear(ctx: _Ctx, x: str, w_nk: np.ndarray, bias: np.ndarray | None, out: str, base: str):
@@ -789,10 +815,7 @@ def _pool(kind: str):
         nd = len(xs) - 2
         if nd < 1:
             raise ctx.fail(f"input rank {len(xs)}; expected N, C and spatial axes")
-        if len(outs) > 1 and outs[1]:
-            raise ctx.fail("the Indices output of MaxPool is not supported")
-        if int(a.get("storage_order", 0)):
-            raise ctx.fail("storage_order=1 is not supported")
+        indices = outs[1] if len(outs) > 1 and outs[1] else ""
         k = list(a["kernel_shape"])
         s = list(a.get("strides", [1] * nd))
         d = list(a.get("dilations", [1] * nd))
@@ -800,6 +823,11 @@ def _pool(kind: str):
             raise ctx.fail(f"kernel {k}, strides {s}, dilations {d} for {nd} spatial axes")
         pads = _spatial_pads(ctx, a, xs[2:], k, s, d)
         out = _pool_out(ctx, a, xs, k, s, d, pads)
+        if indices:  # MaxPool's Indices: the flat index of each window's first maximum
+            kind_i = "argmax_col" if int(a.get("storage_order", 0)) else "argmax"
+            ctx.emit("pool_nd", [x], indices, {"kind": kind_i, "kernel": k, "strides": s,
+                                               "dilations": d, "pads": pads, "out": out,
+                                               "count_include_pad": 0, "p": 2})  # fmt: skip
         if nd != 2 or kind == "lp" or (kind == "avg" and d != [1, 1]):
             attrs = {"kind": kind, "kernel": k, "strides": s, "dilations": d, "pads": pads,
                      "out": out, "count_include_pad": int(a.get("count_include_pad", 0)),
@@ -941,8 +969,6 @@ def _resize(ctx: _Ctx, ins, outs, a):
             raise ctx.fail("tf_crop_and_resize needs a constant roi (starts, then ends)")
         rv = [float(v) for v in roi.reshape(-1)]
         rois = {ax: (rv[i], rv[i + len(axes)]) for i, ax in enumerate(axes)}
-        if float(a.get("extrapolation_value", 0.0)) != 0.0:
-            raise ctx.fail("extrapolation_value other than 0 is not supported")
     if scales is not None:
         for ax in axes:
             lo, hi = rois.get(ax, (0.0, 1.0))
@@ -961,11 +987,22 @@ def _resize(ctx: _Ctx, ins, outs, a):
             changed.append((ax, idx, w))
     if not changed:
         return _identity(ctx, [x], outs, a)
+    extra = float(a.get("extrapolation_value", 0.0)) if transform == "tf_crop_and_resize" else 0.0
+    last = outs[0] if extra == 0.0 else ctx.fresh(outs[0] + ".resampled")
     for j, (ax, idx, w) in enumerate(changed):
         iname = ctx.add_const(ctx.fresh(f"{ctx.node_name}.idx{ax}"), idx)
         wname = ctx.add_const(ctx.fresh(f"{ctx.node_name}.w{ax}"), w)
-        dst = outs[0] if j == len(changed) - 1 else ctx.fresh(f"{outs[0]}.axis{ax}")
+        dst = last if j == len(changed) - 1 else ctx.fresh(f"{outs[0]}.axis{ax}")
         x = ctx.emit("resample", [x, iname, wname], dst, {"axis": ax})
+    if extra != 0.0:  # outside the crop's input (all-zero taps on some axis): the value
+        outside = np.zeros([1] * len(xs), bool)
+        for ax, _, w in changed:
+            shape = [1] * len(xs)
+            shape[ax] = out[ax]
+            outside = outside | (np.abs(w).sum(axis=1) == 0).reshape(shape)
+        m = ctx.add_const(ctx.fresh(ctx.node_name + ".outside"), outside)
+        v = ctx.add_const(ctx.fresh(ctx.node_name + ".extrapolation"), np.float32(extra))
+        ctx.emit("where", [m, v, x], outs[0], {})
 
 
 def _reshape_to(ctx: _Ctx, x: str, out: str, shape) -> None:

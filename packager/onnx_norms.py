@@ -51,11 +51,33 @@ def _runtime_weight(ctx, name: str, inner: tuple[int, ...], shape, what: str) ->
     return _reshape(ctx, name, shape)
 
 
+def _batchnorm_training(ctx, ins, outs, a):
+    """training_mode=1: normalized by the batch's own mean and (biased) variance over
+    N and the spatial axes; the running statistics outputs are momentum * given +
+    (1 - momentum) * the batch's, as ONNX's reference."""
+    x = ins[0]
+    xs = ctx.shape(x)
+    c, mom = xs[1], float(a.get("momentum", 0.9))
+    per_c = [1, c] + [1] * (len(xs) - 2)
+    red = {"kind": "mean", "axes": [0, *range(2, len(xs))], "keepdims": 1}
+    mean = ctx.emit("reduce", [x], ctx.fresh(ctx.node_name + ".bmean"), red)
+    d = _bin(ctx, "sub", x, mean)
+    var = ctx.emit("reduce", [_bin(ctx, "mul", d, d)], ctx.fresh(ctx.node_name + ".bvar"), red)
+    std = _sqrt(ctx, _bin(ctx, "add", var, _scalar(ctx, "eps", a.get("epsilon", 1e-5))))
+    gamma, beta = (_reshape(ctx, n, per_c) for n in ins[1:3])
+    _bin(ctx, "add", _bin(ctx, "mul", _bin(ctx, "div", d, std), gamma), beta, outs[0])
+    for out, batch, given in zip(outs[1:3], (mean, var), ins[3:5]):
+        if out:
+            old = _bin(ctx, "mul", given, _scalar(ctx, "momentum", mom))
+            new = _bin(ctx, "mul", _reshape(ctx, batch, (c,)), _scalar(ctx, "rest", 1.0 - mom))
+            _bin(ctx, "add", old, new, out)
+
+
 def batchnorm(ctx, ins, outs, a):
     if int(a.get("training_mode", 0)):
-        raise ctx.fail("training_mode=1 is not supported (export the model in eval mode)")
+        return _batchnorm_training(ctx, ins, outs, a)
     if len(outs) > 1 and any(outs[1:]):
-        raise ctx.fail("running-statistics outputs are not supported")
+        raise ctx.fail("running-statistics outputs need training_mode=1")
     x = ins[0]
     if all(n in ctx.g.consts for n in ins[1:5]):
         gamma, beta, mean, var = (ctx.const(n).astype(np.float64) for n in ins[1:5])

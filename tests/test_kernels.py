@@ -938,6 +938,14 @@ CASES: dict[str, list[Case]] = {
                      {"kind": "avg", "kernel": [2, 2, 2], "strides": [2, 2, 2],
                       "dilations": [1, 1, 1], "pads": [0, 0, 1, 0, 0, 1], "out": [3, 3, 3],
                       "count_include_pad": 1, "p": 2}),  # fmt: skip
+        generic_case("argmax_2d_pads", [("f32", (2, 3, 5, 5))],
+                     {"kind": "argmax", "kernel": [3, 3], "strides": [2, 2], "dilations": [1, 1],
+                      "pads": [1, 1, 1, 1], "out": [3, 3], "count_include_pad": 0,
+                      "p": 2}),  # fmt: skip
+        generic_case("argmax_col_3x4", [("f32", (1, 2, 4, 6))],
+                     {"kind": "argmax_col", "kernel": [2, 2], "strides": [1, 2],
+                      "dilations": [1, 1], "pads": [0, 0, 0, 0], "out": [3, 3],
+                      "count_include_pad": 0, "p": 2}),  # fmt: skip
         generic_case("lp_1d_p3", [("f32", (2, 3, 9))],
                      {"kind": "lp", "kernel": [3], "strides": [2], "dilations": [1],
                       "pads": [1, 1], "out": [5], "count_include_pad": 0, "p": 3}),  # fmt: skip
@@ -1769,7 +1777,8 @@ def test_reference_pool_nd_matches_onnxruntime(case: Case) -> None:
     from onnx import helper
 
     (x,), attrs = case.make(_rng("ort", "pool_nd", case.name), "f32")
-    op = {"max": "MaxPool", "avg": "AveragePool", "lp": "LpPool"}[attrs["kind"]]
+    op = {"max": "MaxPool", "avg": "AveragePool", "lp": "LpPool", "argmax": "MaxPool",
+          "argmax_col": "MaxPool"}[attrs["kind"]]  # fmt: skip
     kw = {"count_include_pad": attrs["count_include_pad"]} if op == "AveragePool" else {}
     kw |= {"p": attrs["p"]} if op == "LpPool" else {}
     floor = [(x.shape[2 + i] + attrs["pads"][i] + attrs["pads"][i + len(attrs["kernel"])]
@@ -1779,6 +1788,16 @@ def test_reference_pool_nd_matches_onnxruntime(case: Case) -> None:
                             strides=attrs["strides"], pads=attrs["pads"],
                             dilations=attrs["dilations"], ceil_mode=int(floor != attrs["out"]),
                             **kw)  # fmt: skip
+    if attrs["kind"].startswith("argmax"):  # the Indices, MaxPool's second output
+        from onnx import TensorProto
+
+        node.output.append("i")
+        if attrs["kind"] == "argmax_col":
+            node.attribute.append(helper.make_attribute("storage_order", 1))
+        pick = helper.make_node("Identity", ["i"], ["iy"])
+        got = _ort_graph([node, pick], {"x": x}, {}, opset=19, out_type=TensorProto.INT64)
+        np.testing.assert_array_equal(R.REFERENCE["pool_nd"]([x], attrs), got)
+        return
     got = _ort_graph([node], {"x": x}, {}, opset=19)
     _compare_ref(R.REFERENCE["pool_nd"]([x], attrs), got, 1e-5, 1e-6)
 

@@ -433,6 +433,17 @@ def pool_nd(inputs: Sequence[Array | None], attrs: dict) -> Array:
         padded = [[p for p in ts if p < x.shape[2 + i] + pads[nd + i]] for i, ts in enumerate(taps)]
         win = x[(slice(None), slice(None), *np.ix_(*inside))] if all(inside) else None
         idx = (slice(None), slice(None), *o)
+        if kind.startswith("argmax"):  # the first largest tap, as a flat index into x
+            for b, ch in np.ndindex(*x.shape[:2]):
+                best, at = -np.inf, -1
+                for tap in itertools.product(*inside):
+                    v = x[(b, ch, *tap)]
+                    if v > best or at < 0:
+                        sp = np.ravel_multi_index(tap, x.shape[2:],
+                                                  order="F" if kind == "argmax_col" else "C")
+                        best, at = v, int((b * x.shape[1] + ch) * np.prod(x.shape[2:]) + sp)
+                y[(b, ch, *o)] = at
+            continue
         if kind == "max":
             y[idx] = win.max(axis=tuple(range(2, 2 + nd))) if win is not None else -np.inf
         elif kind == "lp":
@@ -441,7 +452,7 @@ def pool_nd(inputs: Sequence[Array | None], attrs: dict) -> Array:
         else:
             n = np.prod([len(t) for t in (padded if attrs["count_include_pad"] else inside)])
             y[idx] = win.sum(axis=tuple(range(2, 2 + nd))) / n
-    return y.astype(np.float32)
+    return y.astype(np.int64 if kind.startswith("argmax") else np.float32)
 
 
 _SCATTER_UFUNC = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
