@@ -22,6 +22,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         constant_inputs=parse_constant_inputs(a.const_input),
         calib=a.calib,
         max_error=a.max_error,
+        min_cosine=a.min_cosine,
         min_weights=a.quant_min_weights,
         group_size=a.group_size,
         conv_algo=a.conv_algo,
@@ -174,6 +175,14 @@ def make_parser() -> argparse.ArgumentParser:
         "--calib",
         help="calibration inputs (.npz keyed by input name, arrays "
         "[samples, *shape]); default: 8 seeded random inputs",
+    )
+    p.add_argument(
+        "--min-cosine",
+        type=float,
+        metavar="C",
+        help="with a quantized --quant: keep the layers whose quantization costs the "
+        "outputs most in fp32 until the outputs' cosine with fp32 on the calibration "
+        "inputs reaches C (default 0.99 with --calib, off without; 0: off)",
     )
     p.add_argument(
         "--max-error",

@@ -25,10 +25,15 @@ from .manifest import make_manifest
 from .mbconv import fuse_mbconv
 from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
+from .precision import keep_sensitive, output_cosine, quantized_weights
 from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
 from .writer import write_bundle
 
 DEFAULT_CALIB_SAMPLES = 8
+# The output cosine (with fp32, on the calibration inputs) a quantized build keeps
+# layers float32 to reach: the accuracy ONNX Runtime's int8 reaches on the models of
+# tests/test_e2e_models.py (issue 18).
+DEFAULT_MIN_COSINE = 0.99
 
 
 @dataclass
@@ -117,9 +122,16 @@ def build(
     layout: str = "auto",
     log: Callable[[str], None] = print,
     constant_inputs: Mapping[str, np.ndarray | str] | None = None,
+    min_cosine: float | None = None,
 ) -> BuildResult:
+    """Pack ``model`` into the bundle ``out``. ``min_cosine``: with a quantized mode,
+    keep the most sensitive layers float32 until the outputs' cosine with fp32 on the
+    calibration inputs reaches it (packager/precision.py); None: DEFAULT_MIN_COSINE
+    with ``calib`` (real inputs), off without; 0: off."""
     if quant not in MODES:
         raise PackError(f"--quant {quant!r}; choose from {', '.join(MODES)}")
+    if min_cosine is None:  # seeded random inputs say little of what the data needs
+        min_cosine = DEFAULT_MIN_COSINE if calib is not None else 0.0
     steps = 6
     t0 = time.perf_counter()
 
@@ -137,23 +149,32 @@ def build(
         + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.items() if v)
     )
     stage(3, f"quantize weights ({quant})")
-    q = quantize_graph(g, quant, min_weights, group_size)
-    if quant != "fp32":
-        kept = [n.name for n in q.nodes if n.op in WEIGHT_OPS and q.wtype(n.input("w")) == "f32"]
-        if kept:
-            log(f"      {len(kept)} layer(s) under {min_weights} weights stay fp32")
-    n_wino = choose_conv_algorithms(q, backends, conv_algo)
-    if n_wino:
-        log(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
-    n_last, n_chains, n_panels = _layouts(q, backends, layout)
-    if n_last:
-        log(f"      {n_last} op(s) run channels-last (NHWC)")
-    if n_chains:
-        log(f"      {n_chains} pointwise-depthwise-pointwise chain(s) run in bands of rows")
-    if n_panels:
-        log(f"      {n_panels} conv(s) store their weights as GEMM panels")
+
+    src = g  # the optimised graph each quantization starts from
+
+    def quantize_and_plan(keep: set[str], say: Callable[[str], None]) -> tuple[Graph, Plan]:
+        """Stages 3 and 4 with the weights in ``keep`` left float32."""
+        q = quantize_graph(src, quant, min_weights, group_size,
+                           overrides=dict.fromkeys(keep, "fp32"))  # fmt: skip
+        if quant != "fp32":
+            small = [n.name for n in q.nodes if n.op in WEIGHT_OPS
+                     and q.wtype(n.input("w")) == "f32" and n.input("w") not in keep]  # fmt: skip
+            if small:
+                say(f"      {len(small)} layer(s) under {min_weights} weights stay fp32")
+        n_wino = choose_conv_algorithms(q, backends, conv_algo)
+        if n_wino:
+            say(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
+        n_last, n_chains, n_panels = _layouts(q, backends, layout)
+        if n_last:
+            say(f"      {n_last} op(s) run channels-last (NHWC)")
+        if n_chains:
+            say(f"      {n_chains} pointwise-depthwise-pointwise chain(s) run in bands of rows")
+        if n_panels:
+            say(f"      {n_panels} conv(s) store their weights as GEMM panels")
+        return q, plan_memory(q, backends)
+
+    q, plan = quantize_and_plan(set(), log)
     stage(4, "plan memory")
-    plan = plan_memory(q, backends)
     log(
         f"      arena {plan.arena_bytes / 1e6:.2f} MB for {len(q.shapes)} tensors "
         f"(one buffer each would take {plan.naive_bytes / 1e6:.2f} MB)"
@@ -178,6 +199,24 @@ def build(
         # fallbacks compute the same function (checked kernel by kernel in the tests).
         ref_exec = Executor(make_manifest(g, ref_plan), g.consts, device="cpu")
         q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")
+        if min_cosine:
+            cos = output_cosine(ref_exec, q_exec, feeds, q.outputs)
+            if cos < min_cosine:
+                log(f"      output cosine {cos:.4f} < --min-cosine {min_cosine}")
+
+                def executor_for(keep: set[str]) -> Executor:
+                    qv, pv = quantize_and_plan(keep, lambda s: None)
+                    return Executor(make_manifest(qv, pv), qv.consts, device="cpu")
+
+                plain = quantize_graph(src, quant, min_weights, group_size)  # before layouts
+                keep, cos = keep_sensitive(src, quantized_weights(src, plain), executor_for,
+                                           ref_exec, feeds, min_cosine, log)  # fmt: skip
+                q, plan = quantize_and_plan(set(keep), lambda s: None)
+                q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")
+                kb = sum(src.consts[w].size for w in keep) * 4 / 1e3
+                log(f"      {len(keep)} sensitive layer(s) stay fp32 ({kb:.0f} KB): output "
+                    f"cosine {cos:.4f}")  # fmt: skip
+                extra["quantization"]["kept_fp32"] = keep
         nodes = make_manifest(q, plan)["graph"]["nodes"]
         error = error_table(ref_exec, q_exec, feeds, nodes, q.outputs)
         error["calibration"] = str(calib) if calib else f"{len(feeds)} seeded random inputs"

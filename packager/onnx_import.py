@@ -1602,6 +1602,25 @@ def _constant(ctx: _Ctx, node: onnx.NodeProto, a: dict) -> np.ndarray:
     raise ctx.fail(f"attributes {sorted(a)}; supported: value, value_float(s), value_int(s)")
 
 
+_DATA_SHAPED = ("its output's shape depends on the input's values, and edgepack plans every "
+                "shape at pack time")  # fmt: skip
+_SUBGRAPH = ("control flow (a subgraph) is not supported; export the model with it unrolled "
+             "or folded (torch.onnx traces loops out)")  # fmt: skip
+# ops refused by design, each with its reason (what a user can do instead)
+REFUSED: dict[str, str] = {
+    "NonZero": _DATA_SHAPED + " (a Where over a mask keeps a fixed shape)",
+    "NonMaxSuppression": _DATA_SHAPED + " (export a fixed-size head, e.g. YOLO's NMS-free one "
+                         "or TopK over the scores, and suppress after edgepack)",
+    "Unique": _DATA_SHAPED,
+    "Compress": _DATA_SHAPED + " (a Where over the condition keeps a fixed shape)",
+    "If": _SUBGRAPH,
+    "Loop": _SUBGRAPH,
+    "Scan": _SUBGRAPH,
+    "SequenceConstruct": "sequences are not supported (edgepack holds tensors)",
+    "StringNormalizer": "string tensors are not supported (tokenize before the model)",
+}  # fmt: skip
+
+
 def supported_ops() -> list[str]:
     return sorted(set(HANDLERS) | {"Constant"} | FOLD_ONLY)
 
@@ -1818,6 +1837,8 @@ def import_onnx(
                 "(with static shapes, shape arithmetic folds away)"
             )
         h = HANDLERS.get(node.op_type)
+        if h is None and node.op_type in REFUSED:
+            raise ctx.fail(REFUSED[node.op_type])
         if h is None:
             raise ctx.fail(
                 f"unsupported op. Supported ops: {', '.join(supported_ops())}"
