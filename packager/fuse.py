@@ -239,6 +239,82 @@ def fuse_self_gated(g: Graph) -> int:
     return n
 
 
+def _scalar(g: Graph, name: str, value: float) -> bool:
+    """``name`` is a constant holding one value close to ``value`` (float32 rounding)."""
+    v = g.consts.get(name)
+    return v is not None and v.size == 1 and abs(float(v.reshape(-1)[0]) - value) < 1e-5
+
+
+def _other(n: Node, name: str) -> str | None:
+    """The other input of a two-input node that reads ``name``."""
+    a, b = n.inputs[:2]
+    return b if a == name else a if b == name else None
+
+
+def fuse_gelu(g: Graph) -> int:
+    """GELU into one activation (the act table's float32 "gelu", which the activation
+    rewrite folds into the linear before it): the math op's exact gelu (ONNX's Gelu),
+    and GELU as torch.onnx writes it before opset 20, x * 0.5 * (1 + erf(x / sqrt 2))
+    in either grouping of the products (Div by sqrt 2 or Mul by its inverse)."""
+    n = 0
+    for m in g.nodes:
+        if m.op == "math" and m.attrs["fn"] == "gelu":
+            m.op, m.attrs = "unary", {"act": "gelu", "act_args": [0.0, 0.0]}
+            n += 1
+    prod, cons = g.producer(), g.consumers()
+
+    def binary(node: Node | None, kind: str) -> bool:
+        return (node is not None and node.op == "binary" and node.attrs["kind"] == kind
+                and node.attrs["act"] == "none")  # fmt: skip
+
+    def only(name: str) -> Node | None:
+        users = cons.get(name, [])
+        return users[0] if len(users) == 1 and name not in g.outputs else None
+
+    for erf in list(g.nodes):
+        if erf.op != "math" or erf.attrs["fn"] != "erf":
+            continue
+        scaled = prod.get(erf.inputs[0])
+        if not (binary(scaled, "div") and _scalar(g, scaled.inputs[1], 2**0.5)) and not (
+            binary(scaled, "mul") and _scalar(g, scaled.inputs[1], 0.5**0.5)
+        ):
+            continue
+        x = scaled.inputs[0]
+        add = only(erf.outputs[0])
+        if not binary(add, "add") or not _scalar(g, _other(add, erf.outputs[0]) or "", 1.0):
+            continue
+        mul = only(add.outputs[0])
+        if not binary(mul, "mul"):
+            continue
+        y = _other(mul, add.outputs[0])
+        half = prod.get(y)
+        if y == x:  # (x * (1 + erf)) * 0.5
+            last = only(mul.outputs[0])
+            if not binary(last, "mul") or not _scalar(g, _other(last, mul.outputs[0]) or "", 0.5):
+                continue
+            drop = [erf, add, mul]
+        elif binary(half, "mul") and x in half.inputs and _scalar(g, _other(half, x), 0.5):
+            last, drop = mul, [erf, add]  # (x * 0.5) * (1 + erf)
+            if _single_use(g, half.outputs[0], cons):  # else x * 0.5 is read elsewhere too
+                drop.append(half)
+        else:
+            continue
+        if g.shapes.get(x) != g.shapes[last.outputs[0]]:
+            continue
+        if not _single_use(g, scaled.outputs[0], cons):
+            continue
+        gelu = Node("unary", last.name, [x], list(last.outputs),
+                    {"act": "gelu", "act_args": [0.0, 0.0]},
+                    sorted({s for k in (scaled, *drop, last) for s in k.sources}))  # fmt: skip
+        g.nodes[g.nodes.index(last)] = gelu
+        for k in {id(k): k for k in (scaled, *drop)}.values():
+            if k is not last and k in g.nodes:
+                g.nodes.remove(k)
+        prod, cons = g.producer(), g.consumers()
+        n += 1
+    return n
+
+
 def _plain_linear(g: Graph, n: Node) -> bool:
     """A float32 linear with constant weights and no scale or int8 activations: one
     whose weights can be combined with another's."""
@@ -398,6 +474,7 @@ def optimise(g: Graph) -> dict[str, int]:
         "linears_merged": merge_consecutive_linears(g) + merge_sibling_linears(g),
         "hard_swish_fused": fuse_decomposed_hard_swish(g),
         "self_gated_fused": fuse_self_gated(g),
+        "gelu_fused": fuse_gelu(g),
         "residual_fused": fuse_residual(g),
         "activation_fused": fuse_activations(g),
     }

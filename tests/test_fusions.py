@@ -132,3 +132,25 @@ def test_silu_written_as_sigmoid_and_mul_becomes_the_convs_epilogue(tmp_path):
     assert [(n["op"], n["attrs"].get("act")) for n in nodes if n["op"] != "transpose"] == [
         ("conv", "silu")
     ]
+
+
+@pytest.mark.parametrize("grouping", ["x_then_half", "half_first", "gelu_op"])
+def test_gelu_written_with_erf_becomes_the_linears_epilogue(tmp_path, grouping):
+    # torch.onnx before opset 20: x * 0.5 * (1 + erf(x / sqrt 2)), or ONNX's Gelu (20)
+    c = {"w": rand(16, 32), "b": rand(32), "r2": np.array(2**0.5, np.float32),
+         "one": np.array(1.0, np.float32), "half": np.array(0.5, np.float32)}  # fmt: skip
+    head = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["h"])]
+    erf = [helper.make_node("Div", ["h", "r2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+           helper.make_node("Add", ["e", "one"], ["e1"])]  # fmt: skip
+    if grouping == "x_then_half":
+        body = erf + [helper.make_node("Mul", ["h", "e1"], ["p"]),
+                      helper.make_node("Mul", ["p", "half"], ["y"])]  # fmt: skip
+    elif grouping == "half_first":
+        body = erf + [helper.make_node("Mul", ["h", "half"], ["hh"]),
+                      helper.make_node("Mul", ["hh", "e1"], ["y"])]  # fmt: skip
+    else:
+        body = [helper.make_node("Gelu", ["h"], ["y"])]
+    m = model(head + body, [("x", [4, 16])], ["y"], c, opset=20)
+    x = rand(4, 16) * 3
+    nodes = _run(tmp_path, m, {"x": x})
+    assert [n["op"] for n in nodes] == ["linear"] and nodes[0]["attrs"]["act"] == "gelu"

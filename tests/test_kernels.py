@@ -105,6 +105,7 @@ ACT_ARGS: dict[str, tuple[float, float]] = {
     "hard_sigmoid": (0.2, 0.5),
     "hard_swish": (0.0, 0.0),
     "silu": (0.0, 0.0),
+    "gelu": (0.0, 0.0),
 }
 assert set(ACT_ARGS) == set(ACTIVATIONS), "a new activation needs act_args here"
 

@@ -254,14 +254,6 @@ def test_dynamic_batch_and_input_shape(tmp_path):
         ),
         (
             lambda: model(
-                [node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], storage_order=1)],
-                [("x", [1, 1, 4, 4])],
-                ["y"],
-            ),
-            "storage_order=1",
-        ),
-        (
-            lambda: model(
                 [node("Pad", ["x", "p"], ["y"], mode="wrap")],
                 [("x", [1, 4])],
                 ["y"],

@@ -72,7 +72,7 @@ def test_unknown_types_are_errors_everywhere() -> None:
     with pytest.raises(ValueError, match="--quant 'int3'; choose from fp32, fp16, bf16, int8"):
         wtypes.by_quant("int3")
     with pytest.raises(ValueError, match="cannot be stored"):
-        wtypes.of_array(np.zeros(2, np.float64))
+        wtypes.of_array(np.zeros(2, np.complex64))
     assert wtypes.check_stored("q3", [4]) == "unknown weight type 'q3'"
 
 

@@ -17,8 +17,13 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ..activations import ERF_P, ERF_Q
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 from ..portable import math_fn as _math_fn_py
+
+# numba folds module-level floats into the kernels as constants
+_P0, _P1, _P2, _P3, _P4, _P5, _P6 = ERF_P
+_Q0, _Q1, _Q2, _Q3, _Q4 = ERF_Q
 
 
 @njit(inline="always")
@@ -46,8 +51,32 @@ def act_scalar(v, act, a, b):
         return _clamp01(v * a + b, np.float32(0), np.float32(1))
     if act == 7:
         return v * _clamp01(v / np.float32(6) + np.float32(0.5), np.float32(0), np.float32(1))
-    # 8: silu, x / (1 + exp(-x)): 0 for x far below 0, NaN at -inf (as x * sigmoid(x))
-    return v / (np.float32(1) + np.exp(-v))
+    if act == 8:  # silu, x / (1 + exp(-x)): 0 far below 0, NaN at -inf (x * sigmoid(x))
+        return v / (np.float32(1) + np.exp(-v))
+    return _gelu(v)  # 9
+
+
+@njit(inline="always")
+def _gelu(v):
+    """x * (1 + erf(x / sqrt 2)) / 2, erf as kernels/activations.py ERF_P / ERF_Q (a
+    NaN stays NaN: the clamp keeps it)."""
+    t = v * np.float32(0.7071067811865476)
+    t = np.float32(-4.0) if t < np.float32(-4.0) else t
+    t = np.float32(4.0) if t > np.float32(4.0) else t
+    t2 = t * t
+    p = np.float32(_P0)
+    p = p * t2 + np.float32(_P1)
+    p = p * t2 + np.float32(_P2)
+    p = p * t2 + np.float32(_P3)
+    p = p * t2 + np.float32(_P4)
+    p = p * t2 + np.float32(_P5)
+    p = p * t2 + np.float32(_P6)
+    q = np.float32(_Q0)
+    q = q * t2 + np.float32(_Q1)
+    q = q * t2 + np.float32(_Q2)
+    q = q * t2 + np.float32(_Q3)
+    q = q * t2 + np.float32(_Q4)
+    return np.float32(0.5) * v * (np.float32(1) + t * p / q)
 
 
 @njit(inline="always")
@@ -195,9 +224,12 @@ def act_row(row, act, a, b):
     elif act == 7:
         for i in range(n):
             row[i] = act_scalar(row[i], 7, a, b)
-    else:
+    elif act == 8:
         for i in range(n):
             row[i] = act_scalar(row[i], 8, a, b)
+    else:
+        for i in range(n):
+            row[i] = act_scalar(row[i], 9, a, b)
 
 
 @njit(inline="always")

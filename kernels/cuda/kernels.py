@@ -20,9 +20,12 @@ import math
 from numba import cuda, float32, float64, int64
 
 from .. import portable
+from ..activations import ERF_P, ERF_Q
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 
 f32 = float32
+_P0, _P1, _P2, _P3, _P4, _P5, _P6 = ERF_P  # constants folded into the device code
+_Q0, _Q1, _Q2, _Q3, _Q4 = ERF_Q
 
 
 @cuda.jit(device=True, inline=True)
@@ -76,6 +79,24 @@ def act(v, code, a, b):
         return v * clamp_nan(v / f32(6.0) + f32(0.5), f32(0.0), f32(1.0))
     if code == 8:  # silu
         return v / (f32(1.0) + math.exp(-v))
+    if code == 9:  # gelu, erf as kernels/activations.py ERF_P / ERF_Q (the CPU's)
+        t = v * f32(0.7071067811865476)
+        t = f32(-4.0) if t < f32(-4.0) else t
+        t = f32(4.0) if t > f32(4.0) else t
+        t2 = t * t
+        p = f32(_P0)
+        p = p * t2 + f32(_P1)
+        p = p * t2 + f32(_P2)
+        p = p * t2 + f32(_P3)
+        p = p * t2 + f32(_P4)
+        p = p * t2 + f32(_P5)
+        p = p * t2 + f32(_P6)
+        q = f32(_Q0)
+        q = q * t2 + f32(_Q1)
+        q = q * t2 + f32(_Q2)
+        q = q * t2 + f32(_Q3)
+        q = q * t2 + f32(_Q4)
+        return f32(0.5) * v * (f32(1.0) + t * p / q)
     return v
 
 
