@@ -139,7 +139,10 @@ def test_gelu_written_with_erf_becomes_the_linears_epilogue(tmp_path, grouping):
     # torch.onnx before opset 20: x * 0.5 * (1 + erf(x / sqrt 2)), or ONNX's Gelu (20)
     c = {"w": rand(16, 32), "b": rand(32), "r2": np.array(2**0.5, np.float32),
          "one": np.array(1.0, np.float32), "half": np.array(0.5, np.float32)}  # fmt: skip
-    head = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["h"])]
+    head = [
+        helper.make_node("MatMul", ["x", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["h"]),
+    ]
     erf = [helper.make_node("Div", ["h", "r2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
            helper.make_node("Add", ["e", "one"], ["e1"])]  # fmt: skip
     if grouping == "x_then_half":

@@ -5,6 +5,7 @@ explicit SIMD vectors of simd.py), their calling convention shared with the AOT 
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 # the files above this one whose functions or constants numba compiles into the kernels
@@ -17,12 +18,17 @@ def _drop_stale_numba_cache() -> None:
     call kernels.py's act_row): after an edit or upgrade of one file, another's cached
     machine code would keep the old helper (a new activation code ran as SiLU). So
     the cache is dropped whenever any source here differs from the set it was built
-    from (a hash of them all, beside the cache)."""
+    from (a hash of them all, beside the cache). A frozen executable unpacks into a
+    folder named by its own hash and ships only some sources, so it has nothing stale."""
+    if getattr(sys, "frozen", False):
+        return
     here = Path(__file__).parent
     cache = here / "__pycache__"
     digest = hashlib.sha256()
     shared = [here.parent / f for f in _COMPILED_FROM_PARENT]
     for src in sorted(here.glob("*.py")) + shared:
+        if not src.is_file():
+            continue
         digest.update(src.name.encode() + src.read_bytes())
     stamp = cache / "edgepack-kernel-sources.sha256"
     want = digest.hexdigest()
