@@ -210,13 +210,14 @@ def build(
 
                 plain = quantize_graph(src, quant, min_weights, group_size)  # before layouts
                 keep, cos = keep_sensitive(src, quantized_weights(src, plain), executor_for,
-                                           ref_exec, feeds, min_cosine, log)  # fmt: skip
-                q, plan = quantize_and_plan(set(keep), lambda s: None)
-                q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")
-                kb = sum(src.consts[w].size for w in keep) * 4 / 1e3
-                log(f"      {len(keep)} sensitive layer(s) stay fp32 ({kb:.0f} KB): output "
-                    f"cosine {cos:.4f}")  # fmt: skip
-                extra["quantization"]["kept_fp32"] = keep
+                                           ref_exec, feeds, min_cosine, log, start=cos)  # fmt: skip
+                if keep:
+                    q, plan = quantize_and_plan(set(keep), lambda s: None)
+                    q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")
+                    kb = sum(src.consts[w].size for w in keep) * 4 / 1e3
+                    log(f"      {len(keep)} sensitive layer(s) stay fp32 ({kb:.0f} KB): "
+                        f"output cosine {cos:.4f}")  # fmt: skip
+                    extra["quantization"]["kept_fp32"] = keep
         nodes = make_manifest(q, plan)["graph"]["nodes"]
         error = error_table(ref_exec, q_exec, feeds, nodes, q.outputs)
         error["calibration"] = str(calib) if calib else f"{len(feeds)} seeded random inputs"

@@ -32,6 +32,13 @@ MAX_KEPT_FRACTION = 0.25  # of the quantized weights' elements
 # pages was 0.9906 on a held-out page; 0.997 on them gives 0.996.
 AIM_MARGIN = 0.5
 SENSITIVITY_FEEDS = 2  # calibration inputs per single-layer measurement
+# The greedy search stops after this many kept layers in a row that did not raise the
+# best cosine by GAIN, and the bundle keeps only the best prefix found. YOLO26's
+# NMS-free head (a TopK-ranked output, where near-tied scores trade places) sat at
+# 0.898 whatever was kept: the search had kept 24 layers (2.4 MB of 5.4 MB fp32) and
+# ended at 0.897, for 146 s of build.
+PATIENCE = 3
+GAIN = 1e-4
 
 
 def quantized_weights(g: Graph, q: Graph) -> list[str]:
@@ -66,10 +73,12 @@ def keep_sensitive(
     feeds: Sequence[Mapping[str, np.ndarray]],
     target: float,
     log: Callable[[str], None],
+    start: float = 0.0,
 ) -> tuple[list[str], float]:
     """The weights to keep float32 (most sensitive first) and the output cosine the
     bundle reaches with them kept. ``executor_for(keep)`` builds the quantized
-    bundle's executor with the weights in ``keep`` left float32."""
+    bundle's executor with the weights in ``keep`` left float32; ``start`` is the
+    cosine with none kept (an empty list comes back when no prefix beats it)."""
     outputs = list(g.outputs)
     probe = list(feeds[:SENSITIVITY_FEEDS])
     every = set(quantized)
@@ -82,15 +91,23 @@ def keep_sensitive(
     total = sum(int(g.consts[w].size) for w in quantized)
     aim = 1.0 - (1.0 - target) * AIM_MARGIN
     keep: list[str] = []
-    cos, budget = 0.0, MAX_KEPT_FRACTION * total
+    best, best_n, stale = start, 0, 0
+    budget = MAX_KEPT_FRACTION * total
     for _, w in sens:
         if sum(int(g.consts[k].size) for k in keep) + int(g.consts[w].size) > budget:
             continue  # too large to keep: the next most sensitive may do
         keep.append(w)
         cos = output_cosine(ref_exec, executor_for(set(keep)), feeds, outputs)
-        if cos >= aim:
+        if cos > best + GAIN:
+            best, best_n, stale = cos, len(keep), 0
+        else:
+            stale += 1
+        if cos >= aim or stale >= PATIENCE:
             break
-    if cos < target:
-        log(f"      output cosine {cos:.4f} < {target} with {len(keep)} float32 layer(s) "
-            f"(at most {MAX_KEPT_FRACTION:.0%} of the weights)")  # fmt: skip
-    return keep, cos
+    keep = keep[:best_n]
+    if best < target:
+        why = (f"no gain in {PATIENCE} more" if stale >= PATIENCE
+               else f"at most {MAX_KEPT_FRACTION:.0%} of the weights")  # fmt: skip
+        log(f"      output cosine {best:.4f} < {target} with {len(keep)} float32 layer(s) "
+            f"({why})")  # fmt: skip
+    return keep, best

@@ -101,7 +101,11 @@ def test_yolo26_nms_free_head(tmp_path, yolo):
     onnx_path = yolo("yolo26n_e2e")
     fp = pack(onnx_path, tmp_path / "f.epk")
     np.savez(tmp_path / "calib.npz", images=_images(3, 4))
-    q = pack(onnx_path, tmp_path / "q.epk", quant="int8", calib=tmp_path / "calib.npz")
+    # min_cosine 0: a ranked output's cosine moves with near-tied neighbours trading
+    # places, so the mixed-precision search (tests/test_precision.py; the OCR models
+    # use it) gains 0.008 here for 110 s of build; the sorted scores are checked below
+    q = pack(onnx_path, tmp_path / "q.epk", quant="int8", calib=tmp_path / "calib.npz",
+             min_cosine=0)  # fmt: skip
     for seed in (1, 2):
         x = _images(seed)
         (ref,) = ort_run(onnx_path, {"images": x})
