@@ -325,3 +325,13 @@ def test_gpu_scripts_exit_cleanly_without_a_gpu(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "no usable GPU" in r.stdout + r.stderr
     assert not (tmp_path / "g.md").exists()
+
+
+@pytest.mark.cuda
+def test_simulated_kernel_modules_have_their_warning_registry_before_any_kernel_runs():
+    """A warning's first registry would otherwise be inserted into a module's globals
+    while another simulated thread iterates them (kernels/cuda/kernels.py says why)."""
+    code = ("import edgepack.kernels.cuda.kernels as K, edgepack.kernels.portable as P; "
+            "print(all('__warningregistry__' in vars(m) for m in (K, P)))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True", out.stderr

@@ -23,6 +23,15 @@ from .. import portable
 from ..activations import ERF_P, ERF_Q
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 
+# numba's CUDA simulator runs each CUDA thread as a Python thread and, on every device
+# function call, iterates that function's module globals to swap in its fake `cuda`.
+# The first NumPy RuntimeWarning raised in a frame of such a module (NaN arithmetic in
+# the IEEE kernel cases) inserts `__warningregistry__` into the same dict, and a thread
+# iterating it then fails with "dictionary changed size during iteration" (CI flaked on
+# attention's ieee_prefill_chunk twice). Made up front, the key is never inserted then.
+for _globs in (globals(), vars(portable)):
+    _globs.setdefault("__warningregistry__", {})
+
 f32 = float32
 _P0, _P1, _P2, _P3, _P4, _P5, _P6 = ERF_P  # constants folded into the device code
 _Q0, _Q1, _Q2, _Q3, _Q4 = ERF_Q
