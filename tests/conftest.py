@@ -65,11 +65,15 @@ def assert_allocates_nothing(run, runs: int = 100) -> int:
     return allocs
 
 
-def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+def ort_run(model, feeds: dict[str, np.ndarray], optimize: bool = True) -> list[np.ndarray]:
+    """ONNX Runtime on one thread; ``optimize`` False runs the graph as written (no
+    fusions: QDQ pairs stay dequantize-then-float-op, as their operator text says)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     src = model if isinstance(model, (str, Path)) else model.SerializeToString()
     sess = ort.InferenceSession(
         str(src) if isinstance(src, Path) else src, so, providers=["CPUExecutionProvider"]

@@ -112,16 +112,10 @@ def test_onnx_runtime_quantized_models_run_as_onnx_runtime_runs_them(
 def test_an_8_bit_qdq_model_runs_as_its_operator_text(tmp_path, digits_onnx, digits_data):
     """Full 8-bit weights (no reduce_range): ORT with graph optimisations off runs the
     QDQ pairs as written (dequantize, float conv), the semantics edgepack implements."""
-    import onnxruntime as ort
-
     x, _ = digits_data
     path = _quantized(tmp_path, digits_onnx, x, "qdq", reduce_range=False)
     got = load(pack(path, tmp_path / "q.epk")).run({"image": x})["logits"]
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    (ref,) = sess.run(None, {"image": x})
+    (ref,) = ort_run(path, {"image": x}, optimize=False)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
 
 

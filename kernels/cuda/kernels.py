@@ -27,8 +27,9 @@ from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 # function call, iterates that function's module globals to swap in its fake `cuda`.
 # The first NumPy RuntimeWarning raised in a frame of such a module (NaN arithmetic in
 # the IEEE kernel cases) inserts `__warningregistry__` into the same dict, and a thread
-# iterating it then fails with "dictionary changed size during iteration" (CI flaked on
-# attention's ieee_prefill_chunk twice). Made up front, the key is never inserted then.
+# iterating it then fails with "dictionary changed size during iteration" (attention's
+# ieee_prefill_chunk failed that way once in CI and once in a full run here). Made up
+# front, the key is never inserted then.
 for _globs in (globals(), vars(portable)):
     _globs.setdefault("__warningregistry__", {})
 
