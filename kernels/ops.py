@@ -307,9 +307,11 @@ def _rnn_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
         or any(s is not None and s != (x[1], hid) for s in ins[4:6])
     ):  # fmt: skip
         raise OpError(f"{attrs['cell']} of x {list(x)}, w {list(w)}, r {list(r)}, b {list(b)}")
-    if attrs["cell"] != "lstm" and (len(ins) > 5 and ins[5] or attrs.get("emit") == "c"):
+    emit = attrs.get("emit", "h")
+    if attrs["cell"] != "lstm" and (len(ins) > 5 and ins[5] or emit != "h"):
         raise OpError(f"a cell state for {attrs['cell']}")
-    return (x[0], x[1], hid)
+    # emit "hc": each step's h, then one more row holding the final cell state
+    return (x[0] + (emit == "hc"), x[1], hid)
 
 
 def _expand_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:

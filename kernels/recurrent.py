@@ -33,14 +33,16 @@ def _sigmoid(xp, v) -> None:
 def rnn_step(xp, ins, y, scratch, attrs: dict, recur=None):
     """The step of an ``rnn`` node. ``ins``: x [S, B, I], w [G*H, I], r [G*H, H],
     b [2*G*H] (W's biases then R's), h0 [B, H] or None, c0 [B, H] or None; ``y``
-    [S, B, H]: each step's h (``emit`` "c": each step's cell state, LSTM only).
+    [S, B, H]: each step's h (``emit`` "c": each step's cell state; "hc": [S + 1, B, H],
+    each step's h then the final cell state; LSTM only).
     ``recur`` (the cpu backend's numba loop, kernels/cpu/kernels.py rnn_recur) makes,
-    from the buffers, a call that runs every step after the input's GEMM, in place of
-    the ufuncs below."""
+    from the buffers, (a call that runs every step in place of the ufuncs below,
+    whether that call makes the input gates too: else the input's GEMM runs first)."""
     x, w, r, b, h0, c0 = (list(ins) + [None] * 6)[:6]
     cell, reverse = attrs["cell"], bool(attrs.get("reverse"))
     lbr = cell == "gru" and bool(attrs.get("linear_before_reset"))
-    emit_c = attrs.get("emit", "h") == "c"
+    emit = {"h": 0, "c": 1, "hc": 2}[attrs.get("emit", "h")]
+    emit_c = emit == 1
     steps, batch, _ = x.shape
     hid = r.shape[1]
     g = CELLS[cell] * hid
@@ -69,9 +71,12 @@ def rnn_step(xp, ins, y, scratch, attrs: dict, recur=None):
     if recur is not None:
         code = {"lstm": 0, "gru": 1, "rnn": 2}[cell]
         rbh = rb[2 * hid :] if lbr else bias[:hid]  # read only with linear_before_reset
+        given = int(h0 is not None) | 2 * int(c0 is not None)
         states = (h0 if h0 is not None else zero, c0 if c0 is not None else zero)
-        loop = recur(gx, r, rbh, *states, y, gh, c, t1, t2, code, int(reverse), int(lbr),
-                     int(emit_c))  # fmt: skip
+        loop, whole = recur(x2, w, b, gx, r, rbh, *states, y, gh, c, t1, t2, code,
+                            int(reverse), int(lbr), emit, given)  # fmt: skip
+        if whole:  # the loop makes the input gates too
+            return loop
 
         def run() -> None:
             inputs_part()
@@ -124,5 +129,7 @@ def rnn_step(xp, ins, y, scratch, attrs: dict, recur=None):
                 out = y[t]
                 xp.add(hh, t1, out=out)
                 h = out
+        if emit == 2:
+            xp.copyto(y[steps], c)
 
     return step

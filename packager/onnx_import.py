@@ -1220,9 +1220,9 @@ _RNN_CELLS = {"LSTM": ("lstm", ["sigmoid", "tanh", "tanh"]), "GRU": ("gru", ["si
 
 
 def _recurrent(ctx: _Ctx, ins, outs, a):
-    """LSTM, GRU and RNN: one ``rnn`` node a direction (a second, emitting the cell
-    state, only where Y_c is read), then moves to ONNX's Y [S, D, B, H], Y_h and Y_c
-    [D, B, H] (``layout`` 1: batch first)."""
+    """LSTM, GRU and RNN: one ``rnn`` node a direction (emitting the final cell state
+    after the steps where Y_c is read), then moves to ONNX's Y [S, D, B, H], Y_h and
+    Y_c [D, B, H] (``layout`` 1: batch first)."""
     op = ctx.node.op_type
     cell, acts = _RNN_CELLS[op]
     ins = ins + [""] * (8 - len(ins))
@@ -1279,12 +1279,19 @@ def _recurrent(ctx: _Ctx, ins, outs, a):
         weights = [per_dir(t, d) for t in (ins[1], ins[2], bias)]
         states = [per_dir(t, d, layout) for t in (ins[5], ins[6] if cell == "lstm" else "")]
         rnn_ins = [x, *weights, *states][: 7 if cell == "lstm" else 6]
-        y = ctx.emit("rnn", rnn_ins, ctx.fresh(f"{ctx.node_name}.y{d}"), attrs)
+        want_c = cell == "lstm" and len(outs) > 2 and bool(outs[2])
+        if want_c:  # one pass: the steps' h, then the final cell state as row `steps`
+            yc = ctx.emit("rnn", rnn_ins, ctx.fresh(f"{ctx.node_name}.yc{d}"),
+                          {**attrs, "emit": "hc"})  # fmt: skip
+            rows = (steps + 1, batch, hid)
+            cs.append(ctx.emit("slice", [yc], ctx.fresh(yc + ".c"),
+                               _slice_attrs(rows, {0: (steps, steps + 1, 1)})))  # fmt: skip
+            y = ctx.emit("slice", [yc], ctx.fresh(yc + ".h"),
+                         _slice_attrs(rows, {0: (0, steps, 1)})) if outs[0] else yc  # fmt: skip
+        else:
+            y = ctx.emit("rnn", rnn_ins, ctx.fresh(f"{ctx.node_name}.y{d}"), attrs)
         ys.append(y)
         hs.append(last(y, reverse))
-        if cell == "lstm" and len(outs) > 2 and outs[2]:
-            c = ctx.emit("rnn", rnn_ins, ctx.fresh(f"{ctx.node_name}.c{d}"), {**attrs, "emit": "c"})
-            cs.append(last(c, reverse))
 
     def join(parts: list[str], out: str, shape: list[int], axis: int, perm: list[int] | None):
         parts = [ctx.emit("reshape", [p], ctx.fresh(p + ".d"), {"shape": shape}) for p in parts]

@@ -67,10 +67,11 @@ Tile shapes (lanes x vectors): {", ".join(f"{lanes}x{nv}" for lanes, nv in CONFI
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
 from ..layout import PANEL
+from .jit import njit
 from .kernels import (
     act_row,
     half_to_f32,

@@ -831,6 +831,9 @@ CASES: dict[str, list[Case]] = {
         rnn_case("lstm", "lstm"),
         rnn_case("lstm_reverse_states", "lstm", reverse=True, h0=True, c0=True),
         rnn_case("lstm_cell_state", "lstm", c0=True, emit="c"),
+        rnn_case("lstm_h_then_cell_state", "lstm", reverse=True, h0=True, c0=True, emit="hc"),
+        rnn_case("lstm_wide_odd", "lstm", steps=4, batch=3, inp=5, hid=21, emit="hc"),
+        rnn_case("gru_wide_odd", "gru", steps=3, batch=3, inp=6, hid=19, h0=True),
         rnn_case("gru_linear_before_reset", "gru", lbr=1, h0=True),
         rnn_case("gru_reverse", "gru", reverse=True),
         rnn_case("rnn", "rnn", h0=True),
@@ -1867,7 +1870,7 @@ def test_reference_rnn_matches_onnxruntime(case: Case) -> None:
              **({"c0": c0[None]} if c0 is not None else {})}  # fmt: skip
     ins = ["x", "w", "r", "b", "", "h0" if h0 is not None else "", "c0" if c0 is not None else ""]
     kw = {"linear_before_reset": attrs["linear_before_reset"]} if cell == "gru" else {}
-    emit_c = attrs["emit"] == "c"
+    emit_c, emit_hc = attrs["emit"] == "c", attrs["emit"] == "hc"
     n_in, n_out = (7, 3) if cell == "lstm" else (6, 2)
     direction = "reverse" if attrs["reverse"] else "forward"
     node = helper.make_node(op, ins[:n_in], ["y", "yh", "yc"][:n_out], hidden_size=r.shape[1],
@@ -1876,7 +1879,11 @@ def test_reference_rnn_matches_onnxruntime(case: Case) -> None:
     inits = {"w": w[None], "r": r[None], "b": b[None]}
     got = _ort_graph([node, pick], feeds, inits, opset=14)
     ref = R.rnn([x, w, r, b, h0, c0], attrs)
-    if emit_c:  # ORT gives the final cell state only
+    if emit_hc:  # each step's h, then the final cell state
+        pick = helper.make_node("Identity", ["yc"], ["out"])
+        c_last = _ort_graph([node, pick], feeds, inits, opset=14)
+        got = np.concatenate([got[:, 0], c_last], axis=0)
+    elif emit_c:  # ORT gives the final cell state only
         got, ref = got[0], ref[0 if attrs["reverse"] else -1]
     else:
         got = got[:, 0]

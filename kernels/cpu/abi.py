@@ -97,9 +97,10 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         ),
         "rnn_recur": (
             "rnn_recur",
-            v(arr(f4, 3), arr(f4, 2, ro=True), arr(f4, 1, "A", ro=True), arr(f4, 2, ro=True),
-              arr(f4, 2, ro=True), arr(f4, 3), arr(f4, 2), arr(f4, 2), arr(f4, 2), arr(f4, 2),
-              i8, i8, i8, i8),
+            v(arr(f4, 2, ro=True), arr(f4, 2, "A", ro=True), arr(f4, 1, "A", ro=True),
+              arr(f4, 3), arr(f4, 2, "A", ro=True), arr(f4, 1, "A", ro=True),
+              arr(f4, 2, ro=True), arr(f4, 2, ro=True), arr(f4, 3), arr(f4, 2), arr(f4, 2),
+              arr(f4, 2), arr(f4, 2), arr(f4, 2), arr(f4, 2), i8, i8, i8, i8, i8, i8),
         ),
         "binary_rows": (
             "binary_rows",

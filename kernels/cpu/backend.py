@@ -895,18 +895,43 @@ def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
     return G.reduce_step(np, ins[0], outs[0], scratch.view(np.float32), attrs)
 
 
+# The rnn kernel makes the input gates itself (rank-1 updates over W^T, kernels.py
+# rnn_recur) while W fits in L2 as float32; past that a GEMM by NumPy reads it once.
+_RNN_IN_LOOP_FLOATS = 16384
+
+
+def _rnn_variant(ins, outs, attrs) -> str:
+    (g, i), _ = ins[1]
+    return "in_loop" if g * i <= _RNN_IN_LOOP_FLOATS else "gemm"
+
+
 def _rnn_scratch(ins, outs, attrs) -> int:
-    steps, batch, hid = outs[0]
-    return 4 * rnn_scratch_floats(attrs["cell"], steps, batch, hid)
+    """The shared plan's scratch (kernels/recurrent.py), then R^T [H, G*H] for the
+    recurrence, then W^T [I, G*H] for the in_loop variant (kernels.rnn_recur)."""
+    (steps, batch, _), _ = ins[0]
+    hid = outs[0][2]
+    (g, i), _ = ins[1]
+    wt = g * i if _rnn_variant(ins, outs, attrs) == "in_loop" else 0
+    return 4 * (rnn_scratch_floats(attrs["cell"], steps, batch, hid) + hid * g + wt)
 
 
 def _bind_rnn(ins, outs, scratch, attrs) -> Bound:
-    def recur(gx, r, rbh, h0, c0, y, gates, c, tmp, hb, *flags):
-        ro = [_readonly(a) for a in (r, rbh, h0, c0)]
-        kern, args = _bound(K.rnn_recur, (gx, *ro, y, gates, c, tmp, hb, *flags))
-        return lambda: kern(*args)
+    (steps, batch, _), hid = ins[0].shape, outs[0].shape[2]
+    g, i = ins[1].shape
+    f32 = scratch.view(np.float32)
+    plan = rnn_scratch_floats(attrs["cell"], steps, batch, hid)
+    rt = f32[plan : plan + hid * g].reshape(hid, g)
+    specs = [None if a is None else (a.shape, "f32") for a in ins]
+    in_loop = _rnn_variant(specs, [o.shape for o in outs], attrs) == "in_loop"
+    wt = f32[plan + hid * g :][: g * i].reshape(i, g) if in_loop else rt[:0]
 
-    return rnn_step(np, ins, outs[0], scratch.view(np.float32), attrs, recur)
+    def recur(x2, w, b, gx, r, rbh, h0, c0, y, gates, c, tmp, hb, *flags):
+        ro = [_readonly(a) for a in (x2, w, b)] + [gx] + [_readonly(a) for a in (r, rbh, h0, c0)]
+        args = (*ro, y, gates, c, tmp, hb, rt, wt, *flags, int(in_loop))
+        kern, args = _bound(K.rnn_recur, args)
+        return (lambda: kern(*args)), in_loop
+
+    return rnn_step(np, ins, outs[0], f32[:plan], attrs, recur)
 
 
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
@@ -1141,7 +1166,7 @@ _cpu("unary", _bind_unary)
 _cpu("slice", _bind_slice)
 _cpu("argmax", _bind_argmax)
 _cpu("reduce", _bind_reduce, scratch=_reduce_scratch)
-_cpu("rnn", _bind_rnn, scratch=_rnn_scratch)
+_cpu("rnn", _bind_rnn, scratch=_rnn_scratch, variant=_rnn_variant)
 for _op in G.STEP_OPS:
     _cpu(_op, _bind_generic(_op))
 _cpu("resample", _bind_resample)

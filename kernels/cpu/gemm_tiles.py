@@ -28,10 +28,11 @@ Tile shapes (lanes x vectors): 16x4, 8x2, 4x2, 4x4.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
 from ..layout import PANEL
+from .jit import njit
 from .kernels import (
     act_row,
     half_to_f32,

@@ -28,8 +28,9 @@ to 108 tokens/s.
 
 from __future__ import annotations
 
-from numba import njit, prange
+from numba import prange
 
+from .jit import njit
 from .kernels import linear_epilogue_row
 from .simd import Ops, prefetch
 

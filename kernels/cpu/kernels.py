@@ -15,14 +15,31 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from ..activations import ERF_P, ERF_Q
+from ..activations import (
+    ERF_P,
+    ERF_Q,
+    EXP_HI,
+    EXP_LN2_HI,
+    EXP_LN2_LO,
+    EXP_LO,
+    EXP_LOG2E,
+    EXP_TAYLOR,
+    TANH_CLAMP,
+    TANH_P,
+    TANH_Q,
+)
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 from ..portable import math_fn as _math_fn_py
+from .jit import njit
+from .simd import pow2i_f32
 
 # numba folds module-level floats into the kernels as constants
 _P0, _P1, _P2, _P3, _P4, _P5, _P6 = ERF_P
+_E0, _E1, _E2, _E3, _E4, _E5, _E6, _E7 = EXP_TAYLOR
+_T0, _T1, _T2, _T3, _T4, _T5, _T6 = TANH_P
+_U0, _U1, _U2, _U3 = TANH_Q
 _Q0, _Q1, _Q2, _Q3, _Q4 = ERF_Q
 
 
@@ -44,16 +61,66 @@ def act_scalar(v, act, a, b):
     if act == 3:
         return _clamp01(v, a, b)
     if act == 4:
-        return np.float32(1) / (np.float32(1) + np.exp(-v))
+        return sigmoid_f32(v)
     if act == 5:
-        return np.tanh(v)
+        return tanh_f32(v)
     if act == 6:
         return _clamp01(v * a + b, np.float32(0), np.float32(1))
     if act == 7:
         return v * _clamp01(v / np.float32(6) + np.float32(0.5), np.float32(0), np.float32(1))
     if act == 8:  # silu, x / (1 + exp(-x)): 0 far below 0, NaN at -inf (x * sigmoid(x))
-        return v / (np.float32(1) + np.exp(-v))
+        return v / (np.float32(1) + exp_f32(-v))
     return _gelu(v)  # 9
+
+
+_ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
+
+
+@njit(inline="always")
+def exp_f32(v):
+    """e^v in float32 without a libm call, so loops around it vectorise
+    (kernels/activations.py EXP_*); a NaN stays NaN, past EXP_HI it is inf (so
+    SiLU's -inf / (1 + inf) is NaN, as x * sigmoid(x) in ONNX Runtime)."""
+    big = v > np.float32(EXP_HI)
+    v = np.float32(EXP_LO) if v < np.float32(EXP_LO) else v
+    v = np.float32(EXP_HI) if big else v
+    n = (v * np.float32(EXP_LOG2E) + np.float32(_ROUND)) - np.float32(_ROUND)
+    r = v - n * np.float32(EXP_LN2_HI)
+    r = r - n * np.float32(EXP_LN2_LO)
+    p = np.float32(_E0)
+    p = p * r + np.float32(_E1)
+    p = p * r + np.float32(_E2)
+    p = p * r + np.float32(_E3)
+    p = p * r + np.float32(_E4)
+    p = p * r + np.float32(_E5)
+    p = p * r + np.float32(_E6)
+    p = p * r + np.float32(_E7)
+    return np.float32(np.inf) if big else p * pow2i_f32(n)
+
+
+@njit(inline="always")
+def tanh_f32(v):
+    """tanh in float32 as a rational function (kernels/activations.py TANH_*)."""
+    x = np.float32(-TANH_CLAMP) if v < np.float32(-TANH_CLAMP) else v
+    x = np.float32(TANH_CLAMP) if x > np.float32(TANH_CLAMP) else x
+    x2 = x * x
+    p = np.float32(_T0)
+    p = p * x2 + np.float32(_T1)
+    p = p * x2 + np.float32(_T2)
+    p = p * x2 + np.float32(_T3)
+    p = p * x2 + np.float32(_T4)
+    p = p * x2 + np.float32(_T5)
+    p = p * x2 + np.float32(_T6)
+    q = np.float32(_U0)
+    q = q * x2 + np.float32(_U1)
+    q = q * x2 + np.float32(_U2)
+    q = q * x2 + np.float32(_U3)
+    return x * p / q
+
+
+@njit(inline="always")
+def sigmoid_f32(v):
+    return np.float32(1) / (np.float32(1) + exp_f32(-v))
 
 
 @njit(inline="always")
@@ -193,7 +260,7 @@ def im2row(x, rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow):
                             rf[np.uintp(o + c)] = xf[np.uintp(s0 + c)]
 
 
-@njit(inline="always")
+@njit
 def act_row(row, act, a, b):
     """Activation in place over a 1-D view.
 
@@ -960,69 +1027,108 @@ def binary_rows(x, z, out, kind, rev, act, a, b):
 
 
 @njit(inline="always")
-def _sigm(v):
-    return 1.0 / (1.0 + math.exp(-v))
+def _input_gates(x, w, b, gx, wt, hid, lbr):
+    """gx[row] = x[row] W^T + W's bias + R's (but the h gate's with linear_before_reset,
+    added inside the reset), W transposed into wt once a call."""
+    g_, ni = w.shape
+    for g in range(g_):
+        for i in range(ni):
+            wt[i, g] = w[g, i]
+    for row in range(gx.shape[0]):
+        for g in range(g_):
+            gx[row, g] = b[g] + (np.float32(0) if lbr and g >= 2 * hid else b[g_ + g])
+        for i in range(ni):
+            xi = x[row, i]
+            for g in range(g_):
+                gx[row, g] += wt[i, g] * xi
 
 
 @njit(inline="always")
-def _rdot(r, g, h, bb, n):
-    acc = np.float32(0.0)
-    for k in range(n):
-        acc += r[g, k] * h[bb, k]
-    return acc
+def _gates_rt(rt, h, bb, g0, g1, out):
+    """out[bb, g0:g1] += h[bb] R^T over those gate columns, rt = R^T [H, G]: one
+    broadcast of h[k] against a contiguous row of rt a k, a loop LLVM vectorises (a dot
+    per gate, a serial float reduction, had been 90% of an LSTM tagger's run)."""
+    for k in range(rt.shape[0]):
+        hk = h[bb, k]
+        for g in range(g0, g1):
+            out[bb, g] += rt[k, g] * hk
 
 
 @njit(cache=True)
-def rnn_recur(gx, r, rbh, h0, c0, y, gates, c, tmp, hb, cell, reverse, lbr, emit_c):
+def rnn_recur(x, w, b, gx, r, rbh, h0, c0, y, gates, c, tmp, hb, rt, wt, cell, reverse, lbr,
+              emit_c, states, inputs):  # fmt: skip
     """The recurrence of an ``rnn`` node (kernels/recurrent.py has the plan and the
     NumPy form): gx [S, B, G*H] the input's part of the gates with the biases, r
-    [G*H, H]; each step h R^T and the gate math per batch row, h kept in hb, c the
-    LSTM cell. cell 0 lstm (gates i o f c), 1 gru (z r h; rbh the recurrent h-gate
-    bias with linear_before_reset), 2 rnn. One call a run: the NumPy form's twelve
-    ufunc calls a step took 2.8 ms for a 20-step bidirectional 2-layer tagger."""
-    steps, nb, _ = gx.shape
+    [G*H, H], transposed into the scratch rt [H, G*H] once a run (r may be an input);
+    each step h R^T and the gate math per batch row, h kept in hb, c the LSTM cell.
+    cell 0 lstm (gates i o f c), 1 gru (z r h; rbh the recurrent h-gate bias with
+    linear_before_reset), 2 rnn; emit_c 0: y holds each step's h, 1: its cell state, 2:
+    h, then the final cell state in y[S]. ``states``: bit 0 h0 given, bit 1 c0 (zeros
+    otherwise). With ``inputs`` the kernel makes gx itself from x [S*B, I], w [G*H, I]
+    (through wt [I, G*H]) and b [2*G*H], rank-1 updates that vectorise (the
+    ``in_loop`` variant, for weights that stay in cache: three NumPy calls around the
+    recurrence took 60% of a small tagger's LSTM); otherwise the caller did, by GEMM.
+    Sigmoid and tanh are the vectorising float32 forms of the activations. One call a
+    run: the NumPy form's twelve ufunc calls a step took 2.8 ms for a 20-step
+    bidirectional 2-layer tagger."""
+    steps, nb, g_ = gx.shape
     hid = r.shape[1]
+    for g in range(g_):
+        for k in range(hid):
+            rt[k, g] = r[g, k]
+    if inputs:
+        _input_gates(x, w, b, gx.reshape((steps * nb, g_)), wt, hid, lbr)
     for bb in range(nb):
         for k in range(hid):
-            c[bb, k] = c0[bb, k]
-            hb[bb, k] = h0[bb, k]
+            c[bb, k] = c0[bb, k] if states & 2 else np.float32(0)
+            hb[bb, k] = h0[bb, k] if states & 1 else np.float32(0)
     for s in range(steps):
         t = steps - 1 - s if reverse else s
         for bb in range(nb):
+            if cell == 1 and not lbr:  # the h gate's recurrent part waits for r
+                for g in range(2 * hid):
+                    gates[bb, g] = gx[t, bb, g]
+                _gates_rt(rt, hb, bb, 0, 2 * hid, gates)
+            else:
+                for g in range(g_):
+                    gates[bb, g] = gx[t, bb, g] if cell != 1 else np.float32(0)
+                _gates_rt(rt, hb, bb, 0, g_, gates)
             if cell == 2:
                 for k in range(hid):
-                    gates[bb, k] = math.tanh(gx[t, bb, k] + _rdot(r, k, hb, bb, hid))
-                for k in range(hid):
-                    hb[bb, k] = gates[bb, k]
+                    hb[bb, k] = tanh_f32(gates[bb, k])
             elif cell == 0:
-                for g in range(4 * hid):
-                    gates[bb, g] = gx[t, bb, g] + _rdot(r, g, hb, bb, hid)
                 for k in range(hid):
-                    i = _sigm(gates[bb, k])
-                    o = _sigm(gates[bb, hid + k])
-                    f = _sigm(gates[bb, 2 * hid + k])
-                    c[bb, k] = f * c[bb, k] + i * math.tanh(gates[bb, 3 * hid + k])
-                    hb[bb, k] = o * math.tanh(c[bb, k])
+                    i = sigmoid_f32(gates[bb, k])
+                    o = sigmoid_f32(gates[bb, hid + k])
+                    f = sigmoid_f32(gates[bb, 2 * hid + k])
+                    c[bb, k] = f * c[bb, k] + i * tanh_f32(gates[bb, 3 * hid + k])
+                    hb[bb, k] = o * tanh_f32(c[bb, k])
             else:
-                for g in range(2 * hid):
-                    gates[bb, g] = _sigm(gx[t, bb, g] + _rdot(r, g, hb, bb, hid))
-                if lbr:  # r * (h R_h^T + Rb_h)
+                if lbr:  # gates hold h R^T alone: z, r from gx + it; h~ from r * (. + Rb_h)
+                    for k in range(2 * hid):
+                        gates[bb, k] = sigmoid_f32(gx[t, bb, k] + gates[bb, k])
                     for k in range(hid):
-                        gh = _rdot(r, 2 * hid + k, hb, bb, hid) + rbh[k]
-                        tmp[bb, k] = math.tanh(gx[t, bb, 2 * hid + k] + gates[bb, hid + k] * gh)
+                        gh = gates[bb, 2 * hid + k] + rbh[k]
+                        tmp[bb, k] = tanh_f32(gx[t, bb, 2 * hid + k] + gates[bb, hid + k] * gh)
                 else:  # (r * h) R_h^T
+                    for k in range(2 * hid):
+                        gates[bb, k] = sigmoid_f32(gates[bb, k])
                     for k in range(hid):
                         tmp[bb, k] = gates[bb, hid + k] * hb[bb, k]
                     for k in range(hid):
-                        gates[bb, 2 * hid + k] = math.tanh(
-                            gx[t, bb, 2 * hid + k] + _rdot(r, 2 * hid + k, tmp, bb, hid))
+                        gates[bb, 2 * hid + k] = gx[t, bb, 2 * hid + k]
+                    _gates_rt(rt, tmp, bb, 2 * hid, g_, gates)
                     for k in range(hid):
-                        tmp[bb, k] = gates[bb, 2 * hid + k]
+                        tmp[bb, k] = tanh_f32(gates[bb, 2 * hid + k])
                 for k in range(hid):
                     z = gates[bb, k]
                     hb[bb, k] = tmp[bb, k] + z * (hb[bb, k] - tmp[bb, k])
             for k in range(hid):
-                y[t, bb, k] = c[bb, k] if emit_c else hb[bb, k]
+                y[t, bb, k] = c[bb, k] if emit_c == 1 else hb[bb, k]
+    if emit_c == 2:  # "hc": the final cell state after the steps
+        for bb in range(nb):
+            for k in range(hid):
+                y[steps, bb, k] = c[bb, k]
 
 
 # Winograd's working planes are channels-last (gemm_tiles.wino_conv_*): a

@@ -15,10 +15,11 @@ next step (issue 17's decode budget).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from .. import portable
+from ..activations import EXP_LN2_HI, EXP_LN2_LO, EXP_LO, EXP_LOG2E, EXP_TAYLOR
 from ..ops import GATE_ACTS
+from .jit import njit
 from .kernels import half_to_f32
 from .simd import Ops, prefetch
 
@@ -29,18 +30,14 @@ vmul, vmax = _V8.vmul, _V8.vmax
 vrint, vpow2i, vkeep_n, vsum_tree = _V8.vrint, _V8.vpow2i, _V8.vkeep_n, _V8.vsum_tree
 vload_n, vstore_n = _V8.vload_n, _V8.vstore_n
 
-# exp on vectors (attention's softmax): x = n ln2 + r, n = rint(x / ln2), r by Cody-Waite
-# (ln2 in a high part exact to 11 bits and a low part) so |r| <= ln2 / 2, e^r by its
-# Taylor series to r^7 (error r^8 / 8! < 2e-9), times 2^n from the exponent bits. Inputs
-# are clamped at -87 (e^-87 ~ 1.6e-38, the normal range's floor). The scalar libm exp in
-# float64 had been most of a decode step's attention at depth 2048.
-_LOG2E, _LN2_HI, _LN2_LO = 1.4426950408889634, 0.693145751953125, 1.4286068203094173e-06
-_EXP_C = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)
+# exp on vectors (attention's softmax), as kernels/activations.py EXP_* describe. The
+# scalar libm exp in float64 had been most of a decode step's attention at depth 2048.
+_LOG2E, _LN2_HI, _LN2_LO, _EXP_C = EXP_LOG2E, EXP_LN2_HI, EXP_LN2_LO, EXP_TAYLOR
 
 
 @njit(inline="always")
 def vexp(x):
-    x = vmax(x, vsplat(np.float32(-87.0)))
+    x = vmax(x, vsplat(np.float32(EXP_LO)))
     n = vrint(vmul(x, vsplat(np.float32(_LOG2E))))
     r = vfma(n, vsplat(np.float32(-_LN2_HI)), x)
     r = vfma(n, vsplat(np.float32(-_LN2_LO)), r)

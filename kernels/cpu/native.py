@@ -140,7 +140,7 @@ def _by_thread_count(par):
     f = par.py_func
     clone = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     clone.__qualname__ = f.__qualname__ + "_serial"  # its own entry in numba's disk cache
-    ser = numba.njit(cache=True)(clone)
+    ser = numba.njit(cache=True, error_model=par.targetoptions.get("error_model", "python"))(clone)
     get = numba.get_num_threads
 
     def call(*args):

@@ -30,9 +30,10 @@ negative-index wrap-around.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
+from .jit import njit
 from .kernels import act_row, valid_cols
 
 _INF = np.float32(np.inf)

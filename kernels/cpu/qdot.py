@@ -31,12 +31,13 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange
+from numba import prange
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..flags import HAS_BIAS
 from .abi import XQ_BLOCK
+from .jit import njit
 from .kernels import linear_epilogue_row
 from .simd import F32, I32, F32Vec, Ops, _elem_ptr, prefetch
 

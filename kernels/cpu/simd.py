@@ -407,6 +407,18 @@ def prefetch(typingctx, arr, idx):
 
 
 @intrinsic
+def pow2i_f32(typingctx, n):
+    """2**n as float32 for a float32 holding an integer in -126 .. 127, from the exponent
+    bits: the scalar twin of Ops.vpow2i, for loops LLVM vectorises itself."""
+
+    def codegen(context, builder, sig, args):
+        e = builder.add(builder.fptosi(args[0], I32), ir.Constant(I32, 127))
+        return builder.bitcast(builder.shl(e, ir.Constant(I32, 23)), F32)
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
 def half_bits_to_f32(typingctx, h):
     """A uint16 holding an IEEE half, as float32: one vcvtph2ps with F16C (every AVX2
     CPU), one fcvt on aarch64. CPUs without either (SSE-only x86) must not call it:

@@ -470,7 +470,8 @@ def _bind_reduce(ins, outs, scratch, attrs) -> Bound:
 
 
 def _rnn_scratch(ins, outs, attrs) -> int:
-    steps, batch, hid = outs[0]
+    (steps, batch, _), _ = ins[0]
+    hid = outs[0][2]
     return 4 * rnn_scratch_floats(attrs["cell"], steps, batch, hid)
 
 

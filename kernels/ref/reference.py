@@ -532,7 +532,8 @@ def topk(inputs: Sequence[Array | None], attrs: dict) -> Array:
 
 def rnn(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """One direction of ONNX's LSTM (gates i o f c), GRU (z r h) and RNN, as ONNX's
-    operator text writes them, step by step in float64."""
+    operator text writes them, step by step in float64. ``emit``: each step's h ("h"),
+    its cell state ("c"), or h then a last row with the final cell state ("hc")."""
     x, w, r, b, h0, c0 = (list(inputs) + [None] * 6)[:6]
     x, w, r, b = (np.asarray(a, np.float64) for a in (x, w, r, b))
     cell, steps, batch = attrs["cell"], x.shape[0], x.shape[1]
@@ -541,7 +542,8 @@ def rnn(inputs: Sequence[Array | None], attrs: dict) -> Array:
     h = np.zeros((batch, hid)) if h0 is None else np.asarray(h0, np.float64)
     c = np.zeros((batch, hid)) if c0 is None else np.asarray(c0, np.float64)
     sig = lambda v: 1.0 / (1.0 + np.exp(-v))  # noqa: E731
-    out = np.empty((steps, batch, hid))
+    emit = attrs.get("emit", "h")
+    out = np.empty((steps + (emit == "hc"), batch, hid))
     for t in (range(steps - 1, -1, -1) if attrs.get("reverse") else range(steps)):
         if cell == "rnn":
             h = np.tanh(x[t] @ w.T + wb + h @ r.T + rb)
@@ -559,7 +561,9 @@ def rnn(inputs: Sequence[Array | None], attrs: dict) -> Array:
             else:
                 hh = np.tanh(x[t] @ wh.T + (rg * h) @ rh.T + ch + bh)
             h = (1 - z) * hh + z * h
-        out[t] = c if attrs.get("emit") == "c" else h
+        out[t] = c if emit == "c" else h
+    if emit == "hc":  # the final cell state after the steps' h
+        out[steps] = c
     return out.astype(np.float32)
 
 
