@@ -82,6 +82,7 @@ from .kernels import (
     nhwc_row_out,
     valid_cols,
 )
+from .nhwc import add_clamp_row
 from .simd import Ops, half_bits_to_f32, prefetch
 
 MR = {MR}
@@ -283,7 +284,7 @@ def driver_source(lanes: int, nv: int) -> str:
         "(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,\n"
         f"                            t * kc * {nr}, {nr}, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,\n"
         "                            cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,\n"
-        "                            flags, act, a, b, xp, 0, 0)"
+        "                            flags, vact, a, b, xp, 0, 0)"
     )
     for k in range(1, nv):
         narrow.append(f"                {'if' if k == 1 else 'elif'} nvv == {k}:")
@@ -324,14 +325,18 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, x
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     for kb in range(0, k_, KC):
         kc = min(KC, k_ - kb)
         _pack{s}(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + {nr - 1}) // {nr}):
                 c_n = n0 + t * {nr}
@@ -345,10 +350,10 @@ def _block{s}(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, x
 {narrow}
                 if final and epilogue and not fused:
                     _epilogue{s}(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                    if not vec_act:
-                        for r in range(rows):
-                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(min(MB * MR, m_hi - pm)):
+                    act_row(c[pm + r, n0:n0 + nn], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -389,7 +394,7 @@ def packed_source(lanes: int, nv: int) -> str:
         "(w, wk0, wsr, wsk, rtab, rows, wq,\n"
         f"                            s0 + u * {nr}, PANEL, kc, g, wrow, acc, c,\n"
         "                            pm * ldc + c_n, ldc, cols, fused, bias, scale,\n"
-        "                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,\n"
+        "                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,\n"
         "                            pfo, 16)"
     )
     narrow = []
@@ -414,8 +419,12 @@ def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     ps = nky * run * PANEL  # floats per panel
     whole = run <= KD
     gk = KD // run if whole else 1  # kernel rows per block
@@ -430,7 +439,7 @@ def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
         wk0 = ky0 * wrow + j0 * wsk
         acc = bi > 0
         final = bi == nb - 1
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         share = g * kc * {nr}  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
@@ -449,10 +458,10 @@ def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
 {narrow}
                     if final and epilogue and not fused:
                         _epilogue{s}(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(rows):
+                    act_row(c[pm + r, t_lo * PANEL:min(n_, t_hi * PANEL)], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -501,8 +510,8 @@ def dw3_source(lanes: int, nv: int) -> str:
     return f'''
 
 @njit(cache=True)
-def _dw3_row{s}(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                scale, bias, lo_x, hi_x, lo, hi):
+def _dw3_row{s}(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                lo_x, hi_x, lo, hi):
     """Output row oy of dw3{s}: per vector of channels, the edge pixels, then the
     interior (every tap inside the image), the nine weights in registers for both.
     A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
@@ -541,8 +550,6 @@ def _dw3_row{s}(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias,
 {edge}
             o = orow + ox * n_c + c0
             acc = vadd{s}(vmul{s}(acc, sv), bv)
-            if has_res:
-                acc = vadd{s}(acc, vload_n{s}(res, o, nl))
             vstore_n{s}(out, o, vmin{s}(vmax{s}(acc, lo), hi), nl)
     # the interior in blocks of pixels, all channels of a block before the next: the
     # block's input stays in L1 while each channel vector passes (a whole row's, at
@@ -560,10 +567,11 @@ def _dw3_row{s}(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias,
                 p2 = p1 + rs
                 acc = zero
 {inner}
-                acc = vadd{s}(vmul{s}(acc, sv), bv)
-                if has_res:
-                    acc = vadd{s}(acc, vload_n{s}(res, o, nl))
-                vstore_n{s}(out, o, vmin{s}(vmax{s}(acc, lo), hi), nl)
+                acc = vmin{s}(vmax{s}(vadd{s}(vmul{s}(acc, sv), bv), lo), hi)
+                if nl >= {lanes}:  # a masked store is microcoded on AMD (vmaskmovps)
+                    vstore{s}(out, o, acc)
+                else:
+                    vstore_n{s}(out, o, acc, nl)
                 p0 += step
                 o += n_c
 
@@ -576,20 +584,26 @@ def dw3{s}(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b
     stay in registers while the row's pixels pass: nine loads and nine fmas per output
     vector, where the auto-vectorised loop reloaded the weights for every pixel and
     multiplied and added separately. The last vector of channels is masked. ReLU and
-    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after, and
+    so does a residual (with the clamp): tested in the pixel loop, its masked load kept
+    the sums out of registers, 3x slower even without one (cpu_nhwc add_clamp_row)."""
     wd = x.shape[1]
     oh, ow, n_c = out.shape
     post = act != 0 and act != 1 and act != 3
+    has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo = vsplat{s}(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
-    hi = vsplat{s}(np.float32(b) if act == 3 else inf)
+    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
+    hi_s = np.float32(b) if act == 3 else inf
+    lo = vsplat{s}(-inf if has_res else lo_s)
+    hi = vsplat{s}(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
     has_scale = (flags & HAS_SCALE) != 0
     has_bias = (flags & HAS_BIAS) != 0
-    has_res = (flags & HAS_RES) != 0
     for oy in prange(oh):
-        _dw3_row{s}(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                    scale, bias, lo_x, hi_x, lo, hi)
+        _dw3_row{s}(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                    lo_x, hi_x, lo, hi)
+        if has_res:
+            add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
 '''

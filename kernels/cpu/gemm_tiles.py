@@ -43,6 +43,7 @@ from .kernels import (
     nhwc_row_out,
     valid_cols,
 )
+from .nhwc import add_clamp_row
 from .simd import Ops, half_bits_to_f32, prefetch
 
 MR = 6
@@ -1565,14 +1566,18 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     for kb in range(0, k_, KC):
         kc = min(KC, k_ - kb)
         _pack_16x4(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 63) // 64):
                 c_n = n0 + t * 64
@@ -1587,28 +1592,28 @@ def _block_16x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi,
                     tile1v_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 elif nvv == 2:
                     tile2v_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 elif nvv == 3:
                     tile3v_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 else:
                     tile_16x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 64, 64, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_16x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                    if not vec_act:
-                        for r in range(rows):
-                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(min(MB * MR, m_hi - pm)):
+                    act_row(c[pm + r, n0:n0 + nn], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -1651,8 +1656,12 @@ def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     ps = nky * run * PANEL  # floats per panel
     whole = run <= KD
     gk = KD // run if whole else 1  # kernel rows per block
@@ -1667,7 +1676,7 @@ def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a
         wk0 = ky0 * wrow + j0 * wsk
         acc = bi > 0
         final = bi == nb - 1
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         share = g * kc * 64  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
@@ -1687,32 +1696,32 @@ def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a
                         tile1v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     elif nvv == 2:
                         tile2v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     elif nvv == 3:
                         tile3v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     else:
                         tile_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_16x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(rows):
+                    act_row(c[pm + r, t_lo * PANEL:min(n_, t_hi * PANEL)], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -1954,8 +1963,8 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
 
 
 @njit(cache=True)
-def _dw3_row_16x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                scale, bias, lo_x, hi_x, lo, hi):
+def _dw3_row_16x4(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                lo_x, hi_x, lo, hi):
     """Output row oy of dw3_16x4: per vector of channels, the edge pixels, then the
     interior (every tap inside the image), the nine weights in registers for both.
     A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
@@ -2010,8 +2019,6 @@ def _dw3_row_16x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bia
             acc = vfma_16x4(w8, vload_n_16x4(x, p2 + 2 * cs, n2 if m2 else 0), acc)
             o = orow + ox * n_c + c0
             acc = vadd_16x4(vmul_16x4(acc, sv), bv)
-            if has_res:
-                acc = vadd_16x4(acc, vload_n_16x4(res, o, nl))
             vstore_n_16x4(out, o, vmin_16x4(vmax_16x4(acc, lo), hi), nl)
     # the interior in blocks of pixels, all channels of a block before the next: the
     # block's input stays in L1 while each channel vector passes (a whole row's, at
@@ -2045,10 +2052,11 @@ def _dw3_row_16x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bia
                 acc = vfma_16x4(w6, vload_n_16x4(x, p2, nl), acc)
                 acc = vfma_16x4(w7, vload_n_16x4(x, p2 + 1 * cs, nl), acc)
                 acc = vfma_16x4(w8, vload_n_16x4(x, p2 + 2 * cs, nl), acc)
-                acc = vadd_16x4(vmul_16x4(acc, sv), bv)
-                if has_res:
-                    acc = vadd_16x4(acc, vload_n_16x4(res, o, nl))
-                vstore_n_16x4(out, o, vmin_16x4(vmax_16x4(acc, lo), hi), nl)
+                acc = vmin_16x4(vmax_16x4(vadd_16x4(vmul_16x4(acc, sv), bv), lo), hi)
+                if nl >= 16:  # a masked store is microcoded on AMD (vmaskmovps)
+                    vstore_16x4(out, o, acc)
+                else:
+                    vstore_n_16x4(out, o, acc, nl)
                 p0 += step
                 o += n_c
 
@@ -2061,20 +2069,26 @@ def dw3_16x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a,
     stay in registers while the row's pixels pass: nine loads and nine fmas per output
     vector, where the auto-vectorised loop reloaded the weights for every pixel and
     multiplied and added separately. The last vector of channels is masked. ReLU and
-    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after, and
+    so does a residual (with the clamp): tested in the pixel loop, its masked load kept
+    the sums out of registers, 3x slower even without one (cpu_nhwc add_clamp_row)."""
     wd = x.shape[1]
     oh, ow, n_c = out.shape
     post = act != 0 and act != 1 and act != 3
+    has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo = vsplat_16x4(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
-    hi = vsplat_16x4(np.float32(b) if act == 3 else inf)
+    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
+    hi_s = np.float32(b) if act == 3 else inf
+    lo = vsplat_16x4(-inf if has_res else lo_s)
+    hi = vsplat_16x4(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
     has_scale = (flags & HAS_SCALE) != 0
     has_bias = (flags & HAS_BIAS) != 0
-    has_res = (flags & HAS_RES) != 0
     for oy in prange(oh):
-        _dw3_row_16x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                    scale, bias, lo_x, hi_x, lo, hi)
+        _dw3_row_16x4(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                    lo_x, hi_x, lo, hi)
+        if has_res:
+            add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
 
@@ -2767,14 +2781,18 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     for kb in range(0, k_, KC):
         kc = min(KC, k_ - kb)
         _pack_8x2(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
@@ -2789,18 +2807,18 @@ def _block_8x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                     tile1v_8x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 else:
                     tile_8x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_8x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                    if not vec_act:
-                        for r in range(rows):
-                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(min(MB * MR, m_hi - pm)):
+                    act_row(c[pm + r, n0:n0 + nn], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -2843,8 +2861,12 @@ def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     ps = nky * run * PANEL  # floats per panel
     whole = run <= KD
     gk = KD // run if whole else 1  # kernel rows per block
@@ -2859,7 +2881,7 @@ def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
         wk0 = ky0 * wrow + j0 * wsk
         acc = bi > 0
         final = bi == nb - 1
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         share = g * kc * 16  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
@@ -2879,20 +2901,20 @@ def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                         tile1v_8x2(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     else:
                         tile_8x2(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_8x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(rows):
+                    act_row(c[pm + r, t_lo * PANEL:min(n_, t_hi * PANEL)], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -3134,8 +3156,8 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def _dw3_row_8x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                scale, bias, lo_x, hi_x, lo, hi):
+def _dw3_row_8x2(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                lo_x, hi_x, lo, hi):
     """Output row oy of dw3_8x2: per vector of channels, the edge pixels, then the
     interior (every tap inside the image), the nine weights in registers for both.
     A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
@@ -3190,8 +3212,6 @@ def _dw3_row_8x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias
             acc = vfma_8x2(w8, vload_n_8x2(x, p2 + 2 * cs, n2 if m2 else 0), acc)
             o = orow + ox * n_c + c0
             acc = vadd_8x2(vmul_8x2(acc, sv), bv)
-            if has_res:
-                acc = vadd_8x2(acc, vload_n_8x2(res, o, nl))
             vstore_n_8x2(out, o, vmin_8x2(vmax_8x2(acc, lo), hi), nl)
     # the interior in blocks of pixels, all channels of a block before the next: the
     # block's input stays in L1 while each channel vector passes (a whole row's, at
@@ -3225,10 +3245,11 @@ def _dw3_row_8x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias
                 acc = vfma_8x2(w6, vload_n_8x2(x, p2, nl), acc)
                 acc = vfma_8x2(w7, vload_n_8x2(x, p2 + 1 * cs, nl), acc)
                 acc = vfma_8x2(w8, vload_n_8x2(x, p2 + 2 * cs, nl), acc)
-                acc = vadd_8x2(vmul_8x2(acc, sv), bv)
-                if has_res:
-                    acc = vadd_8x2(acc, vload_n_8x2(res, o, nl))
-                vstore_n_8x2(out, o, vmin_8x2(vmax_8x2(acc, lo), hi), nl)
+                acc = vmin_8x2(vmax_8x2(vadd_8x2(vmul_8x2(acc, sv), bv), lo), hi)
+                if nl >= 8:  # a masked store is microcoded on AMD (vmaskmovps)
+                    vstore_8x2(out, o, acc)
+                else:
+                    vstore_n_8x2(out, o, acc, nl)
                 p0 += step
                 o += n_c
 
@@ -3241,20 +3262,26 @@ def dw3_8x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
     stay in registers while the row's pixels pass: nine loads and nine fmas per output
     vector, where the auto-vectorised loop reloaded the weights for every pixel and
     multiplied and added separately. The last vector of channels is masked. ReLU and
-    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after, and
+    so does a residual (with the clamp): tested in the pixel loop, its masked load kept
+    the sums out of registers, 3x slower even without one (cpu_nhwc add_clamp_row)."""
     wd = x.shape[1]
     oh, ow, n_c = out.shape
     post = act != 0 and act != 1 and act != 3
+    has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo = vsplat_8x2(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
-    hi = vsplat_8x2(np.float32(b) if act == 3 else inf)
+    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
+    hi_s = np.float32(b) if act == 3 else inf
+    lo = vsplat_8x2(-inf if has_res else lo_s)
+    hi = vsplat_8x2(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
     has_scale = (flags & HAS_SCALE) != 0
     has_bias = (flags & HAS_BIAS) != 0
-    has_res = (flags & HAS_RES) != 0
     for oy in prange(oh):
-        _dw3_row_8x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                    scale, bias, lo_x, hi_x, lo, hi)
+        _dw3_row_8x2(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                    lo_x, hi_x, lo, hi)
+        if has_res:
+            add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
 
@@ -3969,14 +3996,18 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     for kb in range(0, k_, KC):
         kc = min(KC, k_ - kb)
         _pack_4x2(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 7) // 8):
                 c_n = n0 + t * 8
@@ -3991,18 +4022,18 @@ def _block_4x2(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                     tile1v_4x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 8, 8, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 else:
                     tile_4x2(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 8, 8, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_4x2(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                    if not vec_act:
-                        for r in range(rows):
-                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(min(MB * MR, m_hi - pm)):
+                    act_row(c[pm + r, n0:n0 + nn], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -4045,8 +4076,12 @@ def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     ps = nky * run * PANEL  # floats per panel
     whole = run <= KD
     gk = KD // run if whole else 1  # kernel rows per block
@@ -4061,7 +4096,7 @@ def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
         wk0 = ky0 * wrow + j0 * wsk
         acc = bi > 0
         final = bi == nb - 1
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         share = g * kc * 8  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
@@ -4081,20 +4116,20 @@ def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                         tile1v_4x2(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 8, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     else:
                         tile_4x2(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 8, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_4x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(rows):
+                    act_row(c[pm + r, t_lo * PANEL:min(n_, t_hi * PANEL)], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -4336,8 +4371,8 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def _dw3_row_4x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                scale, bias, lo_x, hi_x, lo, hi):
+def _dw3_row_4x2(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                lo_x, hi_x, lo, hi):
     """Output row oy of dw3_4x2: per vector of channels, the edge pixels, then the
     interior (every tap inside the image), the nine weights in registers for both.
     A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
@@ -4392,8 +4427,6 @@ def _dw3_row_4x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias
             acc = vfma_4x2(w8, vload_n_4x2(x, p2 + 2 * cs, n2 if m2 else 0), acc)
             o = orow + ox * n_c + c0
             acc = vadd_4x2(vmul_4x2(acc, sv), bv)
-            if has_res:
-                acc = vadd_4x2(acc, vload_n_4x2(res, o, nl))
             vstore_n_4x2(out, o, vmin_4x2(vmax_4x2(acc, lo), hi), nl)
     # the interior in blocks of pixels, all channels of a block before the next: the
     # block's input stays in L1 while each channel vector passes (a whole row's, at
@@ -4427,10 +4460,11 @@ def _dw3_row_4x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias
                 acc = vfma_4x2(w6, vload_n_4x2(x, p2, nl), acc)
                 acc = vfma_4x2(w7, vload_n_4x2(x, p2 + 1 * cs, nl), acc)
                 acc = vfma_4x2(w8, vload_n_4x2(x, p2 + 2 * cs, nl), acc)
-                acc = vadd_4x2(vmul_4x2(acc, sv), bv)
-                if has_res:
-                    acc = vadd_4x2(acc, vload_n_4x2(res, o, nl))
-                vstore_n_4x2(out, o, vmin_4x2(vmax_4x2(acc, lo), hi), nl)
+                acc = vmin_4x2(vmax_4x2(vadd_4x2(vmul_4x2(acc, sv), bv), lo), hi)
+                if nl >= 4:  # a masked store is microcoded on AMD (vmaskmovps)
+                    vstore_4x2(out, o, acc)
+                else:
+                    vstore_n_4x2(out, o, acc, nl)
                 p0 += step
                 o += n_c
 
@@ -4443,20 +4477,26 @@ def dw3_4x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
     stay in registers while the row's pixels pass: nine loads and nine fmas per output
     vector, where the auto-vectorised loop reloaded the weights for every pixel and
     multiplied and added separately. The last vector of channels is masked. ReLU and
-    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after, and
+    so does a residual (with the clamp): tested in the pixel loop, its masked load kept
+    the sums out of registers, 3x slower even without one (cpu_nhwc add_clamp_row)."""
     wd = x.shape[1]
     oh, ow, n_c = out.shape
     post = act != 0 and act != 1 and act != 3
+    has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo = vsplat_4x2(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
-    hi = vsplat_4x2(np.float32(b) if act == 3 else inf)
+    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
+    hi_s = np.float32(b) if act == 3 else inf
+    lo = vsplat_4x2(-inf if has_res else lo_s)
+    hi = vsplat_4x2(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
     has_scale = (flags & HAS_SCALE) != 0
     has_bias = (flags & HAS_BIAS) != 0
-    has_res = (flags & HAS_RES) != 0
     for oy in prange(oh):
-        _dw3_row_4x2(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                    scale, bias, lo_x, hi_x, lo, hi)
+        _dw3_row_4x2(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                    lo_x, hi_x, lo, hi)
+        if has_res:
+            add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
 
@@ -6064,14 +6104,18 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     for kb in range(0, k_, KC):
         kc = min(KC, k_ - kb)
         _pack_4x4(x, ldx, kb, kc, n0, nn, xp)
         acc = kb > 0
         final = kb + kc >= k_
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         for pm in range(m_lo, m_hi, MB * MR):
             for t in range((nn + 15) // 16):
                 c_n = n0 + t * 16
@@ -6086,28 +6130,28 @@ def _block_4x4(w, x, c, bias, scale, res, flags, act, a, b, n0, nn, m_lo, m_hi, 
                     tile1v_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 elif nvv == 2:
                     tile2v_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 elif nvv == 3:
                     tile3v_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 else:
                     tile_4x4(w, kb * wsk, wsr, wsk, NOROWS, rows, xp,
                             t * kc * 16, 16, kc, 1, 0, acc, c, m0 * ldc + c_n, ldc,
                             cols, fused, bias, scale, res, m0 * ldr + c_n, ldr, m0, c_n,
-                            flags, act, a, b, xp, 0, 0)
+                            flags, vact, a, b, xp, 0, 0)
                 if final and epilogue and not fused:
                     _epilogue_4x4(c, m0 * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                 m0 * ldr + c_n, ldr, m0, c_n, flags, act, a, b)
-                    if not vec_act:
-                        for r in range(rows):
-                            act_row(c[m0 + r, c_n:c_n + cols], act, a, b)
+                                 m0 * ldr + c_n, ldr, m0, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(min(MB * MR, m_hi - pm)):
+                    act_row(c[pm + r, n0:n0 + nn], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -6150,8 +6194,12 @@ def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
     ldc = c.strides[0] // 4
     has_res = (flags & HAS_RES) != 0
     ldr = res.strides[0] // 4 if has_res else 0
+    # relu and clip in registers; other activations a pass over each finished row
+    # block's full width after its tiles (per 16-wide tile, those calls had been a
+    # third of a hard-swish pointwise conv's time)
     vec_act = act == 0 or act == 1 or act == 3
-    epilogue = flags != 0 or act != 0
+    vact = act if vec_act else 0
+    epilogue = flags != 0 or vact != 0
     ps = nky * run * PANEL  # floats per panel
     whole = run <= KD
     gk = KD // run if whole else 1  # kernel rows per block
@@ -6166,7 +6214,7 @@ def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
         wk0 = ky0 * wrow + j0 * wsk
         acc = bi > 0
         final = bi == nb - 1
-        fuse = final and epilogue and vec_act
+        fuse = final and epilogue
         share = g * kc * 16  # floats of the next slab each column tile prefetches
         for pm in range(m_lo, m_hi, MC):
             rows = min(MC, m_hi - pm)
@@ -6186,32 +6234,32 @@ def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                         tile1v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     elif nvv == 2:
                         tile2v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     elif nvv == 3:
                         tile3v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     else:
                         tile_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
                             s0 + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b, wq,
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
                             pfo, 16)
                     if final and epilogue and not fused:
                         _epilogue_4x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
-                                     pm * ldr + c_n, ldr, pm, c_n, flags, act, a, b)
-                        if not vec_act:
-                            for r in range(rows):
-                                act_row(c[pm + r, c_n:c_n + cols], act, a, b)
+                                     pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
+            if final and not vec_act:
+                for r in range(rows):
+                    act_row(c[pm + r, t_lo * PANEL:min(n_, t_hi * PANEL)], act, a, b)
 
 
 @njit(parallel=True, cache=True)
@@ -6453,8 +6501,8 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
 
 
 @njit(cache=True)
-def _dw3_row_4x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                scale, bias, lo_x, hi_x, lo, hi):
+def _dw3_row_4x4(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                lo_x, hi_x, lo, hi):
     """Output row oy of dw3_4x4: per vector of channels, the edge pixels, then the
     interior (every tap inside the image), the nine weights in registers for both.
     A tap outside the image loads with an empty mask: zeros, nothing read, so it adds
@@ -6509,8 +6557,6 @@ def _dw3_row_4x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias
             acc = vfma_4x4(w8, vload_n_4x4(x, p2 + 2 * cs, n2 if m2 else 0), acc)
             o = orow + ox * n_c + c0
             acc = vadd_4x4(vmul_4x4(acc, sv), bv)
-            if has_res:
-                acc = vadd_4x4(acc, vload_n_4x4(res, o, nl))
             vstore_n_4x4(out, o, vmin_4x4(vmax_4x4(acc, lo), hi), nl)
     # the interior in blocks of pixels, all channels of a block before the next: the
     # block's input stays in L1 while each channel vector passes (a whole row's, at
@@ -6544,10 +6590,11 @@ def _dw3_row_4x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias
                 acc = vfma_4x4(w6, vload_n_4x4(x, p2, nl), acc)
                 acc = vfma_4x4(w7, vload_n_4x4(x, p2 + 1 * cs, nl), acc)
                 acc = vfma_4x4(w8, vload_n_4x4(x, p2 + 2 * cs, nl), acc)
-                acc = vadd_4x4(vmul_4x4(acc, sv), bv)
-                if has_res:
-                    acc = vadd_4x4(acc, vload_n_4x4(res, o, nl))
-                vstore_n_4x4(out, o, vmin_4x4(vmax_4x4(acc, lo), hi), nl)
+                acc = vmin_4x4(vmax_4x4(vadd_4x4(vmul_4x4(acc, sv), bv), lo), hi)
+                if nl >= 4:  # a masked store is microcoded on AMD (vmaskmovps)
+                    vstore_4x4(out, o, acc)
+                else:
+                    vstore_n_4x4(out, o, acc, nl)
                 p0 += step
                 o += n_c
 
@@ -6560,20 +6607,26 @@ def dw3_4x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
     stay in registers while the row's pixels pass: nine loads and nine fmas per output
     vector, where the auto-vectorised loop reloaded the weights for every pixel and
     multiplied and added separately. The last vector of channels is masked. ReLU and
-    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after."""
+    clip are one clamp (a NaN passes, as in cpu_nhwc); others run as a pass after, and
+    so does a residual (with the clamp): tested in the pixel loop, its masked load kept
+    the sums out of registers, 3x slower even without one (cpu_nhwc add_clamp_row)."""
     wd = x.shape[1]
     oh, ow, n_c = out.shape
     post = act != 0 and act != 1 and act != 3
+    has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo = vsplat_4x4(np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf))
-    hi = vsplat_4x4(np.float32(b) if act == 3 else inf)
+    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
+    hi_s = np.float32(b) if act == 3 else inf
+    lo = vsplat_4x4(-inf if has_res else lo_s)
+    hi = vsplat_4x4(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
     has_scale = (flags & HAS_SCALE) != 0
     has_bias = (flags & HAS_BIAS) != 0
-    has_res = (flags & HAS_RES) != 0
     for oy in prange(oh):
-        _dw3_row_4x4(x, w, res, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, has_res,
-                    scale, bias, lo_x, hi_x, lo, hi)
+        _dw3_row_4x4(x, w, out, oy, sh, sw, pt, pl, dh, dw, has_scale, has_bias, scale, bias,
+                    lo_x, hi_x, lo, hi)
+        if has_res:
+            add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
 

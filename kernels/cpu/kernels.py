@@ -260,12 +260,15 @@ def im2row(x, rows, kh, kw, sh, sw, pt, pl, dh, dw, oy0, ow):
                             rf[np.uintp(o + c)] = xf[np.uintp(s0 + c)]
 
 
-@njit
+@njit(inline="always")
 def act_row(row, act, a, b):
     """Activation in place over a 1-D view.
 
     One loop per activation with the code a constant inside it: a runtime switch in
     the inner loop keeps LLVM from vectorising (it cost 10x on MobileNetV2's epilogues).
+    The piecewise-linear ones are inlined into each kernel; the polynomial ones are a
+    call (_act_row_poly): inlined too, they doubled the cold compile of a conv kernel
+    (one dwconv test 20.5 -> 39.5 s), and a call per row is small beside the polynomial.
     """
     n = row.size
     if act == 0:
@@ -279,18 +282,25 @@ def act_row(row, act, a, b):
     elif act == 3:
         for i in range(n):
             row[i] = act_scalar(row[i], 3, a, b)
-    elif act == 4:
-        for i in range(n):
-            row[i] = act_scalar(row[i], 4, a, b)
-    elif act == 5:
-        for i in range(n):
-            row[i] = act_scalar(row[i], 5, a, b)
     elif act == 6:
         for i in range(n):
             row[i] = act_scalar(row[i], 6, a, b)
     elif act == 7:
         for i in range(n):
             row[i] = act_scalar(row[i], 7, a, b)
+    else:
+        _act_row_poly(row, act, a, b)
+
+
+@njit
+def _act_row_poly(row, act, a, b):
+    n = row.size
+    if act == 4:
+        for i in range(n):
+            row[i] = act_scalar(row[i], 4, a, b)
+    elif act == 5:
+        for i in range(n):
+            row[i] = act_scalar(row[i], 5, a, b)
     elif act == 8:
         for i in range(n):
             row[i] = act_scalar(row[i], 8, a, b)
@@ -980,49 +990,41 @@ def binary4(x, y, out, kind, act, a, b):
 
 
 @njit(inline="always")
-def _rowop(xrow, zrow, orow, zc, kind, rev):
-    """orow = xrow (op) zrow (``rev``: zrow (op) xrow), zrow one value when zc == 1. add
-    and mul have loops of their own: _binop's branches kept the common kinds from
-    vectorising (a squeeze-excite mul of 9216 floats: 18 us, 5.8 us so)."""
-    n = orow.shape[0]
-    if zc > 1:
-        if kind == 0:
-            for c in range(n):
-                orow[c] = xrow[c] + zrow[c]
-        elif kind == 2:
-            for c in range(n):
-                orow[c] = xrow[c] * zrow[c]
-        elif rev:
-            for c in range(n):
-                orow[c] = _binop(zrow[c], xrow[c], kind)
+def _rows_kind(x, z, out, kind, rev):
+    """out = x (op) z for one kind, z [R or 1, C or 1] indexed in place (a row view a
+    row, with the kind tested inside the row loop, had cost 35 ns a row: an SE block's
+    channel scale of 1152 x 8 floats took 42 us, 3 us so)."""
+    zr, zc = z.shape
+    for r in range(out.shape[0]):
+        i = r if zr > 1 else 0
+        if zc > 1:
+            for c in range(out.shape[1]):
+                u, v = x[r, c], z[i, c]
+                out[r, c] = _binop(v, u, kind) if rev else _binop(u, v, kind)
         else:
-            for c in range(n):
-                orow[c] = _binop(xrow[c], zrow[c], kind)
-    else:
-        s = zrow[0]
-        if kind == 0:
-            for c in range(n):
-                orow[c] = xrow[c] + s
-        elif kind == 2:
-            for c in range(n):
-                orow[c] = xrow[c] * s
-        elif rev:
-            for c in range(n):
-                orow[c] = _binop(s, xrow[c], kind)
-        else:
-            for c in range(n):
-                orow[c] = _binop(xrow[c], s, kind)
+            s = z[i, 0]
+            for c in range(out.shape[1]):
+                out[r, c] = _binop(s, x[r, c], kind) if rev else _binop(x[r, c], s, kind)
 
 
 @njit(cache=True)
 def binary_rows(x, z, out, kind, rev, act, a, b):
     """out = act(x (op) z) over rows: x and out [R, C], z [R or 1, C or 1] (a per-row or
     per-column operand: a channel vector in either layout, a row, a scalar). Equal
-    indices only, so out may be x (in place)."""
-    zr, zc = z.shape
-    for r in range(out.shape[0]):
-        _rowop(x[r], z[r if zr > 1 else 0], out[r], zc, kind, rev)
-        if act != 0:
+    indices only, so out may be x (in place). One loop nest per kind, so the common
+    ones vectorise (_binop's branches do not)."""
+    if kind == 0:
+        _rows_kind(x, z, out, 0, 0)
+    elif kind == 2:
+        _rows_kind(x, z, out, 2, 0)
+    elif kind == 1:
+        _rows_kind(x, z, out, 1, rev)
+    elif kind == 3:
+        _rows_kind(x, z, out, 3, rev)
+    else:
+        _rows_kind(x, z, out, kind, rev)
+    if act != 0:
+        for r in range(out.shape[0]):
             act_row(out[r], act, a, b)
 
 

@@ -11,9 +11,10 @@ Each output row is split into the left border, the interior (every tap inside th
 image: no per-tap tests) and the right border. A 3x3 window over the interior sums its
 nine taps in registers, in the same order as the planar ``dwconv``, and applies the
 epilogue (scale, bias, residual, clamp) before the one store. Border pixels and other
-windows accumulate tap by tap in the output pixel (it stays in L1) and take the
-epilogue in a second pass over it; a nine-tap border path that read clamped positions
-and zeroed them with selects measured no faster, at 7x7 slower.
+windows sum the taps inside the image in a vector register, eight channels at a time
+(simd.Ops), and take the same epilogue before their one store; a nine-tap border path
+that read clamped positions and zeroed them with selects measured no faster, at 7x7
+slower.
 
 ReLU and clip are fused as a clamp written as compare-selects (vector max / min); a
 NaN passes through them, and ReLU keeps the sign of a zero (planar act_scalar maps
@@ -35,8 +36,15 @@ from numba import prange
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 from .jit import njit
 from .kernels import act_row, valid_cols
+from .simd import Ops
 
 _INF = np.float32(np.inf)
+_V8 = Ops(8)  # eight lanes on every CPU, as llm.py
+vload, vload_n, vstore, vstore_n = _V8.vload, _V8.vload_n, _V8.vstore, _V8.vstore_n
+vloadw, vloadw_n = _V8.vloadw, _V8.vloadw_n
+vsplat, vzero, vfma, vadd, vmul = _V8.vsplat, _V8.vzero, _V8.vfma, _V8.vadd, _V8.vmul
+vmin, vmax = _V8.vmin, _V8.vmax
+_DWK_BLOCK = 8  # output pixels a block (dw3's DWB)
 
 
 @njit(forceinline=True)
@@ -97,10 +105,11 @@ def _make_row9(fixed_c: int):
     channels, where a pixel is only four vectors)."""
 
     @njit
-    def row9(of, xf, wf, bias, scale, rf, orow, xrow, ox0, ox1, step, rs, cs_, n_c_, ep, lo, hi):
+    def row9(of, xf, wf, bias, scale, orow, xrow, ox0, ox1, step, rs, cs_, n_c_, ep, lo, hi):
         """Output pixels [ox0, ox1) of one row of a 3x3 window whose taps are all inside:
         out[orow + ox * C + c] = clamp(epilogue(sum)), the input window of pixel ox at flat
-        xrow + ox * step (rows rs apart, columns cs apart). ``ep`` holds the flag bits."""
+        xrow + ox * step (rows rs apart, columns cs apart). ``ep`` holds the bias and
+        scale bits (a residual is dwconv_nhwc's pass after the row)."""
         n_c = fixed_c if fixed_c else n_c_
         cs = fixed_c if fixed_c else cs_
         if ep == HAS_BIAS:
@@ -109,13 +118,6 @@ def _make_row9(fixed_c: int):
                 for c in range(n_c):
                     v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c) + bias[np.uintp(c)]
                     of[np.uintp(o + c)] = _clamp(v, lo, hi)
-        elif ep == HAS_BIAS | HAS_RES:
-            for ox in range(ox0, ox1):
-                p0, o = xrow + ox * step, orow + ox * n_c
-                for c in range(n_c):
-                    v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c) + bias[np.uintp(c)]
-                    v += rf[np.uintp(o + c)]
-                    of[np.uintp(o + c)] = _clamp(v, lo, hi)
         elif ep == HAS_BIAS | HAS_SCALE:
             for ox in range(ox0, ox1):
                 p0, o = xrow + ox * step, orow + ox * n_c
@@ -123,38 +125,17 @@ def _make_row9(fixed_c: int):
                     v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c) * scale[np.uintp(c)]
                     v += bias[np.uintp(c)]
                     of[np.uintp(o + c)] = _clamp(v, lo, hi)
-        elif ep == HAS_BIAS | HAS_SCALE | HAS_RES:
-            for ox in range(ox0, ox1):
-                p0, o = xrow + ox * step, orow + ox * n_c
-                for c in range(n_c):
-                    v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c) * scale[np.uintp(c)]
-                    v += bias[np.uintp(c)]
-                    v += rf[np.uintp(o + c)]
-                    of[np.uintp(o + c)] = _clamp(v, lo, hi)
         elif ep == 0:
             for ox in range(ox0, ox1):
                 p0, o = xrow + ox * step, orow + ox * n_c
                 for c in range(n_c):
                     v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c)
                     of[np.uintp(o + c)] = _clamp(v, lo, hi)
-        elif ep == HAS_RES:
-            for ox in range(ox0, ox1):
-                p0, o = xrow + ox * step, orow + ox * n_c
-                for c in range(n_c):
-                    v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c) + rf[np.uintp(o + c)]
-                    of[np.uintp(o + c)] = _clamp(v, lo, hi)
-        elif ep == HAS_SCALE:
+        else:  # HAS_SCALE
             for ox in range(ox0, ox1):
                 p0, o = xrow + ox * step, orow + ox * n_c
                 for c in range(n_c):
                     v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c) * scale[np.uintp(c)]
-                    of[np.uintp(o + c)] = _clamp(v, lo, hi)
-        else:  # HAS_SCALE | HAS_RES
-            for ox in range(ox0, ox1):
-                p0, o = xrow + ox * step, orow + ox * n_c
-                for c in range(n_c):
-                    v = _sum9(xf, wf, p0, p0 + rs, p0 + 2 * rs, cs, n_c, c) * scale[np.uintp(c)]
-                    v += rf[np.uintp(o + c)]
                     of[np.uintp(o + c)] = _clamp(v, lo, hi)
 
     return row9
@@ -165,87 +146,107 @@ _row9_16 = _make_row9(16)
 _row9_32 = _make_row9(32)
 
 
-@njit(forceinline=True)
-def _epi_px(of, bias, scale, rf, o, n_c, ep, lo, hi):
-    """In place on the pixel of[o : o + C]: scale, bias, residual, clamp in one pass
-    (rounded as the planar epilogue_row), one loop per variant."""
-    if ep == HAS_BIAS:
-        for c in range(n_c):
-            v = of[np.uintp(o + c)] + bias[np.uintp(c)]
-            of[np.uintp(o + c)] = _clamp(v, lo, hi)
-    elif ep == HAS_BIAS | HAS_RES:
-        for c in range(n_c):
-            v = of[np.uintp(o + c)] + bias[np.uintp(c)] + rf[np.uintp(o + c)]
-            of[np.uintp(o + c)] = _clamp(v, lo, hi)
-    elif ep == HAS_BIAS | HAS_SCALE:
-        for c in range(n_c):
-            v = of[np.uintp(o + c)] * scale[np.uintp(c)] + bias[np.uintp(c)]
-            of[np.uintp(o + c)] = _clamp(v, lo, hi)
-    elif ep == HAS_BIAS | HAS_SCALE | HAS_RES:
-        for c in range(n_c):
-            v = of[np.uintp(o + c)] * scale[np.uintp(c)] + bias[np.uintp(c)] + rf[np.uintp(o + c)]
-            of[np.uintp(o + c)] = _clamp(v, lo, hi)
-    elif ep == 0:
-        for c in range(n_c):
-            of[np.uintp(o + c)] = _clamp(of[np.uintp(o + c)], lo, hi)
-    elif ep == HAS_RES:
-        for c in range(n_c):
-            v = of[np.uintp(o + c)] + rf[np.uintp(o + c)]
-            of[np.uintp(o + c)] = _clamp(v, lo, hi)
-    elif ep == HAS_SCALE:
-        for c in range(n_c):
-            v = of[np.uintp(o + c)] * scale[np.uintp(c)]
-            of[np.uintp(o + c)] = _clamp(v, lo, hi)
-    else:  # HAS_SCALE | HAS_RES
-        for c in range(n_c):
-            v = of[np.uintp(o + c)] * scale[np.uintp(c)] + rf[np.uintp(o + c)]
-            of[np.uintp(o + c)] = _clamp(v, lo, hi)
+@njit(inline="always")
+def _px_out(of, o, acc, sv, bv, vlo, vhi, nl):
+    acc = vmin(vmax(vadd(vmul(acc, sv), bv), vlo), vhi)
+    if nl >= 8:  # a masked store is microcoded on AMD (vmaskmovps)
+        vstore(of, o, acc)
+    else:
+        vstore_n(of, o, acc, nl)
 
 
 @njit
-def _row_any(
-    of, xf, wf, orow, iy0, ox0, ox1, h, wd, kh, kw, sw, pl, dh, dw, n_c,
-):  # fmt: skip
-    """Raw sums (no epilogue) for output pixels [ox0, ox1) of one row, any window, each
-    tap tested against the image: accumulated tap by tap in the pixel itself."""
-    for ox in range(ox0, ox1):
-        o = orow + ox * n_c
-        ix0 = ox * sw - pl
-        first = True
-        for i in range(kh):
-            iy = iy0 + i * dh
-            if iy < 0 or iy >= h:
-                continue
-            for j in range(kw):
-                ix = ix0 + j * dw
-                if ix < 0 or ix >= wd:
-                    continue
-                p = (iy * wd + ix) * n_c
-                t = (i * kw + j) * n_c
-                if first:
-                    for c in range(n_c):
-                        v = np.float32(wf[np.uintp(t + c)]) * xf[np.uintp(p + c)]
-                        of[np.uintp(o + c)] = v
-                    first = False
-                else:
-                    for c in range(n_c):
-                        v = np.float32(wf[np.uintp(t + c)]) * xf[np.uintp(p + c)]
-                        of[np.uintp(o + c)] += v
-        if first:  # no tap inside (pads as wide as the window)
-            for c in range(n_c):
-                of[np.uintp(o + c)] = 0.0
+def add_clamp_row(row, res, lo, hi):
+    """row = clamp(row + res) in place: a depthwise conv's residual as a pass of its own
+    over each finished output row. Tested inside the vector kernels' pixel loops (a
+    masked load under the test) it kept LLVM from keeping their sums in registers and
+    cost 3x even without a residual (a 5x5 conv of 2x96x200: 75 us against 24)."""
+    for i in range(row.size):
+        row[i] = _clamp(row[i] + res[i], lo, hi)
+
+
+@njit(inline="always")
+def _xtap(xf, q, full, nl):
+    return vload(xf, q) if full else vload_n(xf, q, nl)
+
+
+@njit(inline="always")
+def _wtap(wf, t, full, nl):
+    return vloadw(wf, t) if full else vloadw_n(wf, t, nl)
 
 
 @njit
 def _row_edge(
-    of, xf, wf, bias, scale, rf, orow, iy0, ox0, ox1, h, wd, kh, kw, sw, pl, dh, dw, n_c, ep,
+    of, xf, wf, bias, scale, orow, iy0, ox0, ox1, h, wd, kh, kw, sw, pl, dh, dw, n_c, ep,
     lo, hi,
 ):  # fmt: skip
     """Output pixels [ox0, ox1) whose window may overlap the padding (or any pixel of a
-    window other than 3x3), epilogue included."""
-    _row_any(of, xf, wf, orow, iy0, ox0, ox1, h, wd, kh, kw, sw, pl, dh, dw, n_c)
-    for ox in range(ox0, ox1):
-        _epi_px(of, bias, scale, rf, orow + ox * n_c, n_c, ep, lo, hi)
+    window other than 3x3), epilogue included: per block of pixels and vector of eight
+    channels, the taps inside the image summed in registers in tap order, then scale,
+    bias, residual and clamp, one store. Four pixels whose windows fit the row's width
+    go together, four fma chains sharing each weight load: one chain is bound by the fma
+    latency (4 cycles a tap on Zen 3). Accumulating in the pixel in memory, a load and a
+    store a tap, had run MobileNetV3's 5x5 depthwise convs (OCR's text-direction
+    classifier: 0.50 of its 1.43 ms) at about a third of this."""
+    i_lo, i_hi = 0, 0  # kernel rows inside the image
+    for i in range(kh):
+        iy = iy0 + i * dh
+        if iy >= 0 and iy < h:
+            if i_hi == 0:
+                i_lo = i
+            i_hi = i + 1
+    geo = (orow, iy0, ox0, ox1, wd, kw, sw, pl, dh, dw, n_c, i_lo, i_hi)
+    _edge_px(of, xf, wf, bias, scale, geo, ep, lo, hi)
+
+
+@njit(inline="always")
+def _edge_px(of, xf, wf, bias, scale, geo, ep, lo, hi):
+    orow, iy0, ox0, ox1, wd, kw, sw, pl, dh, dw, n_c, i_lo, i_hi = geo
+    one, zero = vsplat(np.float32(1)), vzero()
+    vlo, vhi = vsplat(lo), vsplat(hi)
+    has_scale, has_bias = ep & HAS_SCALE, ep & HAS_BIAS
+    cs, step = dw * n_c, sw * n_c
+    span = (kw - 1) * dw  # a window's width less one
+    for xb in range(ox0, ox1, _DWK_BLOCK):  # a block's input stays in L1 across channels
+        xe = min(xb + _DWK_BLOCK, ox1)
+        for c0 in range(0, n_c, 8):
+            nl = n_c - c0
+            full = nl >= 8
+            sv = vload_n(scale, c0, nl) if has_scale else one
+            bv = vload_n(bias, c0, nl) if has_bias else zero
+            ox = xb
+            while ox < xe:
+                ix0 = ox * sw - pl
+                o = orow + ox * n_c + c0
+                if ox + 4 <= xe and ix0 >= 0 and ix0 + 3 * sw + span < wd:
+                    a0, a1, a2, a3 = zero, zero, zero, zero
+                    for i in range(i_lo, i_hi):
+                        p = ((iy0 + i * dh) * wd + ix0) * n_c + c0
+                        t = i * kw * n_c + c0
+                        for j in range(kw):
+                            wv = _wtap(wf, t + j * n_c, full, nl)
+                            q = p + j * cs
+                            a0 = vfma(wv, _xtap(xf, q, full, nl), a0)
+                            a1 = vfma(wv, _xtap(xf, q + step, full, nl), a1)
+                            a2 = vfma(wv, _xtap(xf, q + 2 * step, full, nl), a2)
+                            a3 = vfma(wv, _xtap(xf, q + 3 * step, full, nl), a3)
+                    _px_out(of, o, a0, sv, bv, vlo, vhi, nl)
+                    _px_out(of, o + n_c, a1, sv, bv, vlo, vhi, nl)
+                    _px_out(of, o + 2 * n_c, a2, sv, bv, vlo, vhi, nl)
+                    _px_out(of, o + 3 * n_c, a3, sv, bv, vlo, vhi, nl)
+                    ox += 4
+                else:
+                    j_lo = 0 if ix0 >= 0 else (-ix0 + dw - 1) // dw
+                    j_hi = min(kw, (wd - 1 - ix0) // dw + 1) if ix0 < wd else 0
+                    acc = zero
+                    for i in range(i_lo, i_hi):
+                        p = ((iy0 + i * dh) * wd + ix0) * n_c + c0
+                        t = i * kw * n_c + c0
+                        for j in range(j_lo, j_hi):
+                            acc = vfma(_wtap(wf, t + j * n_c, full, nl),
+                                       _xtap(xf, p + j * cs, full, nl), acc)  # fmt: skip
+                    _px_out(of, o, acc, sv, bv, vlo, vhi, nl)
+                    ox += 1
 
 
 @njit(parallel=True, cache=True)
@@ -260,8 +261,10 @@ def dwconv_nhwc(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act,
     wf = w.reshape(w.size)
     of = out.reshape(out.size)
     rf = res.reshape(res.size)
-    ep = flags & (HAS_BIAS | HAS_SCALE | HAS_RES)
-    lo, hi = _bounds(act, a, b)
+    has_res = (flags & HAS_RES) != 0
+    ep = flags & (HAS_BIAS | HAS_SCALE)  # the residual: add_clamp_row after each row
+    lo_a, hi_a = _bounds(act, a, b)
+    lo, hi = (-_INF, _INF) if has_res else (lo_a, hi_a)  # then the clamp there
     post = act != 0 and act != 1 and act != 3  # activations not fused as a clamp
     # output columns whose whole window is inside the image
     lo_x, hi_x = valid_cols(-pl, sw, wd - (kw - 1) * dw, ow)
@@ -273,34 +276,36 @@ def dwconv_nhwc(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act,
         orow = oy * ow * n_c
         if k3 and iy0 >= 0 and iy0 + 2 * dh < h:
             _row_edge(
-                of, xf, wf, bias, scale, rf, orow, iy0, 0, lo_x, h, wd, kh, kw, sw, pl, dh, dw,
+                of, xf, wf, bias, scale, orow, iy0, 0, lo_x, h, wd, kh, kw, sw, pl, dh, dw,
                 n_c, ep, lo, hi,
             )  # fmt: skip
             xrow = (iy0 * wd - pl) * n_c
             if fixed == 16:
                 _row9_16(
-                    of, xf, wf, bias, scale, rf, orow, xrow, lo_x, hi_x, sw * n_c, dh * wd * n_c,
+                    of, xf, wf, bias, scale, orow, xrow, lo_x, hi_x, sw * n_c, dh * wd * n_c,
                     dw * n_c, n_c, ep, lo, hi,
                 )  # fmt: skip
             elif fixed == 32:
                 _row9_32(
-                    of, xf, wf, bias, scale, rf, orow, xrow, lo_x, hi_x, sw * n_c, dh * wd * n_c,
+                    of, xf, wf, bias, scale, orow, xrow, lo_x, hi_x, sw * n_c, dh * wd * n_c,
                     dw * n_c, n_c, ep, lo, hi,
                 )  # fmt: skip
             else:
                 _row9(
-                    of, xf, wf, bias, scale, rf, orow, xrow, lo_x, hi_x, sw * n_c, dh * wd * n_c,
+                    of, xf, wf, bias, scale, orow, xrow, lo_x, hi_x, sw * n_c, dh * wd * n_c,
                     dw * n_c, n_c, ep, lo, hi,
                 )  # fmt: skip
             _row_edge(
-                of, xf, wf, bias, scale, rf, orow, iy0, hi_x, ow, h, wd, kh, kw, sw, pl, dh, dw,
+                of, xf, wf, bias, scale, orow, iy0, hi_x, ow, h, wd, kh, kw, sw, pl, dh, dw,
                 n_c, ep, lo, hi,
             )  # fmt: skip
         else:
             _row_edge(
-                of, xf, wf, bias, scale, rf, orow, iy0, 0, ow, h, wd, kh, kw, sw, pl, dh, dw,
+                of, xf, wf, bias, scale, orow, iy0, 0, ow, h, wd, kh, kw, sw, pl, dh, dw,
                 n_c, ep, lo, hi,
             )  # fmt: skip
+        if has_res:
+            add_clamp_row(of[orow : orow + ow * n_c], rf[orow : orow + ow * n_c], lo_a, hi_a)
         if post:
             act_row(of[orow : orow + ow * n_c], act, a, b)
 
