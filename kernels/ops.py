@@ -132,6 +132,25 @@ def _matmul_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (*np.broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1])
 
 
+def _sdpa_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    """q [B, H, Sq, D], k [B, H, Sk, D] (``k_t``: K^T [B, H, D, Sk]), v [B, H, Sk, Dv],
+    mask broadcasting to [B, H, Sq, Sk] (rank 3: no B)."""
+    q, k, v, mask = (list(ins) + [None] * 4)[:4]
+    kt = bool(attrs.get("k_t"))
+    sk, dk = (k[-1], k[-2]) if kt else (k[-2], k[-1]) if len(k) >= 2 else (0, 0)
+    if (
+        len(q) not in (3, 4)
+        or not (len(k) == len(v) == len(q))
+        or not (q[:-2] == k[:-2] == v[:-2])
+        or dk != q[-1]
+        or v[-2] != sk
+        or (mask is not None and (len(mask) > len(q) or any(
+            m not in (1, n) for m, n in zip(mask[::-1], (sk, q[-2], *q[-3::-1])))))
+    ):  # fmt: skip
+        raise OpError(f"sdpa of q {list(q)}, k {list(k)}, v {list(v)}, mask {mask}")
+    return (*q[:-1], v[-1])
+
+
 def _same(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return tuple(ins[0])
 
@@ -461,6 +480,9 @@ OPS: dict[str, OpDef] = {
         _op("unary", ("x",), _same),
         _op("math", ("x",), _math_shape, attrs=("fn",)),
         _op("softmax", ("x",), _same, attrs=("axis",)),
+        # softmax(scale * q k^T + mask) v: an encoder's attention, fused at pack time
+        # (optional attribute nan_zero: NaN probabilities count as 0)
+        _op("sdpa", ("q", "k", "v", "mask"), _sdpa_shape, ("mask",), attrs=("scale", "k_t")),
         _op("maxpool", ("x",), _pool_shape, attrs=("kernel", "strides", "pads", "out_hw")),
         _op("avgpool", ("x",), _pool_shape, attrs=("kernel", "strides", "pads", "out_hw")),
         _op("global_avgpool", ("x",), _gap_shape),

@@ -8,6 +8,8 @@
 - linear -> linear with nothing between: one linear of the weights' product (when no
   larger); linears reading one tensor (Q/K/V, gate/up): one linear, its output sliced.
 - conv + residual add: the add becomes the conv's epilogue (ResNet, MobileNetV2).
+- an exporter's attention, MatMul -> (scale) -> (mask add) -> Softmax -> MatMul, with
+  scalar muls on either operand of the first: one ``sdpa`` (ViT, BERT, Whisper).
 - an activation after conv / linear / binary / affine / matmul: fused as the epilogue.
 
 Each rewrite needs the intermediate tensor to have exactly one consumer and not be a
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.ops import OpError, output_shape
 from .ir import Graph, Node
 
 CONV_OPS = ("conv", "dwconv")
@@ -420,6 +423,136 @@ def merge_sibling_linears(g: Graph) -> int:
     return n
 
 
+def _scalar_value(g: Graph, n: Node | None, x: str) -> float | None:
+    """The factor of ``n`` = binary mul (or div) of ``x`` by a one-value float32
+    constant, no activation; None otherwise."""
+    if n is None or n.op != "binary" or n.attrs.get("act", "none") != "none":
+        return None
+    kind, other = n.attrs["kind"], _other(n, x)
+    c = g.consts.get(other or "")
+    if c is None or c.size != 1 or c.dtype != np.float32 or other == x:
+        return None
+    if kind == "mul":
+        return float(c.reshape(-1)[0])
+    if kind == "div" and n.inputs[0] == x and float(c.reshape(-1)[0]) != 0.0:
+        return 1.0 / float(c.reshape(-1)[0])
+    return None
+
+
+def _nan_guard(g: Graph, p: str, cons: dict[str, list[Node]]) -> tuple[str, list[Node]]:
+    """(the probabilities the second MatMul reads, the guard's nodes): torch's export
+    of masked attention follows the Softmax with Where(IsNaN(p), 0, p) (IsNaN as
+    Not(Equal(p, p))), or Where(Equal(p, p), p, 0); else (p, [])."""
+    users = list({id(u): u for u in cons.get(p, [])}.values())  # Equal reads p twice
+    if len(users) != 2 or p in g.outputs:
+        return p, []
+    eq = next((u for u in users if u.op == "compare" and u.attrs.get("kind") == "equal"
+               and u.inputs[:2] == [p, p]), None)  # fmt: skip
+    w = next((u for u in users if u.op == "where"), None)
+    if eq is None or w is None or g.shapes.get(w.outputs[0]) != g.shapes.get(p):
+        return p, []
+    after = cons.get(eq.outputs[0], [])
+    if len(after) != 1 or eq.outputs[0] in g.outputs:
+        return p, []
+    nt = after[0]
+    if (nt.op == "logic" and nt.attrs.get("kind") == "not" and len(cons.get(nt.outputs[0], [])) == 1
+            and nt.outputs[0] not in g.outputs and w.inputs == [nt.outputs[0], w.inputs[1], p]
+            and _scalar(g, w.inputs[1], 0.0)):  # fmt: skip
+        return w.outputs[0], [eq, nt, w]
+    if nt is w and w.inputs == [eq.outputs[0], p, w.inputs[2]] and _scalar(g, w.inputs[2], 0.0):
+        return w.outputs[0], [eq, w]
+    return p, []
+
+
+def fuse_attention(g: Graph) -> int:
+    """softmax(scale * q @ kt + mask) @ v as exporters write it (a MatMul, a Mul or Div
+    by a constant, an Add of the mask, a Softmax over the last axis, a MatMul; torch's
+    SDPA export scales q and k^T each by a root of the scale instead) into one ``sdpa``
+    node: six steps of a ViT layer's attention become one call whose rows of scores
+    stay in cache. Ranks 3 and 4, q, k^T and v with the same leading axes (no
+    broadcast between them), every intermediate read only by the next."""
+    n = 0
+    prod, cons = g.producer(), g.consumers()
+
+    def only(name: str) -> Node | None:
+        users = cons.get(name, [])
+        return users[0] if _single_use(g, name, cons) and len(users) == 1 else None
+
+    def shape(name: str):
+        return g.consts[name].shape if name in g.consts else g.shapes.get(name)
+
+    def plain(node: Node | None, op: str) -> bool:
+        return node is not None and node.op == op and node.attrs.get("act", "none") == "none"
+
+    for sm in list(g.nodes):
+        if sm.op != "softmax" or sm.attrs.get("log"):
+            continue
+        x = sm.inputs[0]
+        rank = len(g.shapes.get(x, ()))
+        if rank not in (3, 4) or sm.attrs["axis"] % rank != rank - 1:
+            continue
+        probs, guard = _nan_guard(g, sm.outputs[0], cons)
+        mm2 = only(probs)
+        if not plain(mm2, "matmul") or mm2.inputs[0] != probs:
+            continue
+        drop, scale, mask, s = [sm, *guard], 1.0, None, x
+        add = prod.get(s)
+        if plain(add, "binary") and add.attrs["kind"] == "add" and only(s) is sm:
+            for cand in add.inputs:
+                other = _other(add, cand)
+                p = prod.get(cand)
+                if other and other != cand and p is not None and (
+                        p.op == "matmul" or _scalar_value(g, p, p.inputs[0]) is not None):
+                    mask, s = other, cand
+                    drop.append(add)
+                    break
+        if mask is not None and (g.dtype(mask) != "f32" if mask not in g.consts
+                                 else g.consts[mask].dtype != np.float32):
+            continue
+        p = prod.get(s)
+        if p is not None and p.op == "binary" and only(s) is drop[-1]:
+            f = _scalar_value(g, p, p.inputs[0])
+            if f is not None:
+                scale, s = scale * f, p.inputs[0]
+                drop.append(p)
+        mm1 = prod.get(s)
+        if not plain(mm1, "matmul") or only(s) is not drop[-1]:
+            continue
+        drop.append(mm1)
+        q, kt = mm1.inputs[:2]
+        for side in (0, 1):  # a scalar mul on q or on k^T, read by nothing else
+            t = (q, kt)[side]
+            pm = prod.get(t)
+            f = _scalar_value(g, pm, pm.inputs[0]) if pm is not None else None
+            if f is not None and only(t) is mm1 and pm.inputs[0] != (kt, q)[side]:
+                scale *= f
+                drop.append(pm)
+                q, kt = (pm.inputs[0], kt) if side == 0 else (q, pm.inputs[0])
+        v = mm2.inputs[1]
+        ins = [q, kt, v] + ([mask] if mask else [])
+        shapes = [shape(t) for t in ins]
+        if any(sh is None for sh in shapes) or any(g.dtype(t) != "f32" for t in ins[:3]):
+            continue
+        if not (len(shapes[0]) == len(shapes[1]) == len(shapes[2]) == rank):
+            continue
+        attrs = {"scale": scale, "k_t": 1, **({"nan_zero": 1} if guard else {})}
+        try:
+            out = output_shape("sdpa", [tuple(sh) for sh in shapes], attrs)
+        except OpError:
+            continue
+        if tuple(out) != tuple(g.shapes[mm2.outputs[0]]):
+            continue
+        fused = Node("sdpa", mm2.name, ins, list(mm2.outputs), attrs,
+                     sorted({src for k in (*drop, mm2) for src in k.sources}))  # fmt: skip
+        g.nodes[g.nodes.index(mm2)] = fused
+        for k in drop:
+            g.shapes.pop(k.outputs[0], None)
+            g.nodes.remove(k)
+        prod, cons = g.producer(), g.consumers()
+        n += 1
+    return n
+
+
 def fuse_residual(g: Graph) -> int:
     n = 0
     prod, cons = g.producer(), g.consumers()
@@ -475,6 +608,7 @@ def optimise(g: Graph) -> dict[str, int]:
         "hard_swish_fused": fuse_decomposed_hard_swish(g),
         "self_gated_fused": fuse_self_gated(g),
         "gelu_fused": fuse_gelu(g),
+        "attention_fused": fuse_attention(g),
         "residual_fused": fuse_residual(g),
         "activation_fused": fuse_activations(g),
     }

@@ -157,3 +157,49 @@ def test_gelu_written_with_erf_becomes_the_linears_epilogue(tmp_path, grouping):
     x = rand(4, 16) * 3
     nodes = _run(tmp_path, m, {"x": x})
     assert [n["op"] for n in nodes] == ["linear"] and nodes[0]["attrs"]["act"] == "gelu"
+
+
+def _attention(pattern: str):
+    """An exporter's attention over q, k, v [1, 2, 5, 8] graph inputs: ``sdpa_export``
+    torch's SDPA (q and k^T each scaled by a root of the scale, a float mask added,
+    Where(IsNaN(p), 0, p) after the softmax), ``bert`` MatMul, Div by sqrt(d), Add of
+    the mask, ``whisper`` q scaled first, no mask."""
+    c = np.array(8.0**-0.25, np.float32)
+    kt = helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])
+    if pattern == "sdpa_export":
+        nodes = [kt, helper.make_node("Mul", ["q", "c"], ["qs"]),
+                 helper.make_node("Mul", ["kt", "c"], ["ks"]),
+                 helper.make_node("MatMul", ["qs", "ks"], ["s"]),
+                 helper.make_node("Add", ["s", "mask"], ["sm"]),
+                 helper.make_node("Softmax", ["sm"], ["p0"], axis=-1),
+                 helper.make_node("IsNaN", ["p0"], ["nan"]),
+                 helper.make_node("Where", ["nan", "zero", "p0"], ["p"])]  # fmt: skip
+    elif pattern == "bert":
+        nodes = [kt, helper.make_node("MatMul", ["q", "kt"], ["s"]),
+                 helper.make_node("Div", ["s", "root"], ["sd"]),
+                 helper.make_node("Add", ["sd", "mask"], ["sm"]),
+                 helper.make_node("Softmax", ["sm"], ["p"], axis=3)]  # fmt: skip
+    else:
+        nodes = [kt, helper.make_node("Mul", ["q", "inv"], ["qs"]),
+                 helper.make_node("MatMul", ["qs", "kt"], ["s"]),
+                 helper.make_node("Softmax", ["s"], ["p"], axis=-1)]  # fmt: skip
+    nodes.append(helper.make_node("MatMul", ["p", "v"], ["y"]))
+    inits = {"c": c, "zero": np.array(0.0, np.float32), "root": np.array(8.0**0.5, np.float32),
+             "inv": np.array(8.0**-0.5, np.float32)}  # fmt: skip
+    ins = [(n, [1, 2, 5, 8]) for n in "qkv"]
+    if pattern != "whisper":
+        ins.append(("mask", [1, 1, 5, 5]))
+    return model(nodes, ins, ["y"], inits)
+
+
+@pytest.mark.parametrize("pattern", ["sdpa_export", "bert", "whisper"])
+def test_an_exporters_attention_chain_becomes_one_sdpa(tmp_path, pattern):
+    feeds = {n: rand(1, 2, 5, 8) * 2 for n in "qkv"}
+    if pattern != "whisper":
+        mask = np.zeros((1, 1, 5, 5), np.float32)
+        mask[..., 3:] = np.finfo(np.float32).min  # padding: the last two keys
+        if pattern == "sdpa_export":
+            mask[..., 1, :] = -np.inf  # a fully masked row: NaN, which the Where zeroes
+        feeds["mask"] = mask
+    nodes = _run(tmp_path, _attention(pattern), feeds)
+    assert [n["op"] for n in nodes if n["op"] != "transpose"] == ["sdpa"]

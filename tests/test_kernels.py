@@ -60,6 +60,7 @@ TOL: dict[str, tuple[float, float]] = {
     "unary": (1e-5, 1e-6),
     "math": (0.0, 0.0),  # one float64 definition on every backend (kernels/mathfns.py)
     "softmax": (1e-5, 1e-7),
+    "sdpa": (1e-5, 1e-6),
     "maxpool": (0.0, 0.0),
     "avgpool": (1e-6, 1e-6),
     "global_avgpool": (1e-5, 1e-6),
@@ -519,6 +520,32 @@ def softmax_case(name: str, shape, axis: int, scale: float = 3.0, log: bool = Fa
     return Case(name, lambda rng, dt: ([_randn(rng, *shape, scale=scale)], dict(attrs)))
 
 
+def sdpa_case(name: str, lead, sq: int, sk: int, d: int, dv: int, k_t: bool = True,
+              mask=None, causal: bool = False, nan_zero: bool = False) -> Case:
+    """q [*lead, Sq, D], k [*lead, Sk, D] or K^T, v [*lead, Sk, Dv], ``mask`` a shape
+    broadcasting to the scores (a float32-min padding mask, or with ``causal`` -inf
+    above the diagonal). ``nan_zero``: torch's guard, with a fully masked row."""
+
+    def make(rng, dt):
+        q = _randn(rng, *lead, sq, d, scale=2.0)
+        k = _randn(rng, *lead, sk, d)
+        v = _randn(rng, *lead, sk, dv)
+        ins = [q, np.ascontiguousarray(np.swapaxes(k, -1, -2)) if k_t else k, v]
+        if mask is not None:
+            m = np.zeros(mask, F32)
+            if causal:
+                m[..., :, :] = np.triu(np.full(mask[-2:], -np.inf, F32), 1)
+            else:
+                m.reshape(-1)[rng.random(m.size) < 0.3] = np.finfo(F32).min
+            if nan_zero:  # a row of -inf: NaN probabilities, which the guard zeroes
+                m[..., 0, :] = -np.inf
+            ins.append(m)
+        guard = {"nan_zero": 1} if nan_zero else {}
+        return ins, {"scale": float(d) ** -0.5, "k_t": int(k_t), **guard}
+
+    return Case(name, make)
+
+
 def pool_case(
     name: str,
     kind: str,
@@ -910,6 +937,15 @@ CASES: dict[str, list[Case]] = {
         math_case("exp_wide", "exp", scale=200.0),
         math_case("round_halves", "round", scale=0.0),
         math_case("erf_inplace", "erf", inplace=True),
+    ],
+    "sdpa": [
+        sdpa_case("vit_kt", (1, 4), 17, 17, 16, 16),
+        sdpa_case("bert_padding_mask", (2, 3), 8, 8, 8, 8, mask=(2, 1, 1, 8)),
+        sdpa_case("k_rows_2d_mask", (1, 2), 5, 7, 4, 6, k_t=False, mask=(5, 7)),
+        sdpa_case("rank3", (3,), 4, 9, 8, 8, mask=(1, 4, 9)),
+        sdpa_case("causal", (1, 2), 6, 6, 4, 4, k_t=False, mask=(6, 6), causal=True),
+        sdpa_case("long_rows", (1, 1), 3, 300, 32, 8),
+        sdpa_case("torch_nan_guard", (2, 2), 4, 6, 8, 8, mask=(2, 1, 4, 6), nan_zero=True),
     ],
     "softmax": [
         *[softmax_case(f"4d_axis{ax}", (2, 3, 4, 5), ax) for ax in (0, 1, 2, 3, -1)],
@@ -1830,6 +1866,37 @@ def test_reference_softmax_matches_onnxruntime(case: Case) -> None:
     node = helper.make_node(op, ["x"], ["y"], axis=attrs["axis"])
     atol = 1e-5 if attrs.get("log") else 1e-7  # log-softmax: values of order 1e4
     _compare_ref(R.softmax([x], attrs), _ort_run(node, {"x": x}, {}), 1e-5, atol)
+
+
+@pytest.mark.parametrize("case", CASES["sdpa"], ids=lambda c: c.name)
+def test_reference_sdpa_matches_onnxruntime(case: Case) -> None:
+    """The chain an exporter writes (MatMul, Mul by the scale, Add of the mask, Softmax,
+    MatMul) in ONNX Runtime against the fused op's reference."""
+    from onnx import helper
+
+    ins, attrs = case.make(_rng("ort", "sdpa", case.name), "f32")
+    names = ["q", "k", "v", "mask"][: len(ins)]
+    feeds = dict(zip(names, ins))
+    kt = "k"
+    nodes = []
+    if not attrs["k_t"]:
+        perm = [*range(ins[1].ndim - 2), ins[1].ndim - 1, ins[1].ndim - 2]
+        nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=perm))
+        kt = "kt"
+    nodes += [helper.make_node("MatMul", ["q", kt], ["s0"]),
+              helper.make_node("Mul", ["s0", "scale"], ["s1"])]  # fmt: skip
+    last = "s1"
+    if "mask" in feeds:
+        nodes.append(helper.make_node("Add", ["s1", "mask"], ["s2"]))
+        last = "s2"
+    nodes.append(helper.make_node("Softmax", [last], ["p"], axis=-1))
+    inits = {"scale": np.array(attrs["scale"], F32), "zero": np.array(0.0, F32)}
+    if attrs.get("nan_zero"):  # torch's guard: Where(IsNaN(p), 0, p)
+        nodes += [helper.make_node("IsNaN", ["p"], ["nan"]),
+                  helper.make_node("Where", ["nan", "zero", "p"], ["pz"])]  # fmt: skip
+    nodes.append(helper.make_node("MatMul", ["pz" if attrs.get("nan_zero") else "p", "v"], ["y"]))
+    want = _ort_graph(nodes, feeds, inits)
+    _compare_ref(R.sdpa(ins, attrs), want, 1e-5, 1e-6)
 
 
 _ONNX_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max",

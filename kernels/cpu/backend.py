@@ -719,6 +719,30 @@ def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(x3, y3, log)
 
 
+def _as4(a: np.ndarray) -> np.ndarray:
+    return a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+
+def _sdpa_scratch(ins, outs, attrs) -> int:
+    """One row of scores for each (batch, head) pair (sdpa4 runs the pairs in parallel)."""
+    q, v = ins[0][0], ins[2][0]
+    return 4 * int(np.prod(q[:-2])) * v[-2]
+
+
+def _bind_sdpa(ins, outs, scratch, attrs) -> Bound:
+    q, k, v, mask = (list(ins) + [None] * 4)[:4]
+    q4, k4, v4, y4 = (_as4(a) for a in (q, k, v, outs[0]))
+    nb, nh, sq, _ = q4.shape
+    sk = v4.shape[2]
+    scores = _as4(mask if mask is not None else _DUMMY1)  # a view: zero strides
+    m4 = np.broadcast_to(scores, (nb, nh, sq, sk) if mask is not None else (1, 1, 1, 1))
+    s = scratch.view(np.float32)[: nb * nh * sk].reshape(nb * nh, sk)
+    args = (*(_readonly(a) for a in (q4, k4, v4)), m4, y4, s, np.float32(attrs["scale"]),
+            bool(attrs.get("k_t")), mask is not None, bool(attrs.get("nan_zero")))  # fmt: skip
+    kern, args = _bound(K.sdpa4, args)
+    return lambda: kern(*args)
+
+
 def _bind_pool(kind: str):
     def bind(ins, outs, scratch, attrs) -> Bound:
         x, y = ins[0], outs[0]
@@ -1173,6 +1197,7 @@ _cpu("resample", _bind_resample)
 _cpu("conv_transpose", _bind_conv_transpose, scratch=_conv_transpose_scratch)
 _cpu("math", _bind_math)
 _cpu("softmax", _bind_softmax)
+_cpu("sdpa", _bind_sdpa, scratch=_sdpa_scratch)
 _cpu("maxpool", _bind_pool("max"))
 _cpu("avgpool", _bind_pool("avg"))
 _cpu("global_avgpool", _bind_global_avgpool)

@@ -811,6 +811,59 @@ def softmax3(x, out, log):
 
 
 @njit(parallel=True, cache=True)
+def sdpa4(q, k, v, mask, out, s, scale, k_t, has_mask, nan_zero):
+    """softmax(scale * q k^T + mask) v for q [B, H, Sq, D], k [B, H, Sk, D] (``k_t``:
+    K^T [B, H, D, Sk]), v [B, H, Sk, Dv], mask a [B, H, Sq, Sk] view (broadcast: zero
+    strides), out [B, H, Sq, Dv]; s [B * H, Sk] one row of scores a (b, h) pair. One call
+    for the six steps an exporter's attention had been (two batched matmuls, scalar
+    muls, the mask's add, the softmax), each row of scores staying in L1. Sums in
+    float32, exp and the max's NaN as softmax3. ``nan_zero``: a NaN probability counts
+    as 0 (torch's export guards fully masked rows with IsNaN and Where)."""
+    nb, nh, sq, d = q.shape
+    sk, dv = v.shape[2], v.shape[3]
+    for bh in prange(nb * nh):
+        b, h = bh // nh, bh % nh
+        row = s[bh]
+        for i in range(sq):
+            if k_t:  # K^T rows: a broadcast of q[i, c] against them, which vectorises
+                for j in range(sk):
+                    row[j] = np.float32(0)
+                for c in range(d):
+                    qc = q[b, h, i, c]
+                    for j in range(sk):
+                        row[j] += qc * k[b, h, c, j]
+            else:
+                for j in range(sk):
+                    acc = np.float32(0)
+                    for c in range(d):
+                        acc += q[b, h, i, c] * k[b, h, j, c]
+                    row[j] = acc
+            for j in range(sk):
+                row[j] *= scale
+            if has_mask:
+                for j in range(sk):
+                    row[j] += mask[b, h, i, j]
+            m = -np.inf
+            for j in range(sk):
+                if row[j] > m:
+                    m = row[j]
+            tot = np.float32(0)
+            for j in range(sk):
+                e = np.exp(row[j] - m)
+                row[j] = e
+                tot += e
+            inv = np.float32(1) / tot
+            for c in range(dv):
+                out[b, h, i, c] = np.float32(0)
+            for j in range(sk):
+                p = row[j] * inv
+                if nan_zero and p != p:
+                    p = np.float32(0)
+                for c in range(dv):
+                    out[b, h, i, c] += p * v[b, h, j, c]
+
+
+@njit(parallel=True, cache=True)
 def conv_transpose(x, w, bias, y, sh, sw, pt, pl, dh, dw, group, has_bias):
     """ConvTranspose as a gather (no two threads write one output): y[n, o, oy, ox]
     sums x[n, c, iy, ix] * w[c, o', ky, kx] over the taps with iy * sh + ky * dh =

@@ -345,6 +345,39 @@ def _bind_softmax(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(x3, y3, log)
 
 
+def _sdpa_scratch(ins, outs, attrs) -> int:
+    """The scores, [..., Sq, Sk] float32."""
+    q, v = ins[0][0], ins[2][0]
+    return 4 * int(np.prod(q[:-1])) * v[-2]
+
+
+def _bind_sdpa(ins, outs, scratch, attrs) -> Bound:
+    """q k^T by cuBLAS into the scores, the scale and mask by the array module, the
+    softmax kernel in place over the scores' rows, then scores @ v."""
+    d = _d()
+    xp = d.xp
+    q, k, v, mask = (list(ins) + [None] * 4)[:4]
+    y = outs[0]
+    kt = k if attrs.get("k_t") else xp.swapaxes(k, -1, -2)
+    sk, rows = v.shape[-2], int(np.prod(q.shape[:-1]))
+    s = scratch.view("float32")[: rows * sk].reshape(*q.shape[:-1], sk)
+    s3 = d.arg(s.reshape(rows, sk, 1))
+    soft, scale = d.launch(_k().softmax3, rows), np.float32(attrs["scale"])
+    nan_zero = bool(attrs.get("nan_zero"))
+
+    def step() -> None:
+        d.matmul(q, kt, s)
+        xp.multiply(s, scale, out=s)
+        if mask is not None:
+            xp.add(s, mask, out=s)
+        soft(s3, s3, False)
+        if nan_zero:  # probabilities are never infinite: only NaN changes
+            xp.nan_to_num(s, copy=False, nan=0.0)
+        d.matmul(s, v, y)
+
+    return step
+
+
 def _bind_channel_affine(ins, outs, scratch, attrs) -> Bound:
     d = _d()
     io = _args("channel_affine", ins)
@@ -595,6 +628,7 @@ _cuda("resample", _bind_resample)
 _cuda("conv_transpose", _bind_conv_transpose)
 _cuda("math", _bind_math)
 _cuda("softmax", _bind_softmax)
+_cuda("sdpa", _bind_sdpa, scratch=_sdpa_scratch)
 _cuda("maxpool", _bind_pool("max"))
 _cuda("avgpool", _bind_pool("avg"))
 _cuda("global_avgpool", _bind_global_avgpool)

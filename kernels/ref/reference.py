@@ -192,6 +192,23 @@ def softmax(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return (e / e.sum(axis=ax, keepdims=True)).astype(np.float32)
 
 
+def sdpa(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """softmax(scale * q k^T + mask) v over the last two axes, in float64 (``k_t``: k
+    given as K^T; ``nan_zero``: NaN probabilities as 0, torch's guard of fully masked
+    rows)."""
+    q, k, v, mask = (list(inputs) + [None] * 4)[:4]
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = attrs["scale"] * (q @ (k if attrs.get("k_t") else np.swapaxes(k, -1, -2)))
+    if mask is not None:
+        s = s + np.asarray(mask, np.float64)
+    z = s - s.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    p = e / e.sum(axis=-1, keepdims=True)
+    if attrs.get("nan_zero"):
+        p = np.where(np.isnan(p), 0.0, p)
+    return (p @ v).astype(np.float32)
+
+
 def _pool_windows(x: Array, attrs: dict, fill: float) -> tuple[Array, Array]:
     """Returns (windows[N,C,OH,OW,kh,kw], valid-mask of the same shape)."""
     kh, kw = attrs["kernel"]
@@ -661,6 +678,7 @@ REFERENCE: dict[str, RefFn] = {
     "unary": unary,
     "math": math_op,
     "softmax": softmax,
+    "sdpa": sdpa,
     "maxpool": maxpool,
     "avgpool": avgpool,
     "global_avgpool": global_avgpool,
