@@ -78,7 +78,7 @@ def apply_act_ref(y: np.ndarray, act: str, args: tuple[float, float] = (0.0, 0.0
     if act == "hard_sigmoid":
         return np.clip(y * np.float32(a) + np.float32(b), 0, 1).astype(y.dtype)
     if act == "hard_swish":
-        return (y * np.clip(y / np.float32(6) + np.float32(0.5), 0, 1)).astype(y.dtype)
+        return (y * np.clip(y * np.float32(1 / 6) + np.float32(0.5), 0, 1)).astype(y.dtype)
     if act == "gelu":  # exact (math.erf in float64); -inf gives NaN (-inf * 0)
         from .mathfns import MATH_FNS
 

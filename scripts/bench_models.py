@@ -202,8 +202,8 @@ NOTES = (
     "top 250 within 1e-4).",
     "int8 is edgepack's weight-only int8 (activations stay float32 except where the "
     "packager picks int8 activations); its rel L2 is against ORT fp32.",
-    "SiLU detectors (YOLO) spend most of what they are over ORT in the conv epilogue's "
-    "exp: numba calls libm's expf per element, which does not vectorise.",
+    "int8 convs widen their weights to float32 on every run (docs/quantization.md): "
+    "YOLO's int8 is slower than its fp32.",
 )
 
 

@@ -527,24 +527,29 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 
 # Rows of x up to which fp16/bf16 linears run the GEMV (weights widened in registers,
 # kernels/cpu/gemv.py); above, they are widened once a run into scratch for BLAS, whose
-# GEMM outruns a GEMV per row. int8 takes the GEMV at any row count: BLAS has no int8.
+# GEMM outruns a GEMV per row.
 HALF_GEMV_MAX_ROWS = 8
+# int8 does the same up to this many weights (4 MB of float32 scratch): an encoder's
+# 128 rows through the GEMV took MiniLM int8 to 2.3x its fp32 time. Larger int8 weights
+# (an LLM's prompt chunks) keep the GEMV, whose scratch would be the widened matrix.
+I8_DECODE_MAX_WEIGHTS = 1 << 20
 
 
-def _linear_path(wdt: str, rows: int) -> str:
+def _linear_path(wdt: str, rows: int, weights: int = 0) -> str:
     """``gemv_<wdt>`` (weights read in place, kernels/cpu/gemv.py), ``blas`` (float32) or
-    ``decode_blas`` (fp16/bf16 at more than HALF_GEMV_MAX_ROWS rows: widened into
-    scratch first)."""
+    ``decode_blas`` (fp16/bf16, and int8 of at most I8_DECODE_MAX_WEIGHTS, at more than
+    HALF_GEMV_MAX_ROWS rows: widened into scratch first, the int8 scale in the
+    epilogue)."""
     if wdt == "f32":
         return "blas"
-    if wdt == "i8" or rows <= HALF_GEMV_MAX_ROWS:
+    if rows <= HALF_GEMV_MAX_ROWS or (wdt == "i8" and weights > I8_DECODE_MAX_WEIGHTS):
         return f"gemv_{wdt}"
     return "decode_blas"
 
 
 def _linear_variant(ins, outs, attrs) -> str:
     x, w = _args("linear", ins).x, _args("linear", ins).w
-    return _linear_path(w[1], int(np.prod(x[0][:-1], dtype=np.int64)))
+    return _linear_path(w[1], int(np.prod(x[0][:-1], dtype=np.int64)), int(np.prod(w[0])))
 
 
 def _linear_scratch(ins, outs, attrs) -> int:
@@ -564,7 +569,7 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
     wdt = wtypes.of_array(w)
-    path = _linear_path(wdt, x2.shape[0])
+    path = _linear_path(wdt, x2.shape[0], w.size)
     if path.startswith("gemv"):
         # halves as uint16 bits, bf16 as int16 bits (how gemv.py tells them apart)
         wv = w.view({"f16": np.uint16, "bf16": np.int16}.get(wdt, w.dtype))

@@ -86,7 +86,7 @@ def act(v, code, a, b):
     if code == 6:
         return clamp_nan(v * a + b, f32(0.0), f32(1.0))
     if code == 7:
-        return v * clamp_nan(v / f32(6.0) + f32(0.5), f32(0.0), f32(1.0))
+        return v * clamp_nan(v * f32(1 / 6) + f32(0.5), f32(0.0), f32(1.0))
     if code == 8:  # silu
         return v / (f32(1.0) + math.exp(-v))
     if code == 9:  # gelu, erf as kernels/activations.py ERF_P / ERF_Q (the CPU's)
