@@ -739,8 +739,8 @@ def _bind_sdpa(ins, outs, scratch, attrs) -> Bound:
     q4, k4, v4, y4 = (_as4(a) for a in (q, k, v, outs[0]))
     nb, nh, sq, _ = q4.shape
     sk = v4.shape[2]
-    scores = _as4(mask if mask is not None else _DUMMY1)  # a view: zero strides
-    m4 = np.broadcast_to(scores, (nb, nh, sq, sk) if mask is not None else (1, 1, 1, 1))
+    m = _as4(mask if mask is not None else _DUMMY1)
+    m4 = np.broadcast_to(m, (nb, nh, sq, sk) if mask is not None else m.shape)  # zero strides
     s = scratch.view(np.float32)[: nb * nh * sk].reshape(nb * nh, sk)
     args = (*(_readonly(a) for a in (q4, k4, v4)), m4, y4, s, np.float32(attrs["scale"]),
             bool(attrs.get("k_t")), mask is not None, bool(attrs.get("nan_zero")))  # fmt: skip

@@ -43,7 +43,7 @@ from .kernels import (
     nhwc_row_out,
     valid_cols,
 )
-from .nhwc import add_clamp_row
+from .nhwc import add_clamp_row, clamp_bounds
 from .simd import Ops, half_bits_to_f32, prefetch
 
 MR = 6
@@ -2077,8 +2077,7 @@ def dw3_16x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a,
     post = act != 0 and act != 1 and act != 3
     has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
-    hi_s = np.float32(b) if act == 3 else inf
+    lo_s, hi_s = clamp_bounds(act, a, b)
     lo = vsplat_16x4(-inf if has_res else lo_s)
     hi = vsplat_16x4(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
@@ -3270,8 +3269,7 @@ def dw3_8x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
     post = act != 0 and act != 1 and act != 3
     has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
-    hi_s = np.float32(b) if act == 3 else inf
+    lo_s, hi_s = clamp_bounds(act, a, b)
     lo = vsplat_8x2(-inf if has_res else lo_s)
     hi = vsplat_8x2(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
@@ -4485,8 +4483,7 @@ def dw3_4x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
     post = act != 0 and act != 1 and act != 3
     has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
-    hi_s = np.float32(b) if act == 3 else inf
+    lo_s, hi_s = clamp_bounds(act, a, b)
     lo = vsplat_4x2(-inf if has_res else lo_s)
     hi = vsplat_4x2(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
@@ -6615,8 +6612,7 @@ def dw3_4x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
     post = act != 0 and act != 1 and act != 3
     has_res = (flags & HAS_RES) != 0
     inf = np.float32(np.inf)
-    lo_s = np.float32(0) if act == 1 else (np.float32(a) if act == 3 else -inf)
-    hi_s = np.float32(b) if act == 3 else inf
+    lo_s, hi_s = clamp_bounds(act, a, b)
     lo = vsplat_4x4(-inf if has_res else lo_s)
     hi = vsplat_4x4(inf if has_res else hi_s)
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row

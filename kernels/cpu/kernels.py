@@ -816,6 +816,24 @@ def softmax3(x, out, log):
 
 
 
+@njit(inline="always")
+def _vcombo(a, ao, src, so, stride, n, lanes):
+    """sum over t < n of a[ao + t] * src[so + t * stride : + lanes] (a vector of 8, the
+    first ``lanes`` lanes): four partial sums, since one fma chain waits on its latency."""
+    a0, a1, a2, a3 = _vzero(), _vzero(), _vzero(), _vzero()
+    t = 0
+    while t + 4 <= n:
+        o = so + t * stride
+        a0 = _vfma(_vsplat(a[ao + t]), _vload_n(src, o, lanes), a0)
+        a1 = _vfma(_vsplat(a[ao + t + 1]), _vload_n(src, o + stride, lanes), a1)
+        a2 = _vfma(_vsplat(a[ao + t + 2]), _vload_n(src, o + 2 * stride, lanes), a2)
+        a3 = _vfma(_vsplat(a[ao + t + 3]), _vload_n(src, o + 3 * stride, lanes), a3)
+        t += 4
+    for u in range(t, n):
+        a0 = _vfma(_vsplat(a[ao + u]), _vload_n(src, so + u * stride, lanes), a0)
+    return _vadd(_vadd(a0, a1), _vadd(a2, a3))
+
+
 @njit(parallel=True, cache=True)
 def sdpa4(q, k, v, mask, out, s, scale, k_t, has_mask, nan_zero):
     """softmax(scale * q k^T + mask) v for q [B, H, Sq, D], k [B, H, Sk, D] (``k_t``:
@@ -840,19 +858,7 @@ def sdpa4(q, k, v, mask, out, s, scale, k_t, has_mask, nan_zero):
             qo, oo = (bh * sq + i) * d, (bh * sq + i) * dv
             if k_t:  # K^T rows: q[c] broadcast against them
                 for j0 in range(0, sk, 8):
-                    a0, a1, a2, a3 = _vzero(), _vzero(), _vzero(), _vzero()
-                    c = 0
-                    while c + 4 <= d:
-                        o = kb + c * sk + j0
-                        a0 = _vfma(_vsplat(qf[qo + c]), _vload_n(kf, o, sk - j0), a0)
-                        a1 = _vfma(_vsplat(qf[qo + c + 1]), _vload_n(kf, o + sk, sk - j0), a1)
-                        a2 = _vfma(_vsplat(qf[qo + c + 2]), _vload_n(kf, o + 2 * sk, sk - j0), a2)
-                        a3 = _vfma(_vsplat(qf[qo + c + 3]), _vload_n(kf, o + 3 * sk, sk - j0), a3)
-                        c += 4
-                    for ct in range(c, d):
-                        kv = _vload_n(kf, kb + ct * sk + j0, sk - j0)
-                        a0 = _vfma(_vsplat(qf[qo + ct]), kv, a0)
-                    _vstore_n(row, j0, _vadd(_vadd(a0, a1), _vadd(a2, a3)), sk - j0)
+                    _vstore_n(row, j0, _vcombo(qf, qo, kf, kb + j0, sk, d, sk - j0), sk - j0)
             else:
                 for j in range(sk):
                     t = np.float32(0)
@@ -878,18 +884,7 @@ def sdpa4(q, k, v, mask, out, s, scale, k_t, has_mask, nan_zero):
                 p = row[j] * inv
                 row[j] = np.float32(0) if nan_zero and p != p else p
             for c0 in range(0, dv, 8):
-                a0, a1, a2, a3 = _vzero(), _vzero(), _vzero(), _vzero()
-                j = 0
-                while j + 4 <= sk:
-                    o = vb + j * dv + c0
-                    a0 = _vfma(_vsplat(row[j]), _vload_n(vf, o, dv - c0), a0)
-                    a1 = _vfma(_vsplat(row[j + 1]), _vload_n(vf, o + dv, dv - c0), a1)
-                    a2 = _vfma(_vsplat(row[j + 2]), _vload_n(vf, o + 2 * dv, dv - c0), a2)
-                    a3 = _vfma(_vsplat(row[j + 3]), _vload_n(vf, o + 3 * dv, dv - c0), a3)
-                    j += 4
-                for jt in range(j, sk):
-                    a0 = _vfma(_vsplat(row[jt]), _vload_n(vf, vb + jt * dv + c0, dv - c0), a0)
-                _vstore_n(of, oo + c0, _vadd(_vadd(a0, a1), _vadd(a2, a3)), dv - c0)
+                _vstore_n(of, oo + c0, _vcombo(row, 0, vf, vb + c0, dv, sk, dv - c0), dv - c0)
 
 
 @njit(parallel=True, cache=True)

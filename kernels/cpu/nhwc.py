@@ -10,7 +10,8 @@ not depend on the vector width.
 Each output row is split into the left border, the interior (every tap inside the
 image: no per-tap tests) and the right border. A 3x3 window over the interior sums its
 nine taps in registers, in the same order as the planar ``dwconv``, and applies the
-epilogue (scale, bias, residual, clamp) before the one store. Border pixels and other
+epilogue (scale, bias, clamp) before the one store; a residual is added, with the
+clamp, in a pass over each finished row (add_clamp_row). Border pixels and other
 windows sum the taps inside the image in a vector register, eight channels at a time
 (simd.Ops), and take the same epilogue before their one store; a nine-tap border path
 that read clamped positions and zeroed them with selects measured no faster, at 7x7
@@ -56,7 +57,7 @@ def _clamp(v, lo, hi):
 
 
 @njit(forceinline=True)
-def _bounds(act, a, b):
+def clamp_bounds(act, a, b):
     """(lo, hi) of the fused clamp: relu and clip; +-inf (no-op) for the others,
     which then run as a pass over the row (act_row)."""
     if act == 1:
@@ -263,7 +264,7 @@ def dwconv_nhwc(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act,
     rf = res.reshape(res.size)
     has_res = (flags & HAS_RES) != 0
     ep = flags & (HAS_BIAS | HAS_SCALE)  # the residual: add_clamp_row after each row
-    lo_a, hi_a = _bounds(act, a, b)
+    lo_a, hi_a = clamp_bounds(act, a, b)
     lo, hi = (-_INF, _INF) if has_res else (lo_a, hi_a)  # then the clamp there
     post = act != 0 and act != 1 and act != 3  # activations not fused as a clamp
     # output columns whose whole window is inside the image
