@@ -18,10 +18,16 @@ planar, a 7x7 plane wastes a quarter of each 16-lane vector). A node with
   GEMM streams a panel front to back without repacking it per call;
   ``conv_wino`` weights unchanged (``U[a*a, C, Co]`` is already channels-last).
 
+Whatever the layout, a float32 ``linear`` small enough that BLAS's call overhead
+dominates it may store its weights as panels too (``linear_panels``): ``[ceil(N/64),
+K, 64]``, the transposed ``[K, N]`` matrix in blocks of 64 columns, with attributes
+``panel`` = 64 and ``out_features`` = N (packager/layout.py pack_panels).
+
 Only the cpu backend asks for the pass (kernels/registry.py ``BACKEND_TABLE``) and
 binds these nodes; the reference computes them channels-first on transposed copies
 (kernels/ref/reference.py), as the oracle the cpu kernels are tested against. The cuda
-backend's kernels decline them: a cuda plan has none.
+backend's kernels decline them and panel linears (``cpu_planned``): a cuda plan has
+none.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ OIHW_FROM_HWIO = (3, 2, 0, 1)
 # Ops with a channels-last form, and which of their inputs are activations.
 LAYOUT_OPS = ("conv", "dwconv", "conv_wino", "maxpool", "global_avgpool")
 WEIGHT_IN_HWIO = ("conv", "dwconv")
+# Ops whose nodes the cpu backend's passes may lay out for it alone (``cpu_planned``).
+CPU_PLANNED_OPS = (*LAYOUT_OPS, "linear")
 
 
 def is_nhwc(attrs: dict) -> bool:
@@ -57,6 +65,27 @@ def to_panels(hwio: np.ndarray) -> np.ndarray:
     padded = np.zeros((kh, kw, c, n * PANEL), hwio.dtype)
     padded[..., :co] = hwio
     return np.ascontiguousarray(padded.reshape(kh, kw, c, n, PANEL).transpose(3, 0, 1, 2, 4))
+
+
+def linear_panels(w: np.ndarray) -> np.ndarray:
+    """A linear's weights ``[N, K]`` -> panels ``[ceil(N/PANEL), K, PANEL]``: the GEMM
+    operand ``[K, N]`` cut as ``to_panels`` cuts a 1x1 conv's."""
+    n, k = w.shape
+    return to_panels(np.ascontiguousarray(w.T).reshape(1, 1, k, n)).reshape(-1, k, PANEL)
+
+
+def linear_weights(w, attrs: dict):
+    """A linear's weights as ``[N, K]``, whether stored so or in panels (a copy then)."""
+    if not attrs.get("panel"):
+        return w
+    n, k, width = w.shape
+    return w.transpose(0, 2, 1).reshape(n * width, k)[: attrs["out_features"]]
+
+
+def cpu_planned(attrs: dict) -> bool:
+    """True for a node the packager laid out for the cpu backend alone (channels-last,
+    or weights in panels); other backends decline it."""
+    return is_nhwc(attrs) or bool(attrs.get("panel"))
 
 
 def from_panels(p, co: int):
@@ -127,7 +156,8 @@ def canonical_weights(attrs: dict) -> bool:
 
 
 def channels_first_attrs(attrs: dict) -> dict:
-    return {k: v for k, v in attrs.items() if k not in ("layout", "panel", "out_channels")}
+    return {k: v for k, v in attrs.items()
+            if k not in ("layout", "panel", "out_channels", "out_features")}  # fmt: skip
 
 
 def dtype_name(dt) -> str:

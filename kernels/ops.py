@@ -107,7 +107,10 @@ def _wino_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
 
 def _linear_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     x, w = ins[0], ins[1]
-    n = attrs["wshape"][0] if "wshape" in attrs else w[0]
+    if "wshape" in attrs:
+        n = attrs["wshape"][0]
+    else:  # [N, K], or panels [ceil(N/64), K, 64] (kernels/layout.py)
+        n = attrs["out_features"] if attrs.get("panel") else w[0]
     return (*x[:-1], int(n))
 
 
@@ -219,6 +222,26 @@ def _slice_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
         if st == 0 or n < 0 or (n and not (0 <= b < d and 0 <= last < d)):
             raise OpError(f"slice start {b} step {st} size {n} of an axis of {d}")
     return tuple(int(n) for n in sizes)
+
+
+def slice_block(shape: Sequence[int], attrs: dict) -> int | None:
+    """The element offset of a slice that is one contiguous block of its C-ordered input
+    (axes of one element, then one axis cut, then whole axes: an LSTM's last step, a
+    channel split at batch 1), or None. The memory plan lets such a slice's output
+    alias its input there (packager/plan.py), and its step then copies nothing."""
+    starts, steps, sizes = attrs["starts"], attrs["steps"], attrs["sizes"]
+    if 0 in sizes:
+        return None
+    cut = max((i for i, (n, d) in enumerate(zip(sizes, shape)) if n != d), default=0)
+    if any(n != 1 for n in sizes[:cut]):
+        return None
+    if any(n > 1 and st != 1 for n, st in zip(sizes[cut:], steps[cut:])):
+        return None
+    offset, stride = 0, 1
+    for i in range(len(shape) - 1, -1, -1):
+        offset += int(starts[i]) * stride
+        stride *= int(shape[i])
+    return offset
 
 
 def slice_index(attrs: dict) -> tuple[slice, ...]:

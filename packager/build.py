@@ -170,7 +170,7 @@ def build(
         if n_chains:
             say(f"      {n_chains} pointwise-depthwise-pointwise chain(s) run in bands of rows")
         if n_panels:
-            say(f"      {n_panels} conv(s) store their weights as GEMM panels")
+            say(f"      {n_panels} conv(s) and linear(s) store their weights as GEMM panels")
         return q, plan_memory(q, backends)
 
     q, plan = quantize_and_plan(set(), log)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..kernels import layout as L
+from ..kernels import wtypes
 from ..kernels.registry import wants
 from .ir import Graph, Node
 
@@ -128,35 +129,78 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
     return changed
 
 
+# A float32 linear of at most this many multiply-adds a run stores its weights as
+# panels and runs on the panel GEMM instead of BLAS plus an epilogue pass. Measured at
+# 1 thread on a Zen 2 EPYC (gemmp over np.matmul + epilogue_cols): ViT's 17 rows x
+# 64x192 0.60, 64x256 0.60, 256x64 0.58, 64x64 0.43; 4 x 384x384 (0.6M) 0.64; past
+# about a million the BLAS kernel's blocking wins (17 x 384x384: 0.83 to 1.03 between
+# runs, 33 x 128x512: 1.24, 128 x 384x384: 1.6-2.4).
+LINEAR_PANEL_MAX_MACS = 1 << 20
+
+
 def pack_panels(g: Graph) -> int:
-    """Store each channels-last group-1 conv's weights as GEMM panels (kernels/layout.py
-    to_panels); returns how many convs changed. Runs before the chain fusion, whose
-    pointwise convs keep their panels.
+    """Store GEMM weights as panels (kernels/layout.py to_panels, linear_panels): each
+    channels-last group-1 conv's, and each small float32 linear's (LINEAR_PANEL_MAX_MACS);
+    returns how many nodes changed. Runs before the chain fusion, whose pointwise convs
+    keep their panels.
 
     Why at pack time: the CPU GEMM otherwise repacked the weights on every call,
     reading them in strided rows the hardware prefetcher cannot follow. Read as
     panels, front to back with a software prefetch one slab ahead, MobileNetV2's and
     ResNet-18's 7x7 layers ran 25-32% faster with their weights cold
-    (docs/cpu-kernels.md)."""
+    (docs/cpu-kernels.md). A small linear saves BLAS's call and its separate epilogue
+    pass: ViT's linears went from half its run time to a third."""
     changed = 0
     for node in g.nodes:
-        if node.op != "conv" or not L.is_nhwc(node.attrs) or node.attrs.get("panel"):
+        if node.attrs.get("panel"):
             continue
-        w = node.input("w")
-        if L.canonical_weights(node.attrs):  # int4: decoded into panels by the kernels
-            co = int(node.attrs["wshape"][0])
-        else:
-            hwio = g.consts[w]
-            co = int(hwio.shape[3])
+        if node.op == "conv" and L.is_nhwc(node.attrs):
+            _conv_panels(g, node)
+        elif _small_linear(g, node):
+            w = node.input("w")
+            n = int(g.consts[w].shape[0])
             name = w + ".panels"
             if name not in g.consts:
-                g.set_const(name, L.to_panels(hwio), g.wtype(w))
+                g.set_const(name, L.linear_panels(g.consts[w]), g.wtype(w))
             node.set_input("w", name)
-        node.attrs = {**node.attrs, "panel": L.PANEL, "out_channels": co}
+            node.attrs = {**node.attrs, "panel": L.PANEL, "out_features": n}
+        else:
+            continue
         changed += 1
     if changed:
         g.remove_dead()
     return changed
+
+
+def _conv_panels(g: Graph, node: Node) -> None:
+    w = node.input("w")
+    if L.canonical_weights(node.attrs):  # int4: decoded into panels by the kernels
+        co = int(node.attrs["wshape"][0])
+    else:
+        hwio = g.consts[w]
+        co = int(hwio.shape[3])
+        name = w + ".panels"
+        if name not in g.consts:
+            g.set_const(name, L.to_panels(hwio), g.wtype(w))
+        node.set_input("w", name)
+    node.attrs = {**node.attrs, "panel": L.PANEL, "out_channels": co}
+
+
+def _small_linear(g: Graph, node: Node) -> bool:
+    """A linear with constant [N, K] weights stored a weight an element, scaled per
+    output channel or not at all (float32, fp16, bf16, int8: the kernels widen the
+    panels as they are), float activations and at most LINEAR_PANEL_MAX_MACS
+    multiply-adds a run."""
+    if node.op != "linear" or node.attrs.get("xq") or L.canonical_weights(node.attrs):
+        return False
+    w = node.input("w")
+    if w not in g.consts or g.consts[w].ndim != 2:
+        return False
+    row = wtypes.get(g.wtype(w))
+    if row.per_element != 1 or row.scale == "group" or row.decoders.get("cpu") == "own":
+        return False
+    rows = int(np.prod(g.shapes[node.inputs[0]][:-1], dtype=np.int64))
+    return rows * g.consts[w].size <= LINEAR_PANEL_MAX_MACS
 
 
 def _pixel(shape, nhwc: bool) -> bool:

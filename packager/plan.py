@@ -3,8 +3,9 @@
 Lifetimes come from the op order; storages that are never alive at the same time
 may share bytes. Placement is greedy by size (largest first, lowest offset that fits
 against everything alive at the same time), as TFLite's arena planner does.
-Reshape outputs alias their input (same bytes, no copy); elementwise ops write in
-place when their input dies there.
+Reshape outputs alias their input (same bytes, no copy), and so do slices that are
+one contiguous block of it, at that block's offset (an LSTM's last step, a channel
+split at batch 1); elementwise ops write in place when their input dies there.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..kernels.ops import slice_block
 from ..kernels.registry import BACKEND_TABLE, WEIGHT_OPS, choose, node_dtype
 from ..runtime.bundle_format import ALIGN, TENSOR_DTYPES, align_up
 from .ir import Graph, PackError
 
 INPLACE_OPS = ("unary", "binary", "channel_affine")
-ALIAS_OPS = ("reshape",)
+# Ops whose output may be a view of input 0: element offset of the view, or None.
+ALIAS_OPS = {
+    "reshape": lambda shape, attrs: 0,
+    "slice": slice_block,
+}
 
 
 @dataclass
@@ -125,28 +131,51 @@ def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
     for t in g.state:
         born[t] = -1
 
-    # Storages as a union-find over tensors: reshape outputs always join their input;
-    # an elementwise output joins its input when that storage is not read later.
+    # Storages as a union-find over tensors, each at a byte offset into its parent's:
+    # alias outputs (reshape, contiguous slices) always join their input; an
+    # elementwise output joins its input when that storage is not read later.
     parent = {t: t for t in g.shapes}
+    delta = dict.fromkeys(g.shapes, 0)  # bytes from the parent's start
+
+    def find(t: str) -> tuple[str, int]:
+        """(root storage, byte offset of t in it), compressing the path."""
+        path = []
+        while parent[t] != t:
+            path.append(t)
+            t = parent[t]
+        total = 0
+        for p in reversed(path):  # nearest the root first
+            total += delta[p]
+            parent[p], delta[p] = t, total
+        return t, (delta[path[0]] if path else 0)
 
     def root(t: str) -> str:
-        while parent[t] != t:
-            parent[t] = parent[parent[t]]
-            t = parent[t]
-        return t
+        return find(t)[0]
 
-    def join(child: str, into: str) -> None:
-        rc, ri = root(child), root(into)
-        parent[rc] = ri
+    def join(child: str, into: str, off: int = 0) -> None:
+        """child's bytes are into's, from byte ``off`` of it."""
+        (rc, dc), (ri, di) = find(child), find(into)
+        at = di + off - dc  # where rc's storage starts inside ri's
+        if at < 0 or at + nbytes[rc] > nbytes[ri]:
+            raise PackError(f"plan: {child!r} does not fit inside {into!r} at {off}")
+        parent[rc], delta[rc] = ri, at
         last[ri] = max(last[ri], last[rc])
         born_at[ri] = min(born_at[ri], born_at[rc])
 
     last = {t: used[t] for t in g.shapes}
     born_at = dict(born)
+    state = set(g.state)
     for node in g.nodes:
         src = node.inputs[0] if node.inputs and node.inputs[0] in g.shapes else None
-        if node.op in ALIAS_OPS and src is not None:
-            join(node.outputs[0], src)
+        view = ALIAS_OPS.get(node.op)
+        if view is None or src is None:
+            continue
+        if node.op != "reshape" and root(src) in state:  # ops write state: copy a part
+            continue
+        out = node.outputs[0]
+        at = view(g.shapes[src], node.attrs)
+        if at is not None and g.dtype(src) == g.dtype(out):
+            join(out, src, at * np.dtype(TENSOR_DTYPES[g.dtype(src)]).itemsize)
     for i, node in enumerate(g.nodes):
         src = node.inputs[0] if node.inputs and node.inputs[0] in g.shapes else None
         out = node.outputs[0]
@@ -162,7 +191,6 @@ def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
     scratch_req = _scratch_needs(kernels)
     node_index = {n.name: i for i, n in enumerate(g.nodes)}
     roots = sorted({root(t) for t in g.shapes})
-    state = set(g.state)
     items = [(nbytes[r], born_at[r], last[r], ("t", r)) for r in roots if r not in state]
     items += [(need, node_index[n], node_index[n], ("s", n)) for n, need in scratch_req.items()]
 
@@ -192,7 +220,7 @@ def plan_memory(g: Graph, backends: Sequence[str] = ("cpu", "ref")) -> Plan:
     arena = align_up(max((o + s for o, s, _, _ in placed), default=0), ALIGN)
     return Plan(
         arena_bytes=arena,
-        tensors={t: offset_of[("t", root(t))] for t in g.shapes},
+        tensors={t: offset_of[("t", root(t))] + find(t)[1] for t in g.shapes},
         scratch={n: (offset_of[("s", n)], need) for n, need in scratch_req.items()},
         kernels=kernels,
         naive_bytes=sum(nbytes.values()) + sum(scratch_req.values()),

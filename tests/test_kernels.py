@@ -621,6 +621,21 @@ def nhwc(op: str, base: Case) -> Case:
     return Case(f"nhwc_{base.name}", make, const=base.const, onnx=base.onnx)
 
 
+def panel_linear(base: Case) -> Case:
+    """``base`` with its weights stored as the packager stores a small linear's:
+    panels [ceil(N/64), K, 64] (kernels/layout.py linear_panels), for the cpu backend
+    alone (the others decline: test_only_the_panel_pass_backends_take_panel_linears)."""
+
+    def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
+        ins, attrs = base.make(rng, dt)
+        n = ins[1].shape[0]
+        ins = [ins[0], layout.linear_panels(ins[1]), *ins[2:]]
+        return ins, {**attrs, "panel": layout.PANEL, "out_features": n}
+
+    return Case(f"panel_{base.name}", make, const=base.const,
+                dtypes=("f32", "f16", "bf16", "i8"), backends=("cpu",))  # fmt: skip
+
+
 def _nhwc_of(op: str, cases: list[Case], names: tuple[str, ...]) -> list[Case]:
     picked = [nhwc(op, c) for c in cases if c.name in names]
     assert len(picked) == len(names), f"{op}: no case among {names}"
@@ -1055,6 +1070,12 @@ CASES: dict[str, list[Case]] = {
         shape_case("3d_rot", [(3, 4, 5)], {"perm": [2, 0, 1]}),
         shape_case("heads", [(2, 5, 3, 4)], {"perm": [0, 2, 1, 3]}),
         shape_case("unit_dims", [(1, 6, 1, 4)], {"perm": [3, 1, 0, 2]}),
+        # the cpu's swap_axes forms (backend.swap_form) and ones that stay NumPy copies
+        shape_case("swap_lead", [(3, 4, 5)], {"perm": [1, 0, 2]}),
+        shape_case("swap_last2", [(2, 3, 5)], {"perm": [0, 2, 1]}),
+        shape_case("merged_5d", [(2, 3, 2, 4, 3)], {"perm": [0, 3, 1, 2, 4]}),
+        shape_case("reverse", [(3, 4, 5)], {"perm": [2, 1, 0]}),
+        shape_case("unit_moves_only", [(1, 5, 4)], {"perm": [1, 0, 2]}),
     ],
     "concat": [
         shape_case("axis0", [(1, 3, 4, 5), (2, 3, 4, 5)], {"axis": 0}),
@@ -1220,6 +1241,14 @@ CASES["conv"] += _nhwc_of(
         ),
     ),
 ]
+# Small float32 linears on the panel GEMM: a partial panel, three panels with a partial
+# last one, rows past one tile, 3-D x, no bias, a clamp and a polynomial activation.
+CASES["linear"] += [
+    panel_linear(c)
+    for c in CASES["linear"]
+    if c.name in ("m1_n10", "m5_n7", "x3d_n9_relu", "m40_k70_n9", "nobias", "act_silu",
+                  "act_hard_swish", "special_weights")
+] + [panel_linear(linear_case("m17_k64_n130_gelu", (17, 64), 130, act="gelu"))]  # fmt: skip
 CASES["conv_wino"] += _nhwc_of(
     "conv_wino",
     CASES["conv_wino"],
@@ -1411,6 +1440,17 @@ def test_only_the_layout_pass_backends_take_channels_last_nodes(op: str):
                 k = registry.KERNELS[(o, dt, b)]
                 assert k.accepts(attrs) == registry.wants((b,), "channels_last"), (k.name, case)
                 assert k.accepts(layout.channels_first_attrs(attrs)), (k.name, case)
+
+
+def test_only_the_panel_pass_backends_take_panel_linears():
+    # as for channels-last nodes: weights in panels are the cpu backend's plan alone
+    cases = [c for c in CASES["linear"] if c.name.startswith("panel_")]
+    assert len(cases) >= 8
+    for case in cases:
+        _, attrs = _build("linear", "f32", case)
+        for (o, dt, b), k in registry.KERNELS.items():
+            if o == "linear" and b != "ref" and dt in case.dtypes:
+                assert k.accepts(attrs) == registry.wants((b,), "panels"), (k.name, case.name)
 
 
 class HostMem:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_allocates_nothing, load, pack
-from edgepack.runtime.bundle_format import ALIGN
+from edgepack.runtime.bundle_format import ALIGN, TENSOR_DTYPES
+
+DTYPES = {k: np.dtype(v) for k, v in TENSOR_DTYPES.items()}
 
 pytestmark = pytest.mark.cpu
 
@@ -26,29 +28,113 @@ def _lifetimes(manifest: dict) -> dict[str, tuple[int, int]]:
     return {k: tuple(v) for k, v in life.items()}
 
 
+def _storage(manifest: dict) -> dict[str, tuple[str, int]]:
+    """tensor -> (the tensor whose storage it is a view of, its byte offset there),
+    following the views the plan may make: reshape outputs and contiguous slices
+    always (packager/plan.py ALIAS_OPS), elementwise outputs where written in place."""
+    from edgepack.packager.plan import ALIAS_OPS, INPLACE_OPS
+
+    g, offs = manifest["graph"], manifest["plan"]["tensors"]
+    parent: dict[str, tuple[str, int]] = {}
+    for n in g["nodes"]:
+        src = n["inputs"][0] if n["inputs"] else ""
+        if src not in offs:
+            continue
+        t = g["tensors"][src]
+        if n["op"] in ALIAS_OPS:
+            at = ALIAS_OPS[n["op"]](t["shape"], n["attrs"])
+        else:
+            in_place = n["op"] in INPLACE_OPS and offs[n["outputs"][0]] == offs[src]
+            at = 0 if in_place else None
+        if at is not None:
+            parent[n["outputs"][0]] = (src, at * DTYPES[t["dtype"]].itemsize)
+
+    def resolve(t: str) -> tuple[str, int]:
+        if t not in parent:
+            return t, 0
+        src, at = parent[t]
+        r, d = resolve(src)
+        return r, d + at
+
+    return {t: resolve(t) for t in offs}
+
+
 def assert_plan_sound(manifest: dict) -> None:
     g, plan = manifest["graph"], manifest["plan"]
     offs, arena = plan["tensors"], plan["arena_bytes"]
     life = _lifetimes(manifest)
+    storage = _storage(manifest)
     spans = []
     for name, (a, b) in life.items():
-        size = int(np.prod(g["tensors"][name]["shape"])) * 4
+        t = g["tensors"][name]
+        size = int(np.prod(t["shape"])) * DTYPES[t["dtype"]].itemsize
         off = offs[name]
-        assert off % ALIGN == 0 and off + size <= arena, name
+        root, at = storage[name]
+        # a storage starts aligned; a view lies where its source says
+        assert off == offs[root] + at and offs[root] % ALIGN == 0, name
+        assert off + size <= arena, name
         spans.append((name, off, off + size, a, b))
     index = {n["name"]: k for k, n in enumerate(g["nodes"])}
     for node, (off, size) in plan["scratch"].items():
         assert off % ALIGN == 0 and off + size <= arena
         spans.append((f"scratch:{node}", off, off + size, index[node], index[node]))
-    alias = {n["outputs"][0]: n["inputs"][0] for n in g["nodes"]}
     for i, (n1, lo1, hi1, a1, b1) in enumerate(spans):
         for n2, lo2, hi2, a2, b2 in spans[i + 1 :]:
             if lo1 < hi2 and lo2 < hi1 and not (b1 < a2 or b2 < a1):
-                # Sharing bytes while both are live is legal only for planned aliases
-                # (reshape views, in-place elementwise ops) - exactly one hop apart.
-                assert offs.get(n1) == offs.get(n2) and (
-                    alias.get(n1) == n2 or alias.get(n2) == n1
-                ), (n1, n2)
+                # Sharing bytes while both are live is legal only for planned views
+                # of one storage (reshapes, contiguous slices, in-place elementwise ops).
+                assert n1 in storage and n2 in storage, (n1, n2)
+                assert storage[n1][0] == storage[n2][0], (n1, n2)
+
+
+def test_contiguous_slices_are_views_and_copy_nothing(tmp_path):
+    # A channel split at batch 1 and the last channel are contiguous blocks of their
+    # input: planned as views at the block's offset, their steps bound to nothing; a
+    # strided slice (every other column) still copies. Outputs as ONNX Runtime's.
+    from conftest import ort_run
+    from edgepack.kernels.ops import slice_block
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    x = helper.make_tensor_value_info("x", f, [1, 6, 4, 5])
+    outs = [helper.make_tensor_value_info(n, f, None) for n in ("y", "last", "odd")]
+    c = helper.make_tensor("split", TensorProto.INT64, [2], [2, 4])
+    consts = {n: helper.make_tensor(n, TensorProto.INT64, [len(v)], v) for n, v in {
+        "s0": [5], "e0": [6], "ax": [1], "s1": [0], "e1": [5], "ax1": [3], "st": [2], "rax": [1],
+    }.items()}  # fmt: skip
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Split", ["r", "split"], ["a", "b"], axis=1),
+        helper.make_node("Mul", ["a", "a"], ["a2"]),
+        helper.make_node("Sigmoid", ["b"], ["bs"]),
+        helper.make_node("ReduceSum", ["bs", "rax"], ["bsum"], keepdims=1),
+        helper.make_node("Add", ["bsum", "a2"], ["y0"]),
+        helper.make_node("Concat", ["y0", "y0"], ["y"], axis=1),
+        helper.make_node("Slice", ["r", "s0", "e0", "ax"], ["last"]),
+        helper.make_node("Slice", ["r", "s1", "e1", "ax1", "st"], ["odd"]),
+    ]
+    graph = helper.make_graph(nodes, "views", [x], outs, [c, *consts.values()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 6, 4, 5)).astype(np.float32)}
+    import onnx
+
+    onnx.save(model, tmp_path / "v.onnx")
+    s = load(pack(tmp_path / "v.onnx", tmp_path / "v.epk"))
+    m = s.manifest
+    assert_plan_sound(m)
+    g, offs = m["graph"], m["plan"]["tensors"]
+    slices = [n for n in g["nodes"] if n["op"] == "slice"]
+    bound = {n["name"]: step for n, step in s.executor.bound}
+    views = [n for n in slices if bound[n["name"]] is None]
+    assert len(slices) == 4 and len(views) == 3, [n["attrs"] for n in slices]
+    for n in views:
+        src, out = n["inputs"][0], n["outputs"][0]
+        at = slice_block(g["tensors"][src]["shape"], n["attrs"])
+        assert offs[out] == offs[src] + 4 * at
+    got = s.run(feeds)
+    for name, want in zip(("y", "last", "odd"), ort_run(model, feeds)):
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "im2col": ("im2col", v(arr(f4, 3), arr(f4, 2), *([i8] * 10))),
         "im2row": ("im2row", v(arr(f4, 3), arr(f4, 2), *([i8] * 10))),
         "to_channels_last": ("to_channels_last", v(arr(f4, 3), arr(f4, 3))),
+        "swap_axes": ("swap_axes", v(arr(f4, 4, ro=True), arr(f4, 4))),
         "to_channels_first": ("to_channels_first", v(arr(f4, 3), arr(f4, 3))),
         "epilogue_cols": ("epilogue_cols", v(arr(f4, 2), w1, w1, i8, i8, f4, f4)),
         "act_into": ("act_into", v(arr(f4, 1), arr(f4, 1), i8, f4, f4)),

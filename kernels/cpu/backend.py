@@ -25,7 +25,7 @@ from ..decoded import decoded
 from ..flags import PER_COL
 from ..layout import PANEL
 from ..mathfns import math_code
-from ..ops import BINARY_KINDS, GATE_ACTS, norm_group
+from ..ops import BINARY_KINDS, GATE_ACTS, norm_group, slice_block
 from ..ops import args as _args
 from ..recurrent import rnn_scratch_floats, rnn_step
 from ..registry import Bound, Kernel, Spec, register
@@ -535,11 +535,15 @@ HALF_GEMV_MAX_ROWS = 8
 I8_DECODE_MAX_WEIGHTS = 1 << 20
 
 
-def _linear_path(wdt: str, rows: int, weights: int = 0) -> str:
-    """``gemv_<wdt>`` (weights read in place, kernels/cpu/gemv.py), ``blas`` (float32) or
-    ``decode_blas`` (fp16/bf16, and int8 of at most I8_DECODE_MAX_WEIGHTS, at more than
+def _linear_path(wdt: str, rows: int, weights: int = 0, panel: bool = False) -> str:
+    """``gemmp`` (weights the packager stored as panels: small linears; float32 read in
+    place, other types widened into scratch first: ``decode_gemmp``), ``gemv_<wdt>``
+    (weights read in place, kernels/cpu/gemv.py), ``blas`` (float32) or ``decode_blas``
+    (fp16/bf16, and int8 of at most I8_DECODE_MAX_WEIGHTS, at more than
     HALF_GEMV_MAX_ROWS rows: widened into scratch first, the int8 scale in the
     epilogue)."""
+    if panel:
+        return "gemmp" if wdt == "f32" else "decode_gemmp"
     if wdt == "f32":
         return "blas"
     if rows <= HALF_GEMV_MAX_ROWS or (wdt == "i8" and weights > I8_DECODE_MAX_WEIGHTS):
@@ -549,12 +553,13 @@ def _linear_path(wdt: str, rows: int, weights: int = 0) -> str:
 
 def _linear_variant(ins, outs, attrs) -> str:
     x, w = _args("linear", ins).x, _args("linear", ins).w
-    return _linear_path(w[1], int(np.prod(x[0][:-1], dtype=np.int64)), int(np.prod(w[0])))
+    rows = int(np.prod(x[0][:-1], dtype=np.int64))
+    return _linear_path(w[1], rows, int(np.prod(w[0])), attrs.get("panel") == PANEL)
 
 
 def _linear_scratch(ins, outs, attrs) -> int:
     wshape = _args("linear", ins).w[0]
-    return _nbytes(wshape) if _linear_variant(ins, outs, attrs) == "decode_blas" else 0
+    return _nbytes(wshape) if _linear_variant(ins, outs, attrs).startswith("decode") else 0
 
 
 def _bind_linear(ins, outs, scratch, attrs) -> Bound:
@@ -563,13 +568,26 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     y = outs[0]
     kdim = x.shape[-1]
     x2 = x.reshape(-1, kdim)
-    y2 = y.reshape(-1, w.shape[0])
+    y2 = y.reshape(-1, y.shape[-1])
     flags = _flags(bias, scale, None)
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
     wdt = wtypes.of_array(w)
-    path = _linear_path(wdt, x2.shape[0], w.size)
+    path = _linear_path(wdt, x2.shape[0], w.size, attrs.get("panel") == PANEL)
+    if path.endswith("gemmp"):  # x is the rows operand, as for a pointwise conv
+        w, decode, _ = _widened(w, scratch)
+        epi = (b_, s_, _DUMMY2, flags | PER_COL, act, a, b, max(1, kernel_threads()))
+        args = (_readonly(x2), _NOROWS, kdim, 1, 0, _readonly(w.reshape(-1)), y2, *epi)
+        kern, args = _bound(K.gemmp, args)
+        if decode is None:
+            return lambda: kern(*args)
+
+        def decode_gemmp() -> None:
+            decode()
+            kern(*args)
+
+        return decode_gemmp
     if path.startswith("gemv"):
         # halves as uint16 bits, bf16 as int16 bits (how gemv.py tells them apart)
         wv = w.view({"f16": np.uint16, "bf16": np.int16}.get(wdt, w.dtype))
@@ -824,8 +842,33 @@ def _bind_transpose(ins, outs, scratch, attrs) -> Bound:
                 kern(xn, yn)
 
         return step_layout
+    form = swap_form(x.shape, perm) if x.dtype == F32 else None
+    if form is not None:
+        a, b, c, d = form
+        kern, args = _bound(K.swap_axes, (_readonly(x.reshape(a, b, c, d)), y.reshape(a, c, b, d)))
+        return lambda: kern(*args)
     src = x.transpose(perm)
     return lambda: np.copyto(y, src)
+
+
+def swap_form(shape: Sequence[int], perm: Sequence[int]) -> tuple[int, int, int, int] | None:
+    """(A, B, C, D) when transposing ``shape`` by ``perm`` is swap_axes' [A, B, C, D] ->
+    [A, C, B, D] once size-1 axes are dropped and axes that stay neighbours merged;
+    None for other permutations (and for no movement at all)."""
+    groups: list[list[int]] = []  # runs of input axes, in output order
+    for ax in (a for a in perm if shape[a] != 1):
+        if groups and groups[-1][-1] + 1 == ax:
+            groups[-1].append(ax)
+        else:
+            groups.append([ax])
+    firsts = sorted(g[0] for g in groups)
+    p = tuple(firsts.index(g[0]) for g in groups)  # output group i is input group p[i]
+    size = [0] * len(groups)  # in input order
+    for g, i in zip(groups, p):
+        size[i] = int(np.prod([shape[a] for a in g]))
+    forms = {(1, 0): (1, *size, 1), (0, 2, 1): (*size, 1), (1, 0, 2): (1, *size),
+             (0, 2, 1, 3): tuple(size)}  # fmt: skip
+    return forms.get(p)
 
 
 def _bind_rows(ins, outs, scratch, attrs) -> Bound:
@@ -968,7 +1011,11 @@ def _bind_argmax(ins, outs, scratch, attrs) -> Bound:
 
 
 def _bind_slice(ins, outs, scratch, attrs) -> Bound:
-    return G.slice_step(np, ins[0], outs[0], attrs)  # a strided view, copied each run
+    x, y = ins[0], outs[0]
+    at = slice_block(x.shape, attrs)
+    if at is not None and y.ctypes.data == x.ctypes.data + at * x.itemsize:
+        return None  # the memory plan made y that block of x (packager/plan.py)
+    return G.slice_step(np, x, y, attrs)  # a strided view, copied each run
 
 
 def _bind_generic(op: str):

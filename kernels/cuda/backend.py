@@ -567,16 +567,16 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
 
 
 def _channels_first(accepts):
-    return lambda attrs: not layout.is_nhwc(attrs) and accepts(attrs)
+    return lambda attrs: not layout.cpu_planned(attrs) and accepts(attrs)
 
 
 def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
     scratch = scratch or (lambda i, o, a: 0)
     takes = accepts or (lambda a: True)
-    if op in layout.LAYOUT_OPS:
-        # Channels-first only: the cuda backend asks for no channels-last pass
-        # (registry.BACKEND_TABLE), so a node with a layout attribute was planned for
-        # another backend and is not this one's to run.
+    if op in layout.CPU_PLANNED_OPS:
+        # Channels-first, weights unpanelled: the cuda backend asks for neither pass
+        # (registry.BACKEND_TABLE), so a node with a layout or a panel attribute was
+        # planned for another backend and is not this one's to run.
         takes = _channels_first(takes)
     k = Kernel(f"cuda.{op}", bind, scratch, takes)
     register(op, dtypes, "cuda", k)

@@ -143,7 +143,7 @@ def linear(inputs: Sequence[Array | None], attrs: dict) -> Array:
     x, bias = io.x, io.bias
     if attrs.get("xq"):
         x = quantize_activations(x, int(attrs["xq"]))
-    w = dequantize(io.w, io.scale)
+    w = dequantize(layout.linear_weights(io.w, attrs), io.scale)
     y = x.astype(np.float64) @ w.astype(np.float64).T
     if bias is not None:
         y = y + bias
