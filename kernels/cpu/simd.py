@@ -374,6 +374,7 @@ class Ops:
         self.vadd = _binary(lambda bl, a, b: bl.fadd(a, b))
         self.vsub = _binary(lambda bl, a, b: bl.fsub(a, b))
         self.vmul = _binary(lambda bl, a, b: bl.fmul(a, b))
+        self.vdiv = _binary(lambda bl, a, b: bl.fdiv(a, b))  # IEEE: x / 0 is inf or NaN
         # max / min as compare + select that keep a NaN of either operand (a + b is NaN
         # then), as the scalar epilogue (act_scalar) and ONNX Runtime's Relu and Clip:
         # relu is vmax(0, v), clip vmin(vmax(v, lo), hi)
