@@ -107,22 +107,25 @@ def exp_f32(v):
 
 
 @njit(inline="always")
+def _horner7(x, c0, c1, c2, c3, c4, c5, c6):
+    """c0 x^6 + c1 x^5 + ... + c6 in float32, Horner's order (the rational tanh and erf
+    share it)."""
+    p = np.float32(c0)
+    p = p * x + np.float32(c1)
+    p = p * x + np.float32(c2)
+    p = p * x + np.float32(c3)
+    p = p * x + np.float32(c4)
+    p = p * x + np.float32(c5)
+    return p * x + np.float32(c6)
+
+
+@njit(inline="always")
 def tanh_f32(v):
     """tanh in float32 as a rational function (kernels/activations.py TANH_*)."""
-    x = np.float32(-TANH_CLAMP) if v < np.float32(-TANH_CLAMP) else v
-    x = np.float32(TANH_CLAMP) if x > np.float32(TANH_CLAMP) else x
+    x = _clamp01(v, np.float32(-TANH_CLAMP), np.float32(TANH_CLAMP))
     x2 = x * x
-    p = np.float32(_T0)
-    p = p * x2 + np.float32(_T1)
-    p = p * x2 + np.float32(_T2)
-    p = p * x2 + np.float32(_T3)
-    p = p * x2 + np.float32(_T4)
-    p = p * x2 + np.float32(_T5)
-    p = p * x2 + np.float32(_T6)
-    q = np.float32(_U0)
-    q = q * x2 + np.float32(_U1)
-    q = q * x2 + np.float32(_U2)
-    q = q * x2 + np.float32(_U3)
+    p = _horner7(x2, _T0, _T1, _T2, _T3, _T4, _T5, _T6)
+    q = ((np.float32(_U0) * x2 + np.float32(_U1)) * x2 + np.float32(_U2)) * x2 + np.float32(_U3)
     return x * p / q
 
 
@@ -135,22 +138,11 @@ def sigmoid_f32(v):
 def _gelu(v):
     """x * (1 + erf(x / sqrt 2)) / 2, erf as kernels/activations.py ERF_P / ERF_Q (a
     NaN stays NaN: the clamp keeps it)."""
-    t = v * np.float32(0.7071067811865476)
-    t = np.float32(-4.0) if t < np.float32(-4.0) else t
-    t = np.float32(4.0) if t > np.float32(4.0) else t
+    t = _clamp01(v * np.float32(0.7071067811865476), np.float32(-4.0), np.float32(4.0))
     t2 = t * t
-    p = np.float32(_P0)
-    p = p * t2 + np.float32(_P1)
-    p = p * t2 + np.float32(_P2)
-    p = p * t2 + np.float32(_P3)
-    p = p * t2 + np.float32(_P4)
-    p = p * t2 + np.float32(_P5)
-    p = p * t2 + np.float32(_P6)
-    q = np.float32(_Q0)
-    q = q * t2 + np.float32(_Q1)
-    q = q * t2 + np.float32(_Q2)
-    q = q * t2 + np.float32(_Q3)
-    q = q * t2 + np.float32(_Q4)
+    p = _horner7(t2, _P0, _P1, _P2, _P3, _P4, _P5, _P6)
+    q = (np.float32(_Q0) * t2 + np.float32(_Q1)) * t2 + np.float32(_Q2)
+    q = (q * t2 + np.float32(_Q3)) * t2 + np.float32(_Q4)
     return np.float32(0.5) * v * (np.float32(1) + t * p / q)
 
 

@@ -1,11 +1,11 @@
 """CPU kernels of the decoder-LLM ops (references: kernels/ref/llm.py).
 
 Plain numba loops in a fixed order (no fastmath), so the JIT and AOT builds and every
-CPU give the same bits. Sums over a row (norms, attention scores) accumulate in
-float64, as the references do. fp16 KV caches are held as their uint16 bits (numba has
-no CPU float16): keys and values are rounded to half on the way in
-(``f32_bits_to_half``, round to nearest even, as NumPy's cast) and widened exactly on
-the way out (``half_to_f32``).
+CPU give the same bits. Attention scores accumulate in float64, as the references do;
+norm rows sum in 8-lane float32 vectors, in a fixed order too (``norm_rows``). fp16
+KV caches are held as their uint16 bits (numba has no CPU float16): keys and values
+are rounded to half on the way in (``f32_bits_to_half``, round to nearest even, as
+NumPy's cast) and widened exactly on the way out (``half_to_f32``).
 
 Not yet fast: the attention's dot products over a head are scalar chains (a float
 reduction does not vectorise without reassociation); the explicit-SIMD layer is the

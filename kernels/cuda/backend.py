@@ -566,7 +566,7 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
     return lambda: kern(xa, ya, b_dev, mode, value)
 
 
-def _channels_first(accepts):
+def _not_cpu_planned(accepts):
     return lambda attrs: not layout.cpu_planned(attrs) and accepts(attrs)
 
 
@@ -577,7 +577,7 @@ def _cuda(op: str, bind, dtypes=("f32",), scratch=None, accepts=None) -> None:
         # Channels-first, weights unpanelled: the cuda backend asks for neither pass
         # (registry.BACKEND_TABLE), so a node with a layout or a panel attribute was
         # planned for another backend and is not this one's to run.
-        takes = _channels_first(takes)
+        takes = _not_cpu_planned(takes)
     k = Kernel(f"cuda.{op}", bind, scratch, takes)
     register(op, dtypes, "cuda", k)
 
