@@ -25,7 +25,7 @@ from .manifest import make_manifest
 from .mbconv import fuse_mbconv
 from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
-from .precision import keep_sensitive, output_cosine, quantized_weights
+from .precision import keep_sensitive, measured_tensors, output_cosine, quantized_weights
 from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
 from .writer import write_bundle
 
@@ -105,6 +105,18 @@ def _layouts(g: Graph, backends: Sequence[str], layout: str) -> tuple[int, int, 
     n_last = choose_layouts(g, backends, layout)
     n_panels = pack_panels(g) if wants(backends, "panels") else 0
     return n_last, fuse_mbconv(g, backends), n_panels
+
+
+def _measured(src: Graph, ref: Graph, q: Graph, log: Callable[[str], None]) -> list[str]:
+    """What the mixed-precision search measures (precision.measured_tensors): the
+    outputs, or for a ranked output the tensors its ranking reads, when both the fp32
+    and the quantized bundle produce them (a fused-away tensor has no step)."""
+    made = {o for n in ref.nodes for o in n.outputs} & {o for n in q.nodes for o in n.outputs}
+    measured = measured_tensors(src)
+    if measured == list(q.outputs) or not set(measured) <= made:
+        return list(q.outputs)
+    log(f"      ranked output(s) measured where the ranking reads: {', '.join(measured)}")
+    return measured
 
 
 def build(
@@ -200,7 +212,8 @@ def build(
         ref_exec = Executor(make_manifest(g, ref_plan), g.consts, device="cpu")
         q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")
         if min_cosine:
-            cos = output_cosine(ref_exec, q_exec, feeds, q.outputs)
+            measured = _measured(src, g, q, log)
+            cos = output_cosine(ref_exec, q_exec, feeds, measured)
             if cos < min_cosine:
                 log(f"      output cosine {cos:.4f} < --min-cosine {min_cosine}")
 
@@ -210,7 +223,8 @@ def build(
 
                 plain = quantize_graph(src, quant, min_weights, group_size)  # before layouts
                 keep, cos = keep_sensitive(src, quantized_weights(src, plain), executor_for,
-                                           ref_exec, feeds, min_cosine, log, start=cos)  # fmt: skip
+                                           ref_exec, feeds, min_cosine, log, start=cos,
+                                           tensors=measured)  # fmt: skip
                 if keep:
                     q, plan = quantize_and_plan(set(keep), lambda s: None)
                     q_exec = Executor(make_manifest(q, plan), q.consts, device="cpu")

@@ -15,7 +15,8 @@ cosine >= 0.99, and the cosine of the input-dependent part, f(a) - f(b), which t
 anchors' constant part would otherwise hide: 0.987 / 0.974 measured). The end-to-end
 head's rows are ranked by scores that differ in the fourth digit; a 1e-5 change
 swaps neighbours, so each ORT detection is looked up among edgepack's (same class,
-box and score within the tolerance) rather than at its row.
+box and score within the tolerance) rather than at its row; int8 is checked on the
+ranked scores' distribution (sorted scores' cosine), as the ranks trade places.
 """
 
 from __future__ import annotations
@@ -101,23 +102,28 @@ def test_yolo26_nms_free_head(tmp_path, yolo):
     onnx_path = yolo("yolo26n_e2e")
     fp = pack(onnx_path, tmp_path / "f.epk")
     np.savez(tmp_path / "calib.npz", images=_images(3, 4))
-    # min_cosine 0: a ranked output's cosine moves with near-tied neighbours trading
-    # places, so the mixed-precision search (tests/test_precision.py; the OCR models
-    # use it) gains 0.008 here for 110 s of build; the sorted scores are checked below
-    q = pack(onnx_path, tmp_path / "q.epk", quant="int8", calib=tmp_path / "calib.npz",
-             min_cosine=0)  # fmt: skip
-    for seed in (1, 2):
+    # The mixed-precision search measures this ranked output where its TopK reads
+    # (the per-anchor best scores, all scores, the boxes): 13 layers kept, 120 s
+    q = pack(onnx_path, tmp_path / "q.epk", quant="int8", calib=tmp_path / "calib.npz")
+    assert load(q).manifest["quantization"]["kept_fp32"]
+    ranked = []
+    for seed in range(1, 7):
         x = _images(seed)
         (ref,) = ort_run(onnx_path, {"images": x})
-        got = _run(fp, x)
-        assert got.shape == ref.shape == (1, 300, 6)
-        # the top 250: the last ranks can trade places with the 301st (a near tie).
-        # Scores are sigmoids of logits near -7, which turn the logits' 3e-5 relative
-        # error into 2e-4 of the score.
-        assert _found(got[0], ref[0, :250], 1e-4, 1e-3) == 1.0
-        assert np.array_equal(got[0, :, 4], np.sort(got[0, :, 4])[::-1])  # ranked
+        if seed <= 2:
+            got = _run(fp, x)
+            assert got.shape == ref.shape == (1, 300, 6)
+            # the top 250: the last ranks can trade places with the 301st (a near tie).
+            # Scores are sigmoids of logits near -7, which turn the logits' 3e-5
+            # relative error into 2e-4 of the score.
+            assert _found(got[0], ref[0, :250], 1e-4, 1e-3) == 1.0
+            assert np.array_equal(got[0, :, 4], np.sort(got[0, :, 4])[::-1])  # ranked
         qa = _run(q, x)[0]
         assert np.isfinite(qa).all() and set(np.unique(qa[:, 5])) <= set(range(80))
-        # int8 reorders scores this close; their distribution must stay (0.944 measured
-        # on the first image: below the issue's 0.99, as the raw heads' 0.89-0.98)
-        assert _cos(np.sort(qa[:, 4]), np.sort(ref[0, :, 4])) >= 0.92
+        ranked.append(_cos(np.sort(qa[:, 4]), np.sort(ref[0, :, 4])))
+    # The int8 bundle's ranked scores against ORT's: 0.997 0.996 0.997 0.997 0.999
+    # 0.926 measured. Random weights make this net chaotic (weight-only int8's 0.4% a
+    # layer grows to 45% at the head's last stage, through attention's softmax), and the
+    # outlier anchors that top the ranking are where it grows most: on 16 images the
+    # median was 0.996 and the worst 0.926.
+    assert np.median(ranked) >= 0.99 and min(ranked) >= 0.9

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from edgepack.packager import precision
-from edgepack.packager.ir import Graph
+from edgepack.packager.ir import Graph, Node
 
 pytestmark = pytest.mark.cpu
 
@@ -16,6 +16,8 @@ REF = np.linspace(1.0, 2.0, 64)
 
 class _Exec:
     """An executor whose output is REF plus noise of a given size."""
+
+    outputs = [{"name": "y"}]
 
     def __init__(self, err: float, seed: int = 0) -> None:
         self.out = REF + err * np.random.default_rng(seed).standard_normal(REF.size)
@@ -74,3 +76,30 @@ def test_it_stops_after_patience_without_gain():
         _search(costs, noise_floor=0.4)
     # the start, one per layer's sensitivity, then PATIENCE greedy steps at most
     assert len(seen) == 1 + 40 + precision.PATIENCE
+
+
+def test_a_ranked_output_is_measured_where_the_ranking_reads():
+    # a detector's NMS-free head in miniature: scores ranked by TopK, boxes gathered
+    # by its indices, both concatenated into the output; a second, plain output
+    f = dict.fromkeys(["feat", "scores", "boxes", "best", "idx", "picked", "det",
+                       "logits", "cls"], (1, 8))  # fmt: skip
+    nodes = [
+        Node("unary", "score", ["feat"], ["scores"], {"kind": "sigmoid"}),
+        Node("unary", "box", ["feat"], ["boxes"], {"kind": "exp"}),
+        Node("topk", "rank", ["scores"], ["best", "idx"], {"axis": -1, "k": 4, "largest": 1}),
+        Node("gather_elements", "pick", ["boxes", "idx"], ["picked"], {"axis": -1}),
+        Node("concat", "out", ["picked", "best", "w"], ["det"], {"axis": -1}),
+        Node("unary", "head", ["feat"], ["logits"], {"kind": "neg"}),
+        Node("argmax", "top1", ["logits"], ["cls"], {"axis": -1, "keepdims": 0}),
+    ]
+    g = Graph(nodes=nodes, inputs=["x"], outputs=["det", "logits", "cls"], shapes=f,
+              consts={"w": np.zeros((1, 8), np.float32)},
+              dtypes={"idx": "i64", "cls": "i64"})  # fmt: skip
+    # the constant and the integer indices are not measured; each tensor once
+    assert precision.measured_tensors(g) == ["boxes", "scores", "logits"]
+    g.outputs = ["logits"]
+    assert precision.measured_tensors(g) == ["logits"]
+    # a ranking of the graph's input reads nothing the quantized layers change
+    g.nodes[2].inputs = ["x"]
+    g.outputs = ["best"]
+    assert precision.measured_tensors(g) == ["best"]
