@@ -114,6 +114,14 @@ CUPY_WHEELS = {12: "cupy-cuda12x", 11: "cupy-cuda11x"}
 CUDA_NEEDS = ("numba", "llvmlite")
 
 
+# What uvicorn imports by name at run time (its "auto" loop and protocol choices, the
+# lifespan and logging configuration), out of reach of PyInstaller's import scan.
+UVICORN_BY_NAME = ("uvicorn.logging", "uvicorn.loops.auto", "uvicorn.loops.asyncio",
+                   "uvicorn.protocols.http.auto", "uvicorn.protocols.http.h11_impl",
+                   "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.off",
+                   "uvicorn.lifespan.on")  # fmt: skip
+
+
 def cuda_packages(target: Target) -> list[str]:
     """The distributions the cuda path adds to a stub for ``target`` ([] without cuda)."""
     if target.cuda is None or "cuda" not in target.backends:
@@ -459,9 +467,11 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
         for mod in hidden:
             cmd += ["--hidden-import", mod]
         # nacl's C binding loads through cffi's backend, which the import scan misses;
-        # tokenizers and jinja2 are imported lazily by generate (runtime/text.py)
+        # tokenizers and jinja2 are imported lazily by generate (runtime/text.py), the
+        # HTTP stack by serve --http, and uvicorn picks its loop and protocol by name
         optional = ("nacl.signing", "_cffi_backend", "paho.mqtt.client", "threadpoolctl",
-                    "tokenizers", "jinja2", "jinja2.sandbox")  # fmt: skip
+                    "tokenizers", "jinja2", "jinja2.sandbox", "edgepack.runtime.serve.http",
+                    "fastapi", "uvicorn", *UVICORN_BY_NAME)  # fmt: skip
         for mod in optional:
             try:
                 __import__(mod)

@@ -156,28 +156,18 @@ class Agent:
     def __init__(
         self,
         bundle: Path,
-        broker_url: str,
+        broker_url: str | None,
         device: str,
         *args: str,
         logdir: Path,
         env: dict | None = None,
     ) -> None:
+        """``broker_url`` None: no MQTT (an HTTP-only server, ``--http`` in ``args``)."""
         self.device = device
         self.log_path = Path(logdir) / f"agent-{device}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "edgepack.cli",
-            "serve",
-            str(bundle),
-            "--broker",
-            broker_url,
-            "--device",
-            device,
-            "--threads",
-            "1",
-            *args,
-        ]
+        broker = ["--broker", broker_url] if broker_url else []
+        cmd = [sys.executable, "-m", "edgepack.cli", "serve", str(bundle), *broker,
+               "--device", device, "--threads", "1", *args]  # fmt: skip
         self.proc = _track(
             subprocess.Popen(
                 cmd,

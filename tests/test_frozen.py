@@ -343,9 +343,11 @@ def test_one_gigabyte_payload(tmp_path, stub_cache):
 
 @pytest.mark.mqtt
 def test_serve_inside_the_executable(tmp_path, digits_exe, digit_inputs):
-    """The MQTT agent runs from the executable too, answering as `edgepack run` does."""
+    """The MQTT agent and the HTTP server run from the executable too, answering as
+    `edgepack run` does."""
     import signal
 
+    import httpx
     import mqtt_broker as mb
 
     from edgepack.client import Client
@@ -355,8 +357,10 @@ def test_serve_inside_the_executable(tmp_path, digits_exe, digit_inputs):
     broker = mb.Broker(tmp_path / "broker").start()
     watcher = mb.StatusWatcher(broker.url)
     log = open(tmp_path / "agent.log", "wb")
+    port = mb.free_port()
     agent = subprocess.Popen(
-        [str(digits_exe), "serve", "--broker", broker.url, "--device", "exe-1", "--threads", "1"],
+        [str(digits_exe), "serve", "--broker", broker.url, "--device", "exe-1", "--threads", "1",
+         "--http", f"127.0.0.1:{port}"],  # fmt: skip
         stdout=log,
         stderr=subprocess.STDOUT,
         env=dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache")),
@@ -366,9 +370,15 @@ def test_serve_inside_the_executable(tmp_path, digits_exe, digit_inputs):
         x = np.load(digit_inputs)
         with Client(broker.url) as client:
             got = client.submit({"image": x}, device="exe-1", timeout=30, retries=2).result()
+        body = {"inputs": [{"name": "image", "shape": list(x.shape), "datatype": "FP32",
+                            "data": x.ravel().tolist()}]}  # fmt: skip
+        r = httpx.post(f"http://127.0.0.1:{port}/v2/models/digits_cnn/infer", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()["outputs"][0]
         ep("run", digits_exe, "--input", digit_inputs, "--output", tmp_path / "ref.npz")
         with np.load(tmp_path / "ref.npz") as ref:
             assert np.array_equal(got["logits"], ref["logits"])
+            assert np.array_equal(np.float32(out["data"]).reshape(out["shape"]), ref["logits"])
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 0
         watcher.wait("exe-1", "offline", timeout=30)

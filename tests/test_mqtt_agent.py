@@ -295,6 +295,39 @@ def test_mosquitto_pub_and_sub_walkthrough(env, tmp_path):
     assert np.array_equal(np.load(io.BytesIO(out)), want)
 
 
+def _doc_client() -> str:
+    """The "Writing a client" example of docs/protocol.md, as printed."""
+    from conftest import REPO
+
+    doc = (REPO / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("## Writing a client") :]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_documented_client_works_as_written(env, tmp_path):
+    code = _doc_client()
+    port = env.broker.url.rsplit(":", 1)[1]
+    assert 'c.connect("127.0.0.1", 1883)' in code
+    code = code.replace('c.connect("127.0.0.1", 1883)', f'c.connect("127.0.0.1", {port})')
+    script = tmp_path / "client.py"
+    # the shipped model under its default name (no --model), taking the example's
+    # fleet jobs
+    a = mb.Agent(env.b1, env.broker.url, "dev-doc", logdir=env.dir)
+    env.watcher.wait("dev-doc", "online", agent=a)
+    try:
+        script.write_text(code + "\nprint(logits.shape)\n")
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+        assert r.returncode == 0 and "(1, 10)" in r.stdout, r.stderr[-2000:]
+        # nobody serves this topic: the example reports a timeout, not a KeyError
+        script.write_text(code.replace("model/digits_cnn/jobs", "model/nobody/jobs"))
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+        assert r.returncode != 0 and "TimeoutError: no answer to job" in r.stderr, r.stderr
+    finally:
+        assert a.terminate() == 0
+
+
 def test_sigterm_answers_every_accepted_job(env):
     """SIGTERM while jobs are queued: each job gets exactly one answer (ok, or
     shutting_down for those that arrived during the drain); jobs the agent never took

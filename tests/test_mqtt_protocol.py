@@ -166,8 +166,20 @@ def test_parse_job_v5_binary_and_json():
         ),
         (json.dumps({"id": "j", "ref": {"topic": "elsewhere/x"}}).encode(), "invalid_job"),
         (b"\xff\xfe garbage", "malformed"),
+        (json.dumps({"id": "j", "inputs": {}}).encode(), "invalid_job"),  # never bad_input
+        # what JSON cannot spell, and numbers past a double, are not read as infinities
+        (b'{"id": "j", "inputs": {"image": [NaN]}}', "malformed"),
+        (b'{"id": "j", "inputs": {"image": [-Infinity]}}', "malformed"),
+        (b'{"id": "j", "inputs": {"image": [1e400]}}', "malformed"),
+        # values the dtype cannot hold are named, not wrapped or rounded
+        (json.dumps({"id": "j", "inputs": {"image": {"dtype": "i8", "shape": [1],
+                                                     "data": [300]}}}).encode(), "bad_input"),
+        (json.dumps({"id": "j", "inputs": {"image": {"dtype": "f32", "shape": [1],
+                                                     "data": [1e39]}}}).encode(), "bad_input"),
+        (json.dumps({"id": "j", "inputs": {"image": {"dtype": "i64", "shape": [1],
+                                                     "data": [1.5]}}}).encode(), "bad_input"),
     ],
-)
+)  # fmt: skip
 def test_bad_jobs_raise_protocol_errors_with_reply_address(body, code):
     with pytest.raises(ProtocolError) as e:
         parse(body, response_topic="r/x", correlation=b"k")

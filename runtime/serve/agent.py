@@ -31,12 +31,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ... import __version__
-from ..executor import Executor
-from ..threads import set_threads
 from .blobs import BlobFetcher
 from .codec import CodecError
 from .conn import BrokerConfig, Connection, props_of
-from .metrics import Metrics
 from .protocol import (
     PROTOCOL_VERSION,
     RETRYABLE,
@@ -58,7 +55,8 @@ from .protocol import (
     shared_subscription,
     status_topic,
 )
-from .sched import BadInput, Job, Scheduler
+from .sched import BadInput, Job
+from .service import Service
 from .store import ReplyStore
 
 log = logging.getLogger("edgepack.agent")
@@ -72,51 +70,27 @@ class AgentConfig:
     group: str = "fleet"
     fleet: bool = True
     prefix: str = "edgepack/v1"
-    workers: int = 1
-    max_queue: int = 256
-    max_wait_ms: float = 2.0
-    batching: bool = True
-    max_job_bytes: int = 16 << 20
     session_expiry: int = 3600
     fleet_session_expiry: int = 0
     metrics_interval: float = 10.0
-    drain_timeout: float = 30.0
     dedup_ttl: float = 600.0
     dedup_entries: int = 10_000
     dedup_bytes: int = 64 << 20
     blob_timeout: float = 30.0
     connect_timeout: float | None = None  # None: wait for the broker forever
-    threads: int | None = None  # kernel threads per worker (numba's setting is per thread)
-    inline_max_ms: float = 1.0  # run on the network thread when runs take less than this
 
 
 class Agent:
-    def __init__(self, session, cfg: AgentConfig) -> None:
-        self.cfg = cfg
-        self.session = session
-        executors = [session.executor] + [
-            # The session's device: one GPU probe, one weight upload for all workers.
-            Executor(session.manifest, session.bundle.weights, device=session.executor.device)
-            for _ in range(cfg.workers - 1)
-        ]
-        run_s = self._warm_up(executors)
-        self.sched = Scheduler(
-            executors,
-            batching=cfg.batching,
-            max_jobs=cfg.max_queue,
-            max_wait_s=cfg.max_wait_ms / 1e3,
-            on_done=self._on_done,
-            on_fail=self._on_fail,
-            on_partial=self._on_partial,
-            thread_init=lambda: set_threads(cfg.threads),
-            inline_max_s=cfg.inline_max_ms / 1e3,
-            run_estimate_s=run_s,
-        )
-        from ..executor import DTYPES
+    """The MQTT front of a ``Service`` (its scheduler, limits and metrics)."""
 
-        self.input_dtypes = {t["name"]: DTYPES[t["dtype"]] for t in session.inputs}
+    def __init__(self, service: Service, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.service = service
+        self.session = service.session
+        self.sched = service.sched
+        self.input_dtypes = service.input_dtypes
         self.store = ReplyStore(cfg.dedup_entries, cfg.dedup_bytes, cfg.dedup_ttl)
-        self.metrics = Metrics()
+        self.metrics = service.metrics
         self.draining = False
         self.started = False
         # (connection, mid) -> (job id, topic), to name the job when a reply is refused
@@ -161,24 +135,6 @@ class Agent:
             if cfg.fleet
             else None
         )
-
-    def _warm_up(self, executors: list[Executor]) -> float:
-        """One run per arena before going online (the first job must not pay for
-        loading or compiling kernels); returns the time of a warm run in seconds."""
-        import numpy as np
-
-        from ..executor import DTYPES
-
-        set_threads(self.cfg.threads)
-        feeds = {t["name"]: np.zeros(t["shape"], DTYPES[t["dtype"]]) for t in self.session.inputs}
-        for ex in executors:
-            ex.run_views(feeds)
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            executors[0].run_views(feeds)
-            best = min(best, time.perf_counter() - t)
-        return best
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -233,8 +189,7 @@ class Agent:
             # sent before it has been queued (TCP keeps order).
             self.fleet.unsubscribe(self.fleet_sub, wait=5.0)
             self.fleet.stop()
-        for job in self.sched.close(self.cfg.drain_timeout):
-            self._on_fail(job, "shutting_down", "the agent stopped before this job ran")
+        self.service.close()  # answers what it cannot finish with shutting_down
         self.blobs.expire(now=float("inf"), code="shutting_down")
         self.publish_metrics()
         self._publish_status("offline", "shutdown")
@@ -273,9 +228,9 @@ class Agent:
             "inputs": self.session.inputs,
             "outputs": self.session.outputs,
             "batch_rows": self.sched.batch,
-            "workers": self.cfg.workers,
-            "max_queue": self.cfg.max_queue,
-            "max_job_bytes": self.cfg.max_job_bytes,
+            "workers": self.service.cfg.workers,
+            "max_queue": self.service.cfg.max_queue,
+            "max_job_bytes": self.service.cfg.max_job_bytes,
         }
         if reason:
             s["reason"] = reason
@@ -291,7 +246,7 @@ class Agent:
     def publish_metrics(self) -> None:
         snap = self.metrics.snapshot(
             device=self.cfg.device,
-            queue={"depth": self.sched.depth, "max": self.cfg.max_queue},
+            queue={"depth": self.sched.depth, "max": self.service.cfg.max_queue},
             batches=self.sched.batches,
             rows_run=self.sched.rows_run,
             stored_answers=len(self.store),
@@ -323,7 +278,7 @@ class Agent:
             req = parse_job(
                 msg.payload,
                 props,
-                limit=self.cfg.max_job_bytes,
+                limit=self.service.cfg.max_job_bytes,
                 input_dtypes=self.input_dtypes,
                 prefix=self.cfg.prefix,
             )
@@ -368,7 +323,7 @@ class Agent:
     def _on_blob(self, req: JobRequest, data: bytes) -> None:
         try:
             feeds = decode_feeds(
-                data, req.ref.content_type, self.cfg.max_job_bytes, self.input_dtypes
+                data, req.ref.content_type, self.service.cfg.max_job_bytes, self.input_dtypes
             )
         except (CodecError, ProtocolError) as e:
             code = getattr(e, "code", "malformed")
@@ -382,13 +337,14 @@ class Agent:
         except BadInput as e:
             self._finish_error(req, "bad_input", str(e))
             return
-        job = Job(req.id, arrays, rows, req.deadline, req.stream, req.received, ctx=req)
+        job = Job(req.id, arrays, rows, req.deadline, req.stream, req.received, ctx=req,
+                  front=self)  # fmt: skip
         refused = self.sched.submit(job)
         if refused == "busy":
             self._finish_error(
                 req,
                 "busy",
-                f"queue full ({self.cfg.max_queue} jobs); retry later or elsewhere",
+                f"queue full ({self.service.cfg.max_queue} jobs); retry later or elsewhere",
                 retry_after_ms=self.sched.retry_after_ms(),
             )
         elif refused:
@@ -428,7 +384,7 @@ class Agent:
         for addr in self.store.finish(req.id, reply, keep=keep):
             self._send(reply, addr)
 
-    def _on_fail(self, job: Job, code: str, message: str) -> None:
+    def on_fail(self, job: Job, code: str, message: str) -> None:
         self._finish_error(job.ctx, code, message)
 
     def _late(self, job: Job) -> bool:
@@ -440,7 +396,7 @@ class Agent:
             return True
         return False
 
-    def _on_partial(self, job: Job, start: int, stop: int) -> None:
+    def on_partial(self, job: Job, start: int, stop: int) -> None:
         if self._late(job):
             return
         with job.lock:
@@ -457,7 +413,7 @@ class Agent:
         for addr in self.store.add(job.id, reply):
             self._send(reply, addr)
 
-    def _on_done(self, job: Job) -> None:
+    def on_done(self, job: Job) -> None:
         if self._late(job):
             return
         now = time.monotonic()

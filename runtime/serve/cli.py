@@ -42,14 +42,15 @@ def _pos_int(v: str) -> int:
     return n
 
 
-def add_broker_arguments(p: argparse.ArgumentParser) -> None:
+def add_broker_arguments(p: argparse.ArgumentParser, required: bool = True) -> None:
     g = p.add_argument_group("broker")
     g.add_argument(
         "--broker",
         default=os.environ.get(ENV_BROKER),
-        required=ENV_BROKER not in os.environ,
+        required=required and ENV_BROKER not in os.environ,
         metavar="URL",
-        help=f"mqtt://host[:1883] or mqtts://host[:8883] (default: ${ENV_BROKER})",
+        help=f"mqtt://host[:1883] or mqtts://host[:8883] (default: ${ENV_BROKER})"
+        + ("" if required else "; serve needs --broker, --http or both"),
     )
     g.add_argument("--username", help="broker username (default: $EDGEPACK_MQTT_USERNAME)")
     g.add_argument(
@@ -86,7 +87,16 @@ def broker_config(a: argparse.Namespace):
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Everything but the bundle and --threads (runtime/cli.py adds those)."""
-    add_broker_arguments(p)
+    add_broker_arguments(p, required=False)
+    g = p.add_argument_group("http (docs/http.md)")
+    g.add_argument("--http", metavar="HOST:PORT", type=_host_port,
+                   help="also (or only) serve HTTP: KServe v2, /health, /metrics")  # fmt: skip
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on HTTP (repeatable); visible in "
+                        "the process list, prefer --api-key-file or $EDGEPACK_API_KEY")  # fmt: skip
+    g.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line")
+    g.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     g = p.add_argument_group("identity")
     g.add_argument("--device", help="device id: its job topic and client id (default: host name)")
     g.add_argument(
@@ -169,6 +179,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
+def _host_port(v: str) -> tuple[str, int]:
+    host, sep, port = v.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 0.0.0.0:8080), got {v!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _api_keys(a: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(a.api_key)
+    if os.environ.get("EDGEPACK_API_KEY"):
+        keys.append(os.environ["EDGEPACK_API_KEY"])
+    if a.api_key_file:
+        with open(a.api_key_file) as f:
+            keys += [line.strip() for line in f if line.strip()]
+        if not keys:
+            raise ValueError(f"--api-key-file {a.api_key_file}: no key in it")
+    return tuple(keys)
+
+
 def _model_name(session, bundle) -> str:
     """The name recorded at build time (the ONNX file's stem), so a bundle and its
     executables for every target serve one fleet topic; else the file's stem."""
@@ -187,60 +216,96 @@ def cmd_serve(a: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from ..cli_io import open_session  # the bundle resolution of run/info/bench
-    from .agent import Agent, AgentConfig, default_device_id
-    from .conn import ConnectError
     from .protocol import NAME_RE
+    from .service import Service, ServiceConfig
 
-    broker = broker_config(a)
-    device = a.device or default_device_id()
+    if not a.broker and not a.http:
+        raise ValueError(f"serve needs --broker URL (or ${ENV_BROKER}), --http HOST:PORT, or both")
+    if bool(a.tls_cert) != bool(a.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    keys = _api_keys(a)
     session = open_session(a)
     model = a.model or _model_name(session, a.bundle)
+    device = a.device or None
     for value, what in ((device, "--device"), (model, "--model"), (a.group, "--group")):
-        if not NAME_RE.match(value):
+        if value is not None and not NAME_RE.match(value):
             raise ValueError(
                 f"{what} {value!r}: use 1 to 64 letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit"
             )
     if not a.prefix or any(c in a.prefix for c in "+#") or a.prefix.startswith(("$", "/")):
         raise ValueError(f"--prefix {a.prefix!r}: no wildcards, no leading '/' or '$'")
-    cfg = AgentConfig(
-        broker=broker,
-        device=device,
-        model=model,
-        group=a.group,
-        fleet=not a.no_fleet,
-        prefix=a.prefix.rstrip("/"),
+    service = Service(session, model, ServiceConfig(
         workers=a.workers,
         max_queue=a.queue,
         max_wait_ms=a.max_wait_ms,
         batching=not a.no_batching,
         max_job_bytes=a.max_job_bytes,
-        session_expiry=a.session_expiry,
-        metrics_interval=a.metrics_interval,
         drain_timeout=a.drain_timeout,
-        dedup_ttl=a.dedup_ttl,
-        connect_timeout=a.connect_timeout or None,
         threads=a.threads,
         inline_max_ms=a.inline_max_ms,
-    )
-    agent = Agent(session, cfg)
+    ))  # fmt: skip
+    agent = http = None
+    if a.broker:
+        from .agent import Agent, AgentConfig, default_device_id
+
+        agent = Agent(service, AgentConfig(
+            broker=broker_config(a),
+            device=device or default_device_id(),
+            model=model,
+            group=a.group,
+            fleet=not a.no_fleet,
+            prefix=a.prefix.rstrip("/"),
+            session_expiry=a.session_expiry,
+            metrics_interval=a.metrics_interval,
+            dedup_ttl=a.dedup_ttl,
+            connect_timeout=a.connect_timeout or None,
+        ))  # fmt: skip
+    if a.http:
+        from .http import HttpConfig, HttpServer
+
+        host, port = a.http
+        http = HttpServer(service, HttpConfig(host, port, keys, a.tls_cert, a.tls_key))
     stop = threading.Event()
+    started = threading.Event()
 
     def on_signal(signum, frame) -> None:
-        if not agent.started:
+        if not started.is_set():
             raise SystemExit(128 + signum)  # still connecting: nothing accepted yet
         if stop.is_set():
-            logging.getLogger("edgepack.agent").error("second signal: exiting without draining")
+            logging.getLogger("edgepack.serve").error("second signal: exiting without draining")
             os._exit(1)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        agent.start()
-    except ConnectError as e:
+        if http is not None:
+            http.start()
+        if agent is not None:
+            from .conn import ConnectError
+
+            try:
+                agent.start()
+            except ConnectError as e:
+                print(f"edgepack: error: {e}", file=sys.stderr)
+                return 1
+    except RuntimeError as e:
         print(f"edgepack: error: {e}", file=sys.stderr)
         return 1
-    agent.serve_forever(stop)
-    agent.shutdown()
+    started.set()
+    if agent is not None:
+        agent.serve_forever(stop)
+    else:
+        stop.wait()
+    # Both fronts stop taking work, then the one queue drains: HTTP requests in flight
+    # get their answers while uvicorn waits for them.
+    if http is not None:
+        http.stop_accepting()
+    if agent is not None:
+        agent.shutdown()  # leaves the fleet, drains the service, goes offline
+    else:
+        service.close()
+    if http is not None:
+        http.join(timeout=10.0)
     return 0

@@ -151,14 +151,56 @@ def tensors_from_json(
     return out
 
 
+def loads_json(text: str | bytes) -> object:
+    """``json.loads`` that refuses what JSON cannot spell: Python's parser takes the
+    tokens ``NaN``, ``Infinity`` and ``-Infinity``, and turns a number too large for a
+    double (``1e400``) into infinity; both are ValueErrors here."""
+
+    def constant(name: str) -> float:
+        raise ValueError(f"{name} is not JSON")
+
+    def number(text: str) -> float:
+        v = float(text)
+        if math.isinf(v):
+            raise ValueError(f"number {text[:32]} is out of range")
+        return v
+
+    return json.loads(text, parse_constant=constant, parse_float=number)
+
+
 def _array_from_list(data: list, dtype: np.dtype, what: str) -> np.ndarray:
+    """``data`` (nested lists of JSON numbers) as ``dtype``; a value the dtype cannot
+    hold (300 as i8, 1.5 as an integer, 1e39 as f32, a number as bool) is refused
+    naming it, rather than wrapped, truncated or turned into infinity."""
     try:
-        a = np.asarray(data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError) as e:  # ragged, strings, nulls...
+        a = np.asarray(data)
+    except (ValueError, TypeError) as e:  # ragged
         raise CodecError("malformed", f"{what}: data is not a rectangular array of numbers") from e
     if a.ndim > MAX_RANK:
         raise CodecError("malformed", f"{what}: more than {MAX_RANK} dimensions")
-    return a
+    if a.size == 0:
+        return a.astype(dtype)
+    if a.dtype.kind not in "biuf":  # strings, nulls, ints past 64 bits
+        raise CodecError("malformed", f"{what}: data is not a rectangular array of numbers "
+                                      "(or holds an integer past 64 bits)")  # fmt: skip
+    if dtype.kind == "b":
+        if a.dtype.kind != "b" and not np.isin(a, (0, 1)).all():
+            raise CodecError("bad_input", f"{what}: bool tensors take true/false (or 0/1)")
+    elif dtype.kind in "iu":
+        if a.dtype.kind == "f" and not (a == np.round(a)).all():
+            raise CodecError("bad_input", f"{what}: {dtype} tensors take integers")
+        info = np.iinfo(dtype)
+        lo, hi = a.min(), a.max()
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise CodecError("bad_input", f"{what}: {bad} is out of range for {dtype} "
+                                          f"({info.min}..{info.max})")  # fmt: skip
+    elif a.dtype.kind == "f" and dtype.itemsize < 8:
+        big = np.finfo(dtype).max
+        if (np.abs(a) > big).any():
+            bad = a.flat[int(np.argmax(np.abs(a)))]
+            raise CodecError("bad_input", f"{what}: {bad:g} is out of range for {dtype}")
+    return a.astype(dtype)
 
 
 def _tensor_from_dict(t: dict, budget: int, what: str) -> np.ndarray:
@@ -411,3 +453,108 @@ def encode_binary(arrays: Mapping[str, np.ndarray], fmt: str) -> tuple[bytes, st
     if fmt == "safetensors":
         return encode_safetensors(arrays), CT_SAFETENSORS
     return encode_npz(arrays), CT_NPZ
+
+
+# --- the Open Inference Protocol (KServe v2 REST, docs/http.md) ------------------------------
+
+KSERVE_DTYPES = {
+    "BOOL": "bool",
+    "UINT8": "u8",
+    "INT8": "i8",
+    "INT16": "i16",
+    "INT32": "i32",
+    "INT64": "i64",
+    "FP16": "f16",
+    "FP32": "f32",
+    "FP64": "f64",
+}
+_TO_KSERVE = {v: k for k, v in KSERVE_DTYPES.items()}
+
+
+def kserve_datatype(dt: np.dtype) -> str:
+    return _TO_KSERVE[short_dtype(dt)]
+
+
+def tensors_from_kserve(inputs: object, binary: bytes | memoryview, limit: int
+                        ) -> dict[str, np.ndarray]:  # fmt: skip
+    """The ``inputs`` list of a v2 infer request. A tensor with
+    ``parameters.binary_data_size`` takes that many bytes of ``binary`` (what follows
+    the JSON header: the binary-data extension), in the order the tensors are listed;
+    the others carry ``data``, flat in row-major order or nested. The JSON tensors go
+    through the same checks as the MQTT protocol's."""
+    if not isinstance(inputs, list) or not inputs:
+        raise CodecError("invalid_job", "'inputs' must be a non-empty list of tensors")
+    if len(inputs) > MAX_TENSORS:
+        raise CodecError("malformed", f"more than {MAX_TENSORS} tensors")
+    mv = memoryview(binary)
+    out: dict[str, np.ndarray] = {}
+    used = pos = 0
+    for t in inputs:
+        if not isinstance(t, dict):
+            raise CodecError("malformed", "each input must be an object")
+        name = _check_name(t.get("name"))
+        what = f"input {name[:64]!r}"
+        if name in out:
+            raise CodecError("malformed", f"{what} is given twice")
+        unknown = set(t) - {"name", "shape", "datatype", "data", "parameters"}
+        if unknown:
+            raise CodecError("malformed", f"{what}: unknown keys {sorted(unknown)[:4]}")
+        dt = t.get("datatype")
+        if dt not in KSERVE_DTYPES:
+            known = ", ".join(KSERVE_DTYPES)
+            raise CodecError("unsupported", f"{what}: datatype {str(dt)[:16]!r} is not "
+                                            f"supported; use one of {known}")  # fmt: skip
+        dtype = DTYPES[KSERVE_DTYPES[dt]]
+        shape = _check_shape(t.get("shape"), what)
+        n = _nbytes(shape, dtype)
+        _check_budget(used + n, limit, "decoded inputs")
+        params = t.get("parameters", {})
+        if not isinstance(params, dict):
+            raise CodecError("malformed", f"{what}: 'parameters' must be an object")
+        size = params.get("binary_data_size")
+        if size is not None:
+            if "data" in t:
+                raise CodecError("malformed", f"{what}: give 'data' or binary_data_size, not both")
+            if not isinstance(size, int) or isinstance(size, bool) or size != n:
+                raise CodecError("malformed", f"{what}: binary_data_size {str(size)[:16]}, "
+                                              f"shape and datatype need {n}")  # fmt: skip
+            if pos + size > len(mv):
+                raise CodecError("malformed", f"{what}: the binary data ends {pos + size - len(mv)}"
+                                              " bytes short")  # fmt: skip
+            a = np.frombuffer(mv[pos : pos + size], dtype=dtype).reshape(shape)
+            pos += size
+        else:
+            data = t.get("data")
+            if not isinstance(data, list):
+                raise CodecError("malformed", f"{what}: 'data' must be a list")
+            a = _array_from_list(data, dtype, what)
+            if a.size != math.prod(shape):
+                need = math.prod(shape)
+                raise CodecError("malformed", f"{what}: 'data' has {a.size} values, shape "
+                                              f"{list(shape)} needs {need}")  # fmt: skip
+            a = a.reshape(shape)
+        used += n
+        out[name] = a
+    if pos != len(mv):
+        raise CodecError("malformed", f"{len(mv) - pos} bytes of binary data no input claims")
+    return out
+
+
+def tensors_to_kserve(arrays: Mapping[str, np.ndarray], binary: bool | set[str]
+                      ) -> tuple[list[dict], bytes]:  # fmt: skip
+    """The ``outputs`` list of a v2 infer response and the binary data that follows its
+    JSON: the tensors named in ``binary`` (all with True) as raw bytes, the others as
+    flat ``data``. A float tensor holding NaN or infinity goes binary whatever was asked,
+    since JSON cannot spell those values (as the MQTT protocol's JSON goes base64)."""
+    outputs, chunks = [], []
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        t: dict = {"name": name, "datatype": kserve_datatype(a.dtype), "shape": list(a.shape)}
+        raw = binary is True or (binary is not False and name in binary)
+        if raw or (a.dtype.kind == "f" and not np.isfinite(a).all()):
+            chunks.append(a.tobytes())
+            t["parameters"] = {"binary_data_size": a.nbytes}
+        else:
+            t["data"] = a.ravel().tolist()
+        outputs.append(t)
+    return outputs, b"".join(chunks)

@@ -23,6 +23,7 @@ from .codec import (
     CodecError,
     decode_binary,
     encode_binary,
+    loads_json,
     sniff_content_type,
     tensors_from_json,
     tensors_to_json_fragment,
@@ -305,11 +306,11 @@ def _parse_job(payload, props, limit, input_dtypes, prefix, now, found) -> JobRe
 
 def decode_json_body(payload: bytes, job_id: str | None) -> dict:
     try:
-        body = json.loads(bytes(payload).decode("utf-8"))
+        body = loads_json(bytes(payload).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         # RecursionError: "[[[[..." nested deeper than the parser's stack
         raise ProtocolError(
-            "malformed", f"payload is not UTF-8 JSON ({type(e).__name__})", job_id
+            "malformed", f"payload is not UTF-8 JSON ({type(e).__name__}: {e})"[:300], job_id
         ) from None
     if not isinstance(body, dict):
         raise ProtocolError("malformed", "JSON payload must be an object", job_id)

@@ -55,6 +55,7 @@ class Job:
     stream: bool
     received: float
     ctx: object = None
+    front: object = None  # the front that answers it (service.Front), for its callbacks
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     items_left: int = 0
     failed: bool = False

@@ -1,0 +1,421 @@
+"""The HTTP front of ``edgepack serve`` (``--http HOST:PORT``): the Open Inference
+Protocol (KServe v2 REST, which Triton and KServe speak) for every bundle, health,
+Prometheus metrics and the OpenAPI document (docs/http.md).
+
+FastAPI on uvicorn: the OpenAPI document comes from the routes themselves, and both are
+pure Python over small compiled wheels (pydantic-core, httptools optional) that exist
+for aarch64, so they go into the device executable. Jobs go to the same ``Service`` as
+the MQTT agent's (one queue, one batcher, one set of limits); the tensors are read and
+written by the protocol codec (runtime/serve/codec.py), with its checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from ... import __version__
+from .codec import CodecError, kserve_datatype, loads_json, tensors_from_kserve, tensors_to_kserve
+from .sched import BadInput, Job
+from .service import Service
+
+log = logging.getLogger("edgepack.http")
+
+# Protocol error codes (docs/protocol.md) as HTTP statuses.
+STATUS = {
+    "malformed": 400,
+    "invalid_job": 400,
+    "bad_input": 400,
+    "unsupported": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "too_large": 413,
+    "busy": 429,
+    "internal": 500,
+    "shutting_down": 503,
+    "deadline_exceeded": 504,
+}
+HEADER_LENGTH = "inference-header-content-length"  # the binary-data extension
+PUBLIC = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})  # no key needed
+
+
+@dataclass
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: tuple[str, ...] = ()  # Bearer keys; empty: no authentication
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+class HttpError(Exception):
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.retry_after_s = code, message, retry_after_s
+
+
+def error_response(code: str, message: str, retry_after_s: float | None = None) -> JSONResponse:
+    """KServe's error body ({"error": message}) plus the protocol's error code."""
+    headers = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    if code == "unauthorized":
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse({"error": message, "code": code}, STATUS.get(code, 500), headers)
+
+
+@dataclass
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    fut: asyncio.Future
+
+
+def _resolve(p: _Pending, value: tuple) -> None:
+    if not p.fut.done():
+        p.fut.set_result(value)
+
+
+class HttpFront:
+    """The scheduler's callbacks for HTTP jobs: each hands the outcome to the request
+    waiting on the event loop."""
+
+    def on_done(self, job: Job) -> None:
+        job.ctx.loop.call_soon_threadsafe(_resolve, job.ctx, ("ok", None, None))
+
+    def on_fail(self, job: Job, code: str, message: str) -> None:
+        job.ctx.loop.call_soon_threadsafe(_resolve, job.ctx, ("error", code, message))
+
+    def on_partial(self, job: Job, start: int, stop: int) -> None:
+        pass  # HTTP tensor jobs are never streamed
+
+
+# Documentation of the infer request for the OpenAPI document: the body is read by hand
+# (it may be JSON followed by binary tensor data), so no model class parses it.
+_TENSOR = {
+    "type": "object",
+    "required": ["name", "shape", "datatype"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 256},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 8},
+        "datatype": {"type": "string", "enum": ["BOOL", "UINT8", "INT8", "INT16", "INT32",
+                                                 "INT64", "FP16", "FP32", "FP64"]},  # fmt: skip
+        "data": {"type": "array", "description": "row-major values (flat or nested)"},
+        "parameters": {
+            "type": "object",
+            "properties": {"binary_data_size": {"type": "integer", "minimum": 0}},
+        },
+    },
+}
+_INFER_REQUEST = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string"},
+        "inputs": {"type": "array", "items": _TENSOR, "minItems": 1},
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "parameters": {"type": "object",
+                                   "properties": {"binary_data": {"type": "boolean"}}},
+                },
+            },
+        },
+        "parameters": {"type": "object",
+                       "properties": {"binary_data_output": {"type": "boolean"}}},
+    },
+}  # fmt: skip
+_ERROR = {
+    "description": "error",
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error", "code"],
+        "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}}},
+}  # fmt: skip
+
+
+def make_app(service: Service, cfg: HttpConfig) -> FastAPI:
+    # no /docs or /redoc pages: they load their scripts from a CDN a device cannot reach
+    app = FastAPI(title="edgepack", version=__version__, docs_url=None, redoc_url=None,
+                  description="edgepack serve: the Open Inference Protocol (KServe v2) "
+                              "for one model bundle; see docs/http.md.")  # fmt: skip
+    front = HttpFront()
+    model = service.model
+    limit = service.cfg.max_job_bytes
+    keys = [k.encode() for k in cfg.api_keys]
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        t0 = time.monotonic()
+        path = request.url.path
+        if keys and path not in PUBLIC:
+            auth = request.headers.get("authorization", "")
+            scheme, _, given = auth.partition(" ")
+            ok = scheme.lower() == "bearer" and any(
+                hmac.compare_digest(given.strip().encode(), k) for k in keys
+            )
+            if not ok:
+                service.metrics.error("unauthorized")
+                resp = error_response("unauthorized", "missing or wrong API key (Authorization: "
+                                                      "Bearer KEY)")  # fmt: skip
+                _count(service, request, resp.status_code)
+                return resp
+        resp = await call_next(request)
+        _count(service, request, resp.status_code)
+        if path.endswith("/infer") and resp.status_code == 200:
+            service.metrics.latency((time.monotonic() - t0) * 1e3, "http")
+        return resp
+
+    @app.exception_handler(HttpError)
+    async def on_http_error(request: Request, e: HttpError):
+        service.metrics.error(e.code)  # every error answer, counted once
+        return error_response(e.code, e.message, e.retry_after_s)
+
+    @app.get("/health", summary="Ready when the model is loaded and not draining",
+             responses={503: _ERROR})  # fmt: skip
+    async def health():
+        if service.closed:
+            return error_response("shutting_down", "draining")
+        return {"status": "ok", "model": model}
+
+    @app.get("/v2/health/live", summary="KServe v2: the server is up")
+    async def live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready", summary="KServe v2: ready for inference",
+             responses={503: _ERROR})  # fmt: skip
+    async def ready():
+        if service.closed:
+            return error_response("shutting_down", "draining")
+        return {"ready": True}
+
+    @app.get("/v2", summary="KServe v2: server metadata")
+    async def server_metadata():
+        return {"name": "edgepack", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+    def check_model(name: str, version: str | None = None) -> None:
+        if name != model or version not in (None, "1"):
+            what = f"{name!r}" + (f" version {version!r}" if version is not None else "")
+            raise HttpError("not_found", f"model {what[:300]} is not served here; this "
+                                         f"server serves {model!r} (version 1)")  # fmt: skip
+
+    def metadata() -> dict:
+        return {
+            "name": model,
+            "versions": ["1"],
+            "platform": "edgepack",
+            "inputs": [_meta(t) for t in service.inputs],
+            "outputs": [_meta(t) for t in service.outputs],
+        }
+
+    @app.get("/v2/models/{name}", summary="KServe v2: model metadata", responses={404: _ERROR})
+    async def model_metadata(name: str):
+        check_model(name)
+        return metadata()
+
+    @app.get("/v2/models/{name}/versions/{version}", summary="KServe v2: model metadata",
+             responses={404: _ERROR})  # fmt: skip
+    async def model_version_metadata(name: str, version: str):
+        check_model(name, version)
+        return metadata()
+
+    @app.get("/v2/models/{name}/ready", summary="KServe v2: model ready",
+             responses={404: _ERROR, 503: _ERROR})  # fmt: skip
+    async def model_ready(name: str):
+        check_model(name)
+        if service.closed:
+            return error_response("shutting_down", "draining")
+        return {"name": model, "ready": True}
+
+    infer_doc = {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": _INFER_REQUEST},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            },
+        },
+    }
+    codes = {c: _ERROR for c in (400, 404, 413, 429, 500, 503, 504)}
+
+    async def infer(name: str, request: Request, version: str | None = None) -> Response:
+        check_model(name, version)
+        body = await _read_body(request, limit)
+        hlen = request.headers.get(HEADER_LENGTH)
+        if hlen is not None:
+            if not hlen.isdigit() or int(hlen) > len(body):
+                raise HttpError("malformed", f"{HEADER_LENGTH} {hlen[:32]!r} does not fit a "
+                                             f"body of {len(body)} bytes")  # fmt: skip
+            header, binary = body[: int(hlen)], memoryview(body)[int(hlen) :]
+        else:
+            header, binary = body, memoryview(b"")
+        try:
+            req = loads_json(header.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise HttpError("malformed", f"the request is not UTF-8 JSON ({e})"[:300]) from None
+        if not isinstance(req, dict):
+            raise HttpError("malformed", "the request must be a JSON object")
+        rid = req.get("id")
+        if rid is not None and not isinstance(rid, str):
+            raise HttpError("malformed", "'id' must be a string")
+        try:
+            feeds = tensors_from_kserve(req.get("inputs"), binary, limit)
+            arrays, rows = service.sched.prepare(feeds)
+        except CodecError as e:
+            raise HttpError(e.code, e.message) from None
+        except BadInput as e:
+            raise HttpError("bad_input", str(e)) from None
+        wanted, binary_out = _requested_outputs(req, [t["name"] for t in service.outputs])
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop, loop.create_future())
+        job = Job(rid or uuid.uuid4().hex, arrays, rows, None, False, time.monotonic(),
+                  ctx=pending, front=front)  # fmt: skip
+        service.metrics.inc("received")
+        refused = service.sched.submit(job)
+        if refused == "busy":
+            raise HttpError("busy", f"queue full ({service.cfg.max_queue} jobs); retry later",
+                            service.sched.retry_after_ms() / 1e3)  # fmt: skip
+        if refused:
+            raise HttpError(refused, "the server is shutting down; retry elsewhere", 1.0)
+        status, code, message = await pending.fut
+        if status != "ok":
+            raise HttpError(code, message)
+        service.metrics.inc("ok")
+        outputs, raw = tensors_to_kserve({k: job.outputs[k] for k in wanted}, binary_out)
+        resp = {"model_name": model, "model_version": "1", "outputs": outputs}
+        if rid is not None:
+            resp["id"] = rid
+        text = json.dumps(resp, separators=(",", ":")).encode()
+        if not raw:
+            return Response(text, media_type="application/json")
+        return Response(text + raw, media_type="application/octet-stream",
+                        headers={"Inference-Header-Content-Length": str(len(text))})  # fmt: skip
+
+    @app.post("/v2/models/{name}/infer", summary="KServe v2: run the model",
+              openapi_extra=infer_doc, responses=codes)  # fmt: skip
+    async def infer_latest(name: str, request: Request):
+        return await infer(name, request)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", summary="KServe v2: run the model",
+              openapi_extra=infer_doc, responses=codes)  # fmt: skip
+    async def infer_version(name: str, version: str, request: Request):
+        return await infer(name, request, version)
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics():
+        s = service.sched
+        text = service.metrics.prometheus({
+            "edgepack_queue_depth": ("Accepted, unfinished jobs.", s.depth),
+            "edgepack_queue_limit": ("Most accepted, unfinished jobs.", service.cfg.max_queue),
+            "edgepack_workers": ("Arenas running jobs.", service.cfg.workers),
+            "edgepack_batches_total": ("Model runs.", s.batches),
+            "edgepack_rows_total": ("Rows run (batched bundles count each row).", s.rows_run),
+        })  # fmt: skip
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _meta(t: dict) -> dict:
+    from ..executor import DTYPES
+
+    return {"name": t["name"], "datatype": kserve_datatype(DTYPES[t["dtype"]]),
+            "shape": list(t["shape"])}  # fmt: skip
+
+
+def _count(service: Service, request: Request, status: int) -> None:
+    route = request.scope.get("route")
+    path = getattr(route, "path", None) or "other"  # the template, not the raw path
+    service.metrics.request(request.method, path, status)
+
+
+def _requested_outputs(req: dict, names: list[str]) -> tuple[list[str], set[str] | bool]:
+    """The outputs to answer with, and which of them go as binary data."""
+    params = req.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise HttpError("malformed", "'parameters' must be an object")
+    every = params.get("binary_data_output", False)
+    if not isinstance(every, bool):
+        raise HttpError("malformed", "binary_data_output must be true or false")
+    outs = req.get("outputs")
+    if outs is None:
+        return names, every
+    if not isinstance(outs, list) or not outs:
+        raise HttpError("malformed", "'outputs' must be a non-empty list")
+    wanted, binary = [], set()
+    for o in outs:
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise HttpError("malformed", "each requested output needs a 'name'")
+        if o["name"] not in names:
+            raise HttpError("bad_input", f"output {o['name'][:64]!r} does not exist; the model "
+                                         f"has {', '.join(names)}")  # fmt: skip
+        p = o.get("parameters") or {}
+        if not isinstance(p, dict):
+            raise HttpError("malformed", "an output's 'parameters' must be an object")
+        if p.get("binary_data", every):
+            binary.add(o["name"])
+        if o["name"] not in wanted:
+            wanted.append(o["name"])
+    return wanted, binary
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with too_large past ``limit`` (what the header declares, or
+    what arrives when it declares nothing) before more is read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HttpError("too_large", f"body of {declared} bytes exceeds the limit of {limit}")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise HttpError("too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class HttpServer:
+    """uvicorn on a thread of its own, beside the MQTT agent's."""
+
+    def __init__(self, service: Service, cfg: HttpConfig) -> None:
+        import uvicorn
+
+        self.cfg = cfg
+        config = uvicorn.Config(
+            make_app(service, cfg), host=cfg.host, port=cfg.port, log_level="warning",
+            ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key, lifespan="off",
+            timeout_graceful_shutdown=service.cfg.drain_timeout + 5, access_log=False,
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="edgepack-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.thread.start()
+        end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"the HTTP server did not start on {self.cfg.host}:"
+                                   f"{self.cfg.port} (address in use?)")  # fmt: skip
+            time.sleep(0.02)
+        scheme = "https" if self.cfg.tls_cert else "http"
+        log.info("serving HTTP on %s://%s:%d", scheme, self.cfg.host, self.cfg.port)
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket; requests in flight are answered (uvicorn waits
+        for them) while the service drains."""
+        self.server.should_exit = True
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
