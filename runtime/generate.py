@@ -53,32 +53,65 @@ def generate(
     t0 = time.perf_counter()
     logits = session.prefill(ids, slot)
     st.prompt_tokens, st.prompt_s = len(ids), time.perf_counter() - t0
-    seen, detok, text, held = list(ids), Detokenizer(codec), "", 0
+    seen, text = list(ids), TextStream(codec, stop)
     t1 = time.perf_counter()
     st.stop = "length"
     while st.decode_tokens < max_tokens:
         tok = sampler(logits, seen)
         st.decode_tokens += 1
-        if tok in codec.eos_ids:
-            st.stop = "eos"
+        piece = text.push(tok)
+        if piece:
+            yield piece
+        if text.reason:
+            st.stop = text.reason
             break
         seen.append(tok)
-        text += detok.push(tok)
-        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-        if cut >= 0:
-            if cut > held:
-                yield text[held:cut]
-            st.stop = "stop string"
-            break
-        # hold back a tail that could still become a stop string
-        safe = len(text) - max((len(s) - 1 for s in stop), default=0)
-        if safe > held:
-            yield text[held:safe]
-            held = safe
         if session.positions[slot] >= session.ctx:
             st.stop = "context"
             break
         logits = session.step(tok, slot)
-    if st.stop != "stop string" and len(text) > held:
-        yield text[held:]  # the held-back tail never became a stop string
+    tail = text.flush()
+    if tail:
+        yield tail
     st.decode_s = time.perf_counter() - t1
+
+
+class TextStream:
+    """The text of a continuation as its tokens arrive: the pieces safe to show (a tail
+    that could still become a stop string is held back), and why it ended (``reason``:
+    "eos" or "stop string"; None while it goes on). Serves ``generate`` and the
+    server's sequences alike."""
+
+    def __init__(self, codec: TextCodec, stop: Sequence[str] = ()) -> None:
+        self.codec, self.stop = codec, [s for s in stop if s]
+        self.detok = Detokenizer(codec)
+        self.text, self.held, self.reason = "", 0, None
+        self._hold = max((len(s) - 1 for s in self.stop), default=0)
+
+    def push(self, token: int) -> str:
+        """The piece to emit after ``token`` ("" while it is held back or ends the
+        text: an end-of-sequence token, or the text reaching a stop string, which is
+        not emitted)."""
+        if token in self.codec.eos_ids:
+            self.reason = "eos"
+            return ""
+        self.text += self.detok.push(token)
+        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.reason = "stop string"
+            piece = self.text[self.held : cut] if cut > self.held else ""
+            self.held = len(self.text)
+            return piece
+        safe = len(self.text) - self._hold
+        if safe <= self.held:
+            return ""
+        piece, self.held = self.text[self.held : safe], safe
+        return piece
+
+    def flush(self) -> str:
+        """The held-back tail, when the text ends for another reason than a stop string
+        (it never became one)."""
+        if self.reason == "stop string":
+            return ""
+        piece, self.held = self.text[self.held :], len(self.text)
+        return piece

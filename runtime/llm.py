@@ -13,6 +13,7 @@ the session, valid until its next run.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -118,3 +119,24 @@ class LLMSession:
         self.decode.run_views(f)
         self.positions[slot] += 1
         return self._rows[slot]
+
+    def step_many(self, slots: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:
+        """One decode run for several sequences: ``tokens[i]`` to sequence ``slots[i]``
+        (distinct slots). The decode graph has a row per slot, so its projections are
+        one GEMM over the rows, not a GEMV per sequence. Returns each sequence's logits
+        [vocab] (arena views, valid until the next run)."""
+        f = self._feeds["decode"]
+        for slot, token in zip(slots, tokens):
+            if not (0 <= slot < self.slots and 0 <= token < self.vocab) or (
+                self.positions[slot] >= self.ctx
+            ):
+                self._tokens([token], slot)  # raises, naming what is wrong
+        if len(set(slots)) != len(slots):
+            raise LLMError(f"step_many: slots {list(slots)} repeat")
+        f["slot"].fill(-1)
+        for slot, token in zip(slots, tokens):
+            f["ids"][slot], f["pos"][slot], f["slot"][slot] = token, self.positions[slot], slot
+        self.decode.run_views(f)
+        for slot in slots:
+            self.positions[slot] += 1
+        return [self._rows[slot] for slot in slots]

@@ -1,7 +1,10 @@
 """Choosing the next token from logits: greedy, or sampled after the usual filters.
 
-Order (transformers' ``generate``): repetition penalty on the logits of tokens already
-in the sequence (divide positive logits by it, multiply negative ones), then
+Order (transformers' ``generate``): OpenAI's logit bias (added to the logits of the
+tokens it names; -100 bans a token), repetition penalty on the logits of tokens already
+in the sequence (divide positive logits by it, multiply negative ones), OpenAI's
+frequency and presence penalties (subtract ``frequency * count + presence`` from the
+logit of each token already in the sequence), then
 temperature, then top-k, top-p (the smallest set of most likely tokens whose
 probabilities reach p) and min-p (drop tokens below min_p times the top probability),
 then one draw from the renormalised distribution. ``temperature == 0`` is greedy
@@ -25,6 +28,9 @@ class Sampler:
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
     seed: int | None = None
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0  # 0: off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     _rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -33,15 +39,26 @@ class Sampler:
         if not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
             raise ValueError("top_p must lie in (0, 1] and min_p in [0, 1]")
         self._rng = np.random.default_rng(self.seed)
+        self._penalised = (self.repetition_penalty != 1.0 or self.presence_penalty != 0
+                           or self.frequency_penalty != 0 or bool(self.logit_bias))  # fmt: skip
+        if self.logit_bias:
+            self._bias_ids = np.fromiter(self.logit_bias, np.int64)
+            self._bias = np.fromiter(self.logit_bias.values(), np.float64)
 
     def probabilities(self, logits: np.ndarray, seen: Iterable[int] = ()) -> np.ndarray:
         """The distribution a draw is made from (float64 [vocab]; one-hot when greedy)."""
         z = np.asarray(logits, np.float64).copy()
+        if self.logit_bias:
+            z[self._bias_ids] += self._bias
         if self.repetition_penalty != 1.0:
             ids = np.unique(np.fromiter(seen, np.int64))
             if ids.size:
                 v = z[ids]
                 z[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
+        if self.presence_penalty or self.frequency_penalty:
+            ids, counts = np.unique(np.fromiter(seen, np.int64), return_counts=True)
+            if ids.size:
+                z[ids] -= self.frequency_penalty * counts + self.presence_penalty
         if self.temperature == 0:
             p = np.zeros_like(z)
             p[int(np.argmax(z))] = 1.0
@@ -62,7 +79,7 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, seen: Iterable[int] = ()) -> int:
         """The next token id."""
-        if self.temperature == 0 and self.repetition_penalty == 1.0:
+        if self.temperature == 0 and not self._penalised:
             return int(np.argmax(logits))
         p = self.probabilities(logits, seen)
         if self.temperature == 0:

@@ -72,15 +72,23 @@ class TextCodec:
 
 class Detokenizer:
     """Text pieces as tokens arrive: the decoded text's new suffix, held back while it
-    ends inside a multi-byte character (a lone U+FFFD)."""
+    ends inside a multi-byte character (a lone U+FFFD).
+
+    Each push decodes a short window, not the whole sequence (which made a long
+    generation quadratic): the tokens of the last emitted piece as context (decoders
+    join tokens with spaces, or drop a leading one, depending on their neighbours),
+    then the tokens not emitted yet; the piece is what they add to the context's text
+    (the incremental detokenization vLLM and text-generation-inference use)."""
 
     def __init__(self, codec: TextCodec) -> None:
-        self.codec, self.ids, self.sent = codec, [], 0
+        self.codec, self.ids = codec, []
+        self.prefix = self.read = 0  # the context's start; the unemitted tokens' start
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):
+        before = self.codec.decode(self.ids[self.prefix : self.read])
+        text = self.codec.decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before):
             return ""
-        piece, self.sent = text[self.sent :], len(text)
-        return piece
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]

@@ -97,6 +97,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line")
     g.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    g = p.add_argument_group("language models (docs/http.md)")
+    g.add_argument("--slots", type=_pos_int, metavar="N",
+                   help="sequences generated at once, each in a KV-cache slot (default: all "
+                        "the bundle's slots, set at build time with --slots)")  # fmt: skip
+    g.add_argument("--max-tokens", type=_pos_int, metavar="N",
+                   help="most tokens one request may ask for (default: the context)")  # fmt: skip
     g = p.add_argument_group("identity")
     g.add_argument("--device", help="device id: its job topic and client id (default: host name)")
     g.add_argument(
@@ -224,7 +230,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if bool(a.tls_cert) != bool(a.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     keys = _api_keys(a)
-    session = open_session(a)
+    from ..cli_io import pubkey
+    from ..session import open_located
+
+    located = open_located(a.bundle, pubkey(a))
+    llm = "llm" in located.manifest
+    session = located if llm else open_session(a)
     model = a.model or _model_name(session, a.bundle)
     device = a.device or None
     for value, what in ((device, "--device"), (model, "--model"), (a.group, "--group")):
@@ -235,7 +246,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             )
     if not a.prefix or any(c in a.prefix for c in "+#") or a.prefix.startswith(("$", "/")):
         raise ValueError(f"--prefix {a.prefix!r}: no wildcards, no leading '/' or '$'")
-    service = Service(session, model, ServiceConfig(
+    scfg = ServiceConfig(
         workers=a.workers,
         max_queue=a.queue,
         max_wait_ms=a.max_wait_ms,
@@ -244,7 +255,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
         drain_timeout=a.drain_timeout,
         threads=a.threads,
         inline_max_ms=a.inline_max_ms,
-    ))  # fmt: skip
+    )
+    if llm:
+        from .service import LLMService
+
+        if a.broker:
+            raise ValueError("language-model bundles are served over HTTP (--http) for now; "
+                             "MQTT token streams are not implemented yet")  # fmt: skip
+        service = LLMService(session, model, scfg, slots=a.slots, max_tokens=a.max_tokens)
+    else:
+        service = Service(session, model, scfg)
     agent = http = None
     if a.broker:
         from .agent import Agent, AgentConfig, default_device_id

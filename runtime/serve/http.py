@@ -22,12 +22,14 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ... import __version__
 from .codec import CodecError, kserve_datatype, loads_json, tensors_from_kserve, tensors_to_kserve
+from .openai_api import add_routes as add_openai_routes
 from .sched import BadInput, Job
-from .service import Service
+from .service import LLMService, Service
 
 log = logging.getLogger("edgepack.http")
 
@@ -41,6 +43,8 @@ STATUS = {
     "not_found": 404,
     "too_large": 413,
     "busy": 429,
+    "context_length_exceeded": 400,
+    "cancelled": 499,
     "internal": 500,
     "shutting_down": 503,
     "deadline_exceeded": 504,
@@ -72,6 +76,19 @@ def error_response(code: str, message: str, retry_after_s: float | None = None) 
     if code == "unauthorized":
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse({"error": message, "code": code}, STATUS.get(code, 500), headers)
+
+
+def openai_error(code: str, message: str, retry_after_s: float | None = None,
+                 param: str | None = None) -> JSONResponse:  # fmt: skip
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    status = STATUS.get(code, 500)
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    headers = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status, headers)  # fmt: skip
 
 
 @dataclass
@@ -146,14 +163,17 @@ _ERROR = {
 }  # fmt: skip
 
 
-def make_app(service: Service, cfg: HttpConfig) -> FastAPI:
+def make_app(service: Service | LLMService, cfg: HttpConfig) -> FastAPI:
+    """The app of one served bundle: health, metrics and the KServe v2 model routes for
+    a tensor bundle, the OpenAI routes for a language model."""
+    llm = isinstance(service, LLMService)
+    what = ("OpenAI-compatible completions" if llm
+            else "the Open Inference Protocol (KServe v2)")  # fmt: skip
     # no /docs or /redoc pages: they load their scripts from a CDN a device cannot reach
     app = FastAPI(title="edgepack", version=__version__, docs_url=None, redoc_url=None,
-                  description="edgepack serve: the Open Inference Protocol (KServe v2) "
-                              "for one model bundle; see docs/http.md.")  # fmt: skip
-    front = HttpFront()
+                  description=f"edgepack serve: {what} for one model bundle; see "
+                              "docs/http.md.")  # fmt: skip
     model = service.model
-    limit = service.cfg.max_job_bytes
     keys = [k.encode() for k in cfg.api_keys]
 
     @app.middleware("http")
@@ -168,8 +188,10 @@ def make_app(service: Service, cfg: HttpConfig) -> FastAPI:
             )
             if not ok:
                 service.metrics.error("unauthorized")
-                resp = error_response("unauthorized", "missing or wrong API key (Authorization: "
-                                                      "Bearer KEY)")  # fmt: skip
+                say = error_response if not path.startswith("/v1/") else openai_error
+                resp = say("unauthorized", "missing or wrong API key (Authorization: Bearer KEY)")
+                if path.startswith("/v1/"):
+                    resp.headers["WWW-Authenticate"] = "Bearer"
                 _count(service, request, resp.status_code)
                 return resp
         resp = await call_next(request)
@@ -181,7 +203,20 @@ def make_app(service: Service, cfg: HttpConfig) -> FastAPI:
     @app.exception_handler(HttpError)
     async def on_http_error(request: Request, e: HttpError):
         service.metrics.error(e.code)  # every error answer, counted once
+        if request.url.path.startswith("/v1/"):
+            return openai_error(e.code, e.message, e.retry_after_s)
         return error_response(e.code, e.message, e.retry_after_s)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, e: RequestValidationError):
+        # pydantic's 422 is a 400 here, in the protocol's shape, naming the field
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(e)
+        service.metrics.error("invalid_job")
+        if request.url.path.startswith("/v1/"):
+            return openai_error("invalid_job", message[:500], param=where or None)
+        return error_response("invalid_job", message[:500])
 
     @app.get("/health", summary="Ready when the model is loaded and not draining",
              responses={503: _ERROR})  # fmt: skip
@@ -204,6 +239,46 @@ def make_app(service: Service, cfg: HttpConfig) -> FastAPI:
     @app.get("/v2", summary="KServe v2: server metadata")
     async def server_metadata():
         return {"name": "edgepack", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+    if llm:
+        add_openai_routes(app, service, HttpError)
+    else:
+        _tensor_routes(app, service)
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics():
+        text = service.metrics.prometheus(_gauges(service))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _gauges(service: Service | LLMService) -> dict[str, tuple[str, float]]:
+    if isinstance(service, LLMService):
+        e = service.engine
+        return {
+            "edgepack_queue_depth": ("Sequences waiting or running.", e.depth),
+            "edgepack_queue_limit": ("Most sequences waiting for a slot.", e.max_waiting),
+            "edgepack_kv_slots_in_use": ("KV-cache slots holding a sequence.", e.active),
+            "edgepack_kv_slots": ("KV-cache slots the engine runs.", e.slots),
+            "edgepack_decode_steps_total": ("Batched decode steps.", e.steps),
+            "edgepack_decode_rows_total": ("Sequences advanced by decode steps.", e.rows),
+        }  # fmt: skip
+    s = service.sched
+    return {
+        "edgepack_queue_depth": ("Accepted, unfinished jobs.", s.depth),
+        "edgepack_queue_limit": ("Most accepted, unfinished jobs.", service.cfg.max_queue),
+        "edgepack_workers": ("Arenas running jobs.", service.cfg.workers),
+        "edgepack_batches_total": ("Model runs.", s.batches),
+        "edgepack_rows_total": ("Rows run (batched bundles count each row).", s.rows_run),
+    }  # fmt: skip
+
+
+def _tensor_routes(app: FastAPI, service: Service) -> None:
+    """KServe v2 model metadata, readiness and inference of a tensor bundle."""
+    front = HttpFront()
+    model = service.model
+    limit = service.cfg.max_job_bytes
 
     def check_model(name: str, version: str | None = None) -> None:
         if name != model or version not in (None, "1"):
@@ -312,20 +387,6 @@ def make_app(service: Service, cfg: HttpConfig) -> FastAPI:
               openapi_extra=infer_doc, responses=codes)  # fmt: skip
     async def infer_version(name: str, version: str, request: Request):
         return await infer(name, request, version)
-
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
-    async def metrics():
-        s = service.sched
-        text = service.metrics.prometheus({
-            "edgepack_queue_depth": ("Accepted, unfinished jobs.", s.depth),
-            "edgepack_queue_limit": ("Most accepted, unfinished jobs.", service.cfg.max_queue),
-            "edgepack_workers": ("Arenas running jobs.", service.cfg.workers),
-            "edgepack_batches_total": ("Model runs.", s.batches),
-            "edgepack_rows_total": ("Rows run (batched bundles count each row).", s.rows_run),
-        })  # fmt: skip
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 def _meta(t: dict) -> dict:

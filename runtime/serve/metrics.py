@@ -29,6 +29,12 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
            10.0, 30.0)  # fmt: skip
 
 
+HISTOGRAMS = {
+    "request_duration_seconds": "Arrival to answer, by front.",
+    "time_to_first_token_seconds": "Language models: arrival to the first token, by front.",
+}
+
+
 class Metrics:
     def __init__(self, window: int = 2048) -> None:
         self.started = time.time()
@@ -36,8 +42,8 @@ class Metrics:
         self.errors: Counter[str] = Counter()
         self._latency = deque(maxlen=window)  # ms, arrival -> answer published
         self._lock = threading.Lock()
-        # front -> [count per bucket (the last: +Inf)], sum of seconds
-        self._hist: dict[str, tuple[list[int], list[float]]] = {}
+        # (histogram, front) -> [count per bucket (the last: +Inf)], [sum of seconds]
+        self._hist: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
         self.http: Counter[tuple[str, str, int]] = Counter()  # (method, route, status)
 
     def inc(self, key: str, n: int = 1) -> None:
@@ -52,10 +58,15 @@ class Metrics:
     def latency(self, ms: float, front: str = "mqtt") -> None:
         """One answered job's time from arrival to answer."""
         self._latency.append(ms)
+        self.observe("request_duration_seconds", front, ms / 1e3)
+
+    def observe(self, name: str, front: str, seconds: float) -> None:
+        """One sample of histogram ``edgepack_<name>`` (HISTOGRAMS) for ``front``."""
         with self._lock:
-            counts, total = self._hist.setdefault(front, ([0] * (len(BUCKETS) + 1), [0.0]))
-            counts[bisect.bisect_left(BUCKETS, ms / 1e3)] += 1
-            total[0] += ms / 1e3
+            counts, total = self._hist.setdefault((name, front),
+                                                  ([0] * (len(BUCKETS) + 1), [0.0]))  # fmt: skip
+            counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+            total[0] += seconds
 
     def request(self, method: str, route: str, status: int) -> None:
         with self._lock:
@@ -77,21 +88,27 @@ class Metrics:
         family("edgepack_jobs_total", "counter", "Jobs by outcome, every front together.",
                [(f'{{outcome="{k}"}}', counts.get(k, 0))
                 for k in ("received", "ok", "error", "duplicate", "partial")])  # fmt: skip
+        family("edgepack_tokens_total", "counter", "Language models: tokens by kind.",
+               [(f'{{kind="{k}"}}', counts.get(f"tokens_{k}", 0))
+                for k in ("prompt", "generated")])  # fmt: skip
         family("edgepack_errors_total", "counter", "Error answers by protocol error code.",
                [(f'{{code="{_esc(k)}"}}', v) for k, v in sorted(errors.items())])  # fmt: skip
         family("edgepack_http_requests_total", "counter", "HTTP requests by route and status.",
                [(f'{{method="{m}",route="{_esc(r)}",code="{c}"}}', v)
                 for (m, r, c), v in sorted(http.items())])  # fmt: skip
-        out.append("# HELP edgepack_request_duration_seconds Arrival to answer, by front.")
-        out.append("# TYPE edgepack_request_duration_seconds histogram")
-        for front, (c, total) in sorted(hist.items()):
-            acc = 0
-            for le, n in zip((*map(str, BUCKETS), "+Inf"), c):
-                acc += n
-                out.append(f'edgepack_request_duration_seconds_bucket{{front="{front}",'
-                           f'le="{le}"}} {acc}')  # fmt: skip
-            out.append(f'edgepack_request_duration_seconds_sum{{front="{front}"}} {_num(total)}')
-            out.append(f'edgepack_request_duration_seconds_count{{front="{front}"}} {acc}')
+        for name, help_ in HISTOGRAMS.items():
+            full = f"edgepack_{name}"
+            out.append(f"# HELP {full} {help_}")
+            out.append(f"# TYPE {full} histogram")
+            for (h, front), (c, total) in sorted(hist.items()):
+                if h != name:
+                    continue
+                acc = 0
+                for le, n in zip((*map(str, BUCKETS), "+Inf"), c):
+                    acc += n
+                    out.append(f'{full}_bucket{{front="{front}",le="{le}"}} {acc}')
+                out.append(f'{full}_sum{{front="{front}"}} {_num(total)}')
+                out.append(f'{full}_count{{front="{front}"}} {acc}')
         gauges = {"edgepack_uptime_seconds": ("Seconds since start.", time.time() - self.started),
                   "edgepack_resident_memory_bytes": ("Resident set size.", rss_bytes()),
                   **gauges}  # fmt: skip

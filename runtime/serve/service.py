@@ -100,3 +100,40 @@ class Service:
         log.info("draining %d job(s)", self.sched.depth)
         for job in self.sched.close(self.cfg.drain_timeout):
             job.front.on_fail(job, "shutting_down", "the service stopped before this job ran")
+
+
+class LLMService:
+    """A language-model bundle served to every front: one generation engine
+    (continuous batching over the bundle's KV-cache slots, runtime/serve/generation.py)
+    that the HTTP (OpenAI) and MQTT fronts submit sequences to."""
+
+    def __init__(self, bundle, model: str, cfg: ServiceConfig, slots: int | None = None,
+                 max_tokens: int | None = None) -> None:  # fmt: skip
+        from ..llm import LLMSession
+        from ..text import TextCodec
+        from .generation import Engine
+
+        self.cfg, self.model, self.max_tokens = cfg, model, max_tokens
+        self.llm = LLMSession(bundle, threads=cfg.threads)
+        self.codec = TextCodec(self.llm.bundle.manifest, self.llm.bundle.weights)
+        self.metrics = Metrics()
+        self._warm_up()
+        self.engine = Engine(self.llm, self.codec, self.metrics, slots=slots,
+                             max_waiting=cfg.max_queue, threads=cfg.threads)  # fmt: skip
+        self.closed = False
+
+    def _warm_up(self) -> None:
+        """A prefill chunk and a decode step of every slot before going online (the
+        first request must not pay for loading or compiling kernels)."""
+        s = self.llm
+        s.prefill([0], 0)
+        s.step_many(list(range(s.slots)), [0] * s.slots)
+        for slot in range(s.slots):
+            s.reset(slot)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        log.info("draining %d sequence(s)", self.engine.depth)
+        self.engine.close(self.cfg.drain_timeout)

@@ -1,0 +1,262 @@
+"""Continuous batching of text generation: one engine thread runs every sequence of an
+LLM bundle's slots, for the HTTP (OpenAI) and MQTT fronts alike.
+
+Each turn of the loop:
+
+1. admits waiting sequences into free KV-cache slots (a slot is the bundle's planned
+   cache rows: no allocation per request);
+2. runs **one prefill chunk** (the bundle's ``chunk`` tokens) of the oldest sequence
+   still reading its prompt, so a long prompt never stalls the running streams for
+   more than one chunk;
+3. runs **one decode step for every generating sequence together**: the decode graph
+   has a row per slot, so its projections are one GEMM over the active rows
+   (``LLMSession.step_many``), not a GEMV per sequence;
+4. samples each sequence's next token with its own sampler, streams its text, and
+   frees the slot of a sequence that ended (end of sequence, a stop string,
+   ``max_tokens``, the context's end, a cancel, its deadline).
+
+A sequence's tokens do not depend on what else runs: the rows of a decode step are
+computed independently (checked bit for bit: 16 concurrent streams give the tokens of
+16 sequential ones, tests/test_openai_api.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..generate import TextStream
+from ..llm import LLMSession
+from ..sampling import Sampler
+from ..text import TextCodec
+from ..threads import set_threads
+from .metrics import Metrics
+
+log = logging.getLogger("edgepack.generation")
+
+# finish reasons, OpenAI's words: "stop" (end of sequence or a stop string), "length"
+# (max_tokens or the context), and edgepack's own for ends the caller did not ask for
+FINISH = {"eos": "stop", "stop string": "stop", "length": "length", "context": "length"}
+
+
+@dataclass(eq=False)
+class GenSequence:
+    """One generation request. ``emit(kind, data)`` is called on the engine thread:
+    ``("text", {"text": piece})`` as text becomes safe to show, then exactly once
+    ``("done", {...})`` or ``("error", {"code", "message"})``."""
+
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    emit: Callable[[str, dict], None]
+    stop: Sequence[str] = ()
+    deadline: float | None = None  # time.monotonic()
+    received: float = field(default_factory=time.monotonic)
+    front: str = "http"
+    # engine state
+    slot: int = -1
+    fed: int = 0  # prompt tokens prefilled
+    last: int = -1  # the token to feed next
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    started_at: float | None = None
+    cancelled: str | None = None  # why: "cancelled", "shutting_down"
+    finished: bool = False
+    text: TextStream | None = None
+    seen: list[int] = field(default_factory=list)
+
+
+class EngineBusy(Exception):
+    def __init__(self, code: str, retry_after_s: float) -> None:
+        super().__init__(code)
+        self.code, self.retry_after_s = code, retry_after_s
+
+
+class Engine:
+    def __init__(self, session: LLMSession, codec: TextCodec, metrics: Metrics,
+                 slots: int | None = None, max_waiting: int = 64,
+                 threads: int | None = None) -> None:  # fmt: skip
+        self.session, self.codec, self.metrics = session, codec, metrics
+        self.slots = min(slots or session.slots, session.slots)
+        self.max_waiting = max_waiting
+        self.threads = threads
+        self._free = list(range(self.slots))[::-1]
+        self._waiting: deque[GenSequence] = deque()
+        self._running: list[GenSequence] = []
+        self._cv = threading.Condition()
+        self._closed = self._stopping = False
+        self.steps = self.rows = 0  # decode steps, and the sequences they advanced
+        self._step_s = 0.02  # moving average of a loop turn (retry hints)
+        self._thread = threading.Thread(target=self._loop, name="edgepack-generate", daemon=True)
+        self._thread.start()
+
+    @property
+    def ctx(self) -> int:
+        return self.session.ctx
+
+    @property
+    def active(self) -> int:
+        """KV slots in use."""
+        return self.slots - len(self._free)
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def submit(self, seq: GenSequence) -> None:
+        """Queue ``seq``; EngineBusy("busy" | "shutting_down") when refused. The caller
+        has checked that the prompt fits the context."""
+        seq.text = TextStream(self.codec, seq.stop)
+        seq.seen = list(seq.prompt)
+        with self._cv:
+            if self._closed:
+                raise EngineBusy("shutting_down", 1.0)
+            if len(self._waiting) >= self.max_waiting:
+                turns = (len(self._waiting) / self.slots + 1) * max(1, seq.max_tokens)
+                raise EngineBusy("busy", min(60.0, turns * self._step_s))
+            self._waiting.append(seq)
+            self._cv.notify()
+
+    def cancel(self, seq: GenSequence, why: str = "cancelled") -> None:
+        """End ``seq`` at the engine's next turn (its slot is freed then); nothing more
+        is emitted for it but its final ``error`` with code ``why``."""
+        with self._cv:
+            if not seq.finished and seq.cancelled is None:
+                seq.cancelled = why
+                self._cv.notify()
+
+    def close(self, drain_timeout: float) -> None:
+        """Stop taking requests, let the running and waiting ones finish for at most
+        ``drain_timeout`` seconds, end the rest with ``shutting_down``, stop."""
+        end = time.monotonic() + drain_timeout
+        with self._cv:
+            self._closed = True
+            self._cv.wait_for(lambda: not self._waiting and not self._running,
+                              timeout=max(0.0, drain_timeout))  # fmt: skip
+            for seq in list(self._waiting) + self._running:
+                if seq.cancelled is None:
+                    seq.cancelled = "shutting_down"
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._waiting and not self._running, timeout=10.0)
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=max(0.1, end - time.monotonic()) + 10.0)
+
+    # --- the engine thread ------------------------------------------------------------
+
+    def _loop(self) -> None:
+        set_threads(self.threads)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self._running
+                                  or (self._waiting and self._free))  # fmt: skip
+                if self._stopping:
+                    return
+                while self._waiting and self._free:
+                    seq = self._waiting.popleft()
+                    seq.slot = self._free.pop()
+                    self._running.append(seq)
+            t0 = time.perf_counter()
+            try:
+                self._turn()
+            except Exception as e:  # a kernel bug must not take the server down
+                log.exception("generation step failed")
+                for seq in list(self._running):
+                    self._finish(seq, error=("internal", f"{type(e).__name__}: {e}"))
+            self._step_s = 0.9 * self._step_s + 0.1 * (time.perf_counter() - t0)
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        for seq in list(self._running):
+            if seq.cancelled is not None:
+                self._finish(seq, error=(seq.cancelled, _CANCEL_TEXT[seq.cancelled]))
+            elif seq.deadline is not None and now > seq.deadline:
+                self._finish(seq, error=("deadline_exceeded", "the deadline passed"))
+        s = self.session
+        reading = [q for q in self._running if q.fed < len(q.prompt)]
+        if reading:
+            seq = reading[0]
+            if seq.fed == 0:
+                s.reset(seq.slot)
+                seq.started_at = time.monotonic()
+            part = seq.prompt[seq.fed : seq.fed + s.chunk]
+            logits = s.prefill(part, seq.slot)
+            seq.fed += len(part)
+            if seq.fed == len(seq.prompt):
+                self._next(seq, logits)
+        going = [q for q in self._running if q.fed == len(q.prompt) and not q.finished
+                 and q.last >= 0]  # fmt: skip
+        if going:
+            rows = s.step_many([q.slot for q in going], [q.last for q in going])
+            self.steps += 1
+            self.rows += len(going)
+            for seq, logits in zip(going, rows):
+                self._next(seq, logits)
+
+    def _next(self, seq: GenSequence, logits) -> None:
+        """Sample ``seq``'s next token from ``logits`` and stream it, or end it."""
+        tok = seq.sampler(logits, seq.seen)
+        seq.completion_tokens += 1
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+            self.metrics.observe("time_to_first_token_seconds", seq.front,
+                                 seq.first_token_at - seq.received)  # fmt: skip
+        piece = seq.text.push(tok)
+        if piece:
+            seq.emit("text", {"text": piece})
+        reason = seq.text.reason
+        if reason is None:
+            seq.seen.append(tok)
+            seq.last = tok
+            if seq.completion_tokens >= seq.max_tokens:
+                reason = "length"
+            elif self.session.positions[seq.slot] >= self.session.ctx:
+                reason = "context"
+        if reason is not None:
+            self._finish(seq, reason=reason)
+
+    def _finish(self, seq: GenSequence, reason: str | None = None,
+                error: tuple[str, str] | None = None) -> None:  # fmt: skip
+        seq.finished = True
+        with self._cv:
+            if seq in self._running:
+                self._running.remove(seq)
+                self._free.append(seq.slot)
+            if not self._running and not self._waiting:
+                self._cv.notify_all()
+        self.metrics.inc("tokens_generated", seq.completion_tokens)
+        self.metrics.inc("tokens_prompt", seq.fed)
+        if error is not None:
+            self.metrics.error(error[0])
+            seq.emit("error", {"code": error[0], "message": error[1]})
+            return
+        tail = seq.text.flush()
+        if tail:
+            seq.emit("text", {"text": tail})
+        now = time.monotonic()
+        first = seq.first_token_at or now
+        decode_s = now - first
+        self.metrics.inc("ok")
+        self.metrics.latency((now - seq.received) * 1e3, seq.front)
+        seq.emit("done", {
+            "finish_reason": FINISH[reason],
+            "stop": reason,
+            "usage": {"prompt_tokens": len(seq.prompt),
+                      "completion_tokens": seq.completion_tokens,
+                      "total_tokens": len(seq.prompt) + seq.completion_tokens},
+            "timings": {"queue_ms": round(((seq.started_at or first) - seq.received) * 1e3, 3),
+                        "ttft_ms": round((first - seq.received) * 1e3, 3),
+                        "decode_tps": round((seq.completion_tokens - 1) / decode_s, 2)
+                        if decode_s > 0 and seq.completion_tokens > 1 else None},
+        })  # fmt: skip
+
+
+_CANCEL_TEXT = {
+    "cancelled": "the request was cancelled",
+    "shutting_down": "the server stopped before this request finished",
+}
