@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-quantize and llama-simple for scripts/bench_llm.py,
+# Build llama.cpp's llama-bench, llama-quantize, llama-simple (scripts/bench_llm.py) and
+# llama-server (scripts/bench_serve.py),
 # from the source the llama-cpp-python sdist vendors (PyPI is the only network there is).
 #
 #     bash scripts/build_llama_cpp.sh [DIR]     # default DIR: ~/.cache/edgepack/llama.cpp
@@ -13,7 +14,7 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DIR="${1:-${HOME}/.cache/edgepack/llama.cpp}"
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 
-if [ -x "$DIR/bin/llama-bench" ] && [ -x "$DIR/bin/llama-quantize" ]; then
+if [ -x "$DIR/bin/llama-bench" ] && [ -x "$DIR/bin/llama-quantize" ] && [ -x "$DIR/bin/llama-server" ]; then
     echo "llama.cpp already built in $DIR/bin ($(cat "$DIR/commit" 2>/dev/null || echo '?'))"
     exit 0
 fi
@@ -25,9 +26,10 @@ SRC="$DIR/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 (grep -rho 'LLAMA_COMMIT[^"]*"[0-9a-f]*"' "$SRC" 2>/dev/null | head -1 || true) > "$DIR/commit"
 cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF >/dev/null
-cmake --build "$DIR/build" -j "$(nproc)" --target llama-bench llama-quantize llama-simple
+    -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
+cmake --build "$DIR/build" -j "$(nproc)" --target llama-bench llama-quantize llama-simple \
+    llama-server
 mkdir -p "$DIR/bin"
 cp "$DIR/build/bin/llama-bench" "$DIR/build/bin/llama-quantize" "$DIR/build/bin/llama-simple" \
-    "$DIR/bin/"
+    "$DIR/build/bin/llama-server" "$DIR/bin/"
 echo "built llama.cpp in $DIR/bin"

@@ -34,6 +34,7 @@ from ... import __version__
 from .blobs import BlobFetcher
 from .codec import CodecError
 from .conn import BrokerConfig, Connection, props_of
+from .generation import EngineBusy, GenSequence
 from .protocol import (
     PROTOCOL_VERSION,
     RETRYABLE,
@@ -56,7 +57,7 @@ from .protocol import (
     status_topic,
 )
 from .sched import BadInput, Job
-from .service import Service
+from .service import LLMService, Service
 from .store import ReplyStore
 
 log = logging.getLogger("edgepack.agent")
@@ -86,9 +87,11 @@ class Agent:
     def __init__(self, service: Service, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.service = service
-        self.session = service.session
-        self.sched = service.sched
-        self.input_dtypes = service.input_dtypes
+        self.llm = isinstance(service, LLMService)  # generation jobs, not tensor jobs
+        self.session = None if self.llm else service.session
+        self.sched = None if self.llm else service.sched
+        self.input_dtypes = {} if self.llm else service.input_dtypes
+        self._gens: dict[str, GenSequence] = {}  # running generation jobs by id (cancels)
         self.store = ReplyStore(cfg.dedup_entries, cfg.dedup_bytes, cfg.dedup_ttl)
         self.metrics = service.metrics
         self.draining = False
@@ -181,7 +184,7 @@ class Agent:
     def shutdown(self) -> None:
         """Leave the fleet, answer every accepted job (or tell its caller we are
         shutting down), publish "offline", disconnect cleanly."""
-        log.info("shutting down: leaving the fleet, draining %d job(s)", self.sched.depth)
+        log.info("shutting down: leaving the fleet, draining %d job(s)", self._depth())
         self.draining = True
         self._publish_status("draining")
         if self.fleet is not None:
@@ -206,8 +209,14 @@ class Agent:
     # --- status and metrics -------------------------------------------------------------
 
     def _shape_summary(self) -> str:
+        if self.llm:
+            e = self.service.engine
+            return f"language model, context {e.ctx}, {e.slots} sequence(s) at once"
         b = self.sched.batch
         return f"{self.sched.expected()}, batches of {b} row(s)" if b else self.sched.expected()
+
+    def _depth(self) -> int:
+        return self.service.engine.depth if self.llm else self.sched.depth
 
     def _status_payload(self, state: str, reason: str | None = None) -> bytes:
         s = {
@@ -225,13 +234,16 @@ class Agent:
                 else None,
                 "metrics": metrics_topic(self.cfg.prefix, self.cfg.device),
             },
-            "inputs": self.session.inputs,
-            "outputs": self.session.outputs,
-            "batch_rows": self.sched.batch,
+            "inputs": [] if self.llm else self.session.inputs,
+            "outputs": [] if self.llm else self.session.outputs,
+            "batch_rows": None if self.llm else self.sched.batch,
             "workers": self.service.cfg.workers,
             "max_queue": self.service.cfg.max_queue,
             "max_job_bytes": self.service.cfg.max_job_bytes,
         }
+        if self.llm:
+            e = self.service.engine
+            s["generate"] = {"ctx": e.ctx, "slots": e.slots, "vocab": e.session.vocab}
         if reason:
             s["reason"] = reason
         return json.dumps(s, separators=(",", ":")).encode()
@@ -246,9 +258,9 @@ class Agent:
     def publish_metrics(self) -> None:
         snap = self.metrics.snapshot(
             device=self.cfg.device,
-            queue={"depth": self.sched.depth, "max": self.service.cfg.max_queue},
-            batches=self.sched.batches,
-            rows_run=self.sched.rows_run,
+            queue={"depth": self._depth(), "max": self.service.cfg.max_queue},
+            batches=self.service.engine.steps if self.llm else self.sched.batches,
+            rows_run=self.service.engine.rows if self.llm else self.sched.rows_run,
             stored_answers=len(self.store),
             reconnects=self.dev.reconnects + (self.fleet.reconnects if self.fleet else 0),
         )
@@ -289,6 +301,9 @@ class Agent:
             return
         if req.reply is not None:
             req.reply.via = via
+        if req.cancel:
+            self._cancel(req)
+            return
         if req.reply is None:
             self.metrics.inc("no_reply")
             log.warning(
@@ -300,6 +315,14 @@ class Agent:
         state, stored = self.store.claim(req.id, req.reply)
         if state != "new":
             self._answer_known(stored, req.reply)
+            return
+        if (req.generate is not None) != self.llm:
+            what = ("a language model: send 'generate' jobs" if self.llm
+                    else "a tensor model: send 'inputs' (generation jobs need a language model)")
+            self._finish_error(req, "unsupported", f"this agent serves {what}")
+            return
+        if req.generate is not None:
+            self._admit_generation(req)
             return
         if req.ref is not None:
             refused = self.blobs.start(
@@ -365,6 +388,92 @@ class Agent:
         log.info("job %s: %s: %s", job_id, code, message)
         self._send(Reply(self._meta(job_id) | error_meta(code, message)), addr)
 
+    # --- generation jobs (language models) --------------------------------------------
+
+    def _admit_generation(self, req: JobRequest) -> None:
+        """Check a generation job as the HTTP front checks a completion request (the
+        same fields and limits, openai_api.py) and queue it on the engine."""
+        from pydantic import ValidationError
+
+        from .openai_api import (
+            ChatRequest,
+            CompletionRequest,
+            GenRequestError,
+            prompt_and_limit,
+            sampler,
+            stops,
+        )
+
+        g = {"model": self.cfg.model, **req.generate}
+        state = {"seq": 0, "tokens": 0, "text": []}
+        try:
+            r = (ChatRequest if "messages" in g else CompletionRequest).model_validate(g)
+            ids, n = prompt_and_limit(self.service, r)
+            seq = GenSequence(req.id, ids, n, sampler(self.service, r),
+                              lambda ev, data: self._on_generation(req, state, ev, data),
+                              stops(r), deadline=req.deadline, received=req.received,
+                              front="mqtt")  # fmt: skip
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            self._finish_error(req, "invalid_job", f"generate.{where}: {first['msg']}"[:500])
+            return
+        except GenRequestError as e:
+            self._finish_error(req, e.code, e.message)
+            return
+        self._gens[req.id] = seq
+        try:
+            self.service.engine.submit(seq)
+        except EngineBusy as e:
+            self._gens.pop(req.id, None)
+            say = ("every sequence slot and the queue are full; retry later or elsewhere"
+                   if e.code == "busy"
+                   else "the agent is shutting down; retry elsewhere")  # fmt: skip
+            self._finish_error(req, e.code, say, retry_after_ms=int(e.retry_after_s * 1e3))
+
+    def _on_generation(self, req: JobRequest, state: dict, ev: str, data: dict) -> None:
+        """The engine's events of one generation job (engine thread): text pieces as
+        ``partial`` messages (``rows``: the tokens they cover) when the job streams,
+        then the final answer."""
+        if ev == "text":
+            if not req.stream:
+                state["text"].append(data["text"])
+                return
+            meta = self._meta(req.id) | {"status": "partial", "final": False,
+                                         "seq": state["seq"],
+                                         "rows": [state["tokens"], data["tokens"]],
+                                         "text": data["text"]}  # fmt: skip
+            state["seq"] += 1
+            state["tokens"] = data["tokens"]
+            reply = Reply(meta)
+            self.metrics.inc("partial")
+            for addr in self.store.add(req.id, reply):
+                self._send(reply, addr)
+            return
+        self._gens.pop(req.id, None)
+        if ev == "error":
+            self._finish_error(req, data["code"], data["message"], counted=True)
+            return
+        meta = self._meta(req.id) | {"status": "ok", "final": True,
+                                     "finish_reason": data["finish_reason"],
+                                     "usage": data["usage"], "timing": data["timings"]}  # fmt: skip
+        if req.stream:
+            meta["seq"], meta["parts"] = state["seq"], state["seq"]
+        else:
+            meta["text"] = "".join(state["text"])
+        reply = Reply(meta)
+        for addr in self.store.finish(req.id, reply):
+            self._send(reply, addr)
+
+    def _cancel(self, req: JobRequest) -> None:
+        """A cancel message: the running generation job with that id ends with
+        ``cancelled`` (its stream's final message); anything else is ignored."""
+        seq = self._gens.get(req.id)
+        if seq is None:
+            log.info("cancel for job %s: no such generation running here", req.id)
+            return
+        self.service.engine.cancel(seq)
+
     # --- answers (worker threads, or the network thread for early errors) ----------------
 
     def _meta(self, job_id: str | None) -> dict:
@@ -375,8 +484,11 @@ class Agent:
             "model": self.cfg.model,
         }
 
-    def _finish_error(self, req: JobRequest, code: str, message: str, **extra) -> None:
-        self.metrics.error(code)
+    def _finish_error(self, req: JobRequest, code: str, message: str, counted: bool = False,
+                      **extra) -> None:  # fmt: skip
+        """Answer ``req`` with an error (``counted``: its metric is already counted)."""
+        if not counted:
+            self.metrics.error(code)
         if code not in ("busy", "shutting_down"):
             log.info("job %s: %s: %s", req.id, code, message)
         reply = Reply(self._meta(req.id) | error_meta(code, message, **extra))

@@ -259,9 +259,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if llm:
         from .service import LLMService
 
-        if a.broker:
-            raise ValueError("language-model bundles are served over HTTP (--http) for now; "
-                             "MQTT token streams are not implemented yet")  # fmt: skip
         service = LLMService(session, model, scfg, slots=a.slots, max_tokens=a.max_tokens)
     else:
         service = Service(session, model, scfg)

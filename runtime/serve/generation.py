@@ -46,7 +46,8 @@ FINISH = {"eos": "stop", "stop string": "stop", "length": "length", "context": "
 @dataclass(eq=False)
 class GenSequence:
     """One generation request. ``emit(kind, data)`` is called on the engine thread:
-    ``("text", {"text": piece})`` as text becomes safe to show, then exactly once
+    ``("text", {"text": piece, "tokens": n})`` as text becomes safe to show (``n``: the
+    tokens generated so far), then exactly once
     ``("done", {...})`` or ``("error", {"code", "message"})``."""
 
     id: str
@@ -208,7 +209,7 @@ class Engine:
                                  seq.first_token_at - seq.received)  # fmt: skip
         piece = seq.text.push(tok)
         if piece:
-            seq.emit("text", {"text": piece})
+            seq.emit("text", {"text": piece, "tokens": seq.completion_tokens})
         reason = seq.text.reason
         if reason is None:
             seq.seen.append(tok)
@@ -237,7 +238,7 @@ class Engine:
             return
         tail = seq.text.flush()
         if tail:
-            seq.emit("text", {"text": tail})
+            seq.emit("text", {"text": tail, "tokens": seq.completion_tokens})
         now = time.monotonic()
         first = seq.first_token_at or now
         decode_s = now - first

@@ -87,45 +87,11 @@ CompletionRequest.model_rebuild()
 
 def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
     """The /v1 routes of ``service`` (an LLMService) on ``app``."""
-    engine, codec, name = service.engine, service.codec, service.model
+    engine, name = service.engine, service.model
     created = int(time.time())
 
     def fail(code: str, message: str, retry: float | None = None):
         return http_error(code, message, retry)
-
-    def sampler(r: _Req) -> Sampler:
-        bias = {}
-        for k, v in (r.logit_bias or {}).items():
-            vocab = engine.session.vocab
-            if not k.isdigit() or int(k) >= vocab or not -100 <= v <= 100:
-                raise fail("invalid_job", f"logit_bias {k[:16]!r}: {v}: token ids lie in "
-                                          f"0..{vocab - 1}, biases in -100..100")  # fmt: skip
-            bias[int(k)] = v
-        try:
-            return Sampler(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                           min_p=r.min_p, repetition_penalty=r.repeat_penalty, seed=r.seed,
-                           presence_penalty=r.presence_penalty,
-                           frequency_penalty=r.frequency_penalty,
-                           logit_bias=bias or None)  # fmt: skip
-        except ValueError as e:
-            raise fail("invalid_job", str(e)) from None
-
-    def stops(r: _Req) -> list[str]:
-        s = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-        if len(s) > 4:
-            raise fail("invalid_job", "'stop' takes at most 4 strings")
-        return s
-
-    def limit(r: _Req, prompt_len: int, wanted: int | None) -> int:
-        room = engine.ctx - prompt_len
-        if room < 1:
-            raise fail("context_length_exceeded",
-                       f"the prompt has {prompt_len} tokens; the context holds {engine.ctx} "
-                       "(prompt and completion together)")  # fmt: skip
-        cap = service.max_tokens or engine.ctx
-        if wanted is not None and wanted > cap:
-            raise fail("invalid_job", f"max_tokens {wanted} exceeds this server's limit of {cap}")
-        return min(wanted or cap, room)
 
     async def run(r: _Req, prompt: list[int], max_tokens: int, kind: str, request: Request):
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -135,7 +101,11 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
         def emit(ev: str, data: dict) -> None:
             loop.call_soon_threadsafe(q.put_nowait, (ev, data))
 
-        seq = GenSequence(rid, prompt, max_tokens, sampler(r), emit, stops(r), front="http")
+        try:
+            seq = GenSequence(rid, prompt, max_tokens, sampler(service, r), emit, stops(r),
+                              front="http")  # fmt: skip
+        except GenRequestError as e:
+            raise fail(e.code, e.message) from None
         service.metrics.inc("received")
         try:
             engine.submit(seq)
@@ -178,35 +148,94 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
     @app.post("/v1/chat/completions", summary="OpenAI: chat completion (streams with SSE)")
     async def chat(r: ChatRequest, request: Request):
         try:
-            text = codec.chat([{"role": m.role, "content": _content(m.content)}
-                               for m in r.messages])  # fmt: skip
-            ids = codec.encode(text, special=False)
-        except TextError as e:
-            raise fail("unsupported", str(e)) from None
-        if not ids:
-            raise fail("invalid_job", "the conversation renders to no tokens")
-        n = limit(r, len(ids), r.max_completion_tokens or r.max_tokens)
+            ids, n = prompt_and_limit(service, r)
+        except GenRequestError as e:
+            raise fail(e.code, e.message) from None
         return await run(r, ids, n, "chat", request)
 
     @app.post("/v1/completions", summary="OpenAI: text completion (streams with SSE)")
     async def complete(r: CompletionRequest, request: Request):
-        p = r.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise fail("invalid_job", "one prompt per request (a list of one text)")
-            p = p[0]
-        if r.echo:
-            raise fail("invalid_job", "echo is not supported")
         try:
-            ids = codec.encode(p) if isinstance(p, str) else [int(t) for t in p]
-        except TextError as e:
-            raise fail("unsupported", str(e)) from None
-        if not ids:
-            raise fail("invalid_job", "the prompt is empty")
-        if min(ids) < 0 or max(ids) >= engine.session.vocab:
-            raise fail("invalid_job", f"token ids must lie in 0..{engine.session.vocab - 1}")
-        n = limit(r, len(ids), r.max_tokens or 16)  # OpenAI's default for completions
+            ids, n = prompt_and_limit(service, r)
+        except GenRequestError as e:
+            raise fail(e.code, e.message) from None
         return await run(r, ids, n, "text", request)
+
+
+class GenRequestError(ValueError):
+    """A generation request the model or the server's limits cannot serve; ``code`` is
+    a protocol error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def prompt_and_limit(service, r: ChatRequest | CompletionRequest) -> tuple[list[int], int]:
+    """The prompt's token ids and the request's token budget, checked against the model
+    (vocabulary, context) and the server's ``--max-tokens``. Serves the HTTP and MQTT
+    fronts: the same request fields and limits on both."""
+    engine, codec = service.engine, service.codec
+    try:
+        if isinstance(r, ChatRequest):
+            text = codec.chat([{"role": m.role, "content": _content(m.content)}
+                               for m in r.messages])  # fmt: skip
+            ids = codec.encode(text, special=False)
+            wanted = r.max_completion_tokens or r.max_tokens
+        else:
+            p = r.prompt
+            if isinstance(p, list) and p and isinstance(p[0], str):
+                if len(p) != 1:
+                    raise GenRequestError("invalid_job", "one prompt per request (a list of "
+                                                         "one text)")  # fmt: skip
+                p = p[0]
+            if r.echo:
+                raise GenRequestError("invalid_job", "echo is not supported")
+            ids = codec.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            wanted = r.max_tokens or 16  # OpenAI's default for completions
+    except TextError as e:
+        raise GenRequestError("unsupported", str(e)) from None
+    if not ids:
+        raise GenRequestError("invalid_job", "the prompt is empty")
+    vocab = engine.session.vocab
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise GenRequestError("invalid_job", f"token ids must lie in 0..{vocab - 1}")
+    room = engine.ctx - len(ids)
+    if room < 1:
+        raise GenRequestError("context_length_exceeded",
+                              f"the prompt has {len(ids)} tokens; the context holds "
+                              f"{engine.ctx} (prompt and completion together)")  # fmt: skip
+    cap = service.max_tokens or engine.ctx
+    if wanted is not None and wanted > cap:
+        raise GenRequestError("invalid_job", f"max_tokens {wanted} exceeds this server's "
+                                             f"limit of {cap}")  # fmt: skip
+    return ids, min(wanted or cap, room)
+
+
+def sampler(service, r: _Req) -> Sampler:
+    """The request's sampler (its own seeded generator)."""
+    bias = {}
+    vocab = service.engine.session.vocab
+    for k, v in (r.logit_bias or {}).items():
+        if not k.isdigit() or int(k) >= vocab or not -100 <= v <= 100:
+            say = f"logit_bias {k[:16]!r}: {v}: ids lie in 0..{vocab - 1}, biases in -100..100"
+            raise GenRequestError("invalid_job", say)
+        bias[int(k)] = v
+    try:
+        return Sampler(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+                       repetition_penalty=r.repeat_penalty, seed=r.seed,
+                       presence_penalty=r.presence_penalty,
+                       frequency_penalty=r.frequency_penalty,
+                       logit_bias=bias or None)  # fmt: skip
+    except ValueError as e:
+        raise GenRequestError("invalid_job", str(e)) from None
+
+
+def stops(r: _Req) -> list[str]:
+    s = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    if len(s) > 4:
+        raise GenRequestError("invalid_job", "'stop' takes at most 4 strings")
+    return s
 
 
 def _content(c) -> str:

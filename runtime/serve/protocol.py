@@ -147,6 +147,8 @@ class JobRequest:
     accept: str  # one of ACCEPT_FORMATS
     reply: ReplyAddress | None
     received: float  # time.monotonic() at arrival
+    generate: dict | None = None  # a generation job's request (language models)
+    cancel: bool = False  # a cancel message for the running job ``id``
 
 
 def valid_topic(t: object) -> bool:
@@ -282,6 +284,18 @@ def _parse_job(payload, props, limit, input_dtypes, prefix, now, found) -> JobRe
     reply = found[0]
     ref = None
     feeds = None
+    if body is not None and ("generate" in body or "cancel" in body):
+        if feeds_src is not None or "ref" in body:
+            raise ProtocolError("invalid_job", "a generation job has no 'inputs' or 'ref'", job_id)
+        if "cancel" in body:
+            if body["cancel"] is not True:
+                raise ProtocolError("invalid_job", "'cancel' must be true", job_id)
+            return JobRequest(job_id, None, None, deadline, stream, "json", reply, now,
+                              cancel=True)  # fmt: skip
+        if not isinstance(body["generate"], dict):
+            raise ProtocolError("invalid_job", "'generate' must be an object", job_id)
+        return JobRequest(job_id, None, None, deadline, stream, "json", reply, now,
+                          generate=body["generate"])  # fmt: skip
     if body is not None and "ref" in body:
         if feeds_src is not None:
             raise ProtocolError("invalid_job", "give either 'inputs' or 'ref', not both", job_id)
