@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from .codec import CodecError, kserve_datatype, loads_json, tensors_from_kserve, tensors_to_kserve
@@ -207,12 +208,24 @@ def make_app(service: Service | LLMService, cfg: HttpConfig) -> FastAPI:
             return openai_error(e.code, e.message, e.retry_after_s)
         return error_response(e.code, e.message, e.retry_after_s)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_starlette(request: Request, e: StarletteHTTPException):
+        # the framework's own refusals (a body that is not JSON, an unknown path or
+        # method) in the protocol's error shape too
+        code = {400: "malformed", 404: "not_found", 405: "method_not_allowed"}.get(
+            e.status_code, "http_error")
+        say = openai_error if request.url.path.startswith("/v1/") else error_response
+        resp = say(code, str(e.detail))
+        resp.status_code = e.status_code
+        resp.headers.update(e.headers or {})
+        return resp
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, e: RequestValidationError):
         # pydantic's 422 is a 400 here, in the protocol's shape, naming the field
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(e)
+        message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
         service.metrics.error("invalid_job")
         if request.url.path.startswith("/v1/"):
             return openai_error("invalid_job", message[:500], param=where or None)
@@ -241,6 +254,7 @@ def make_app(service: Service | LLMService, cfg: HttpConfig) -> FastAPI:
         return {"name": "edgepack", "version": __version__, "extensions": ["binary_tensor_data"]}
 
     if llm:
+        app.state.max_tokens = service.max_tokens or service.engine.ctx
         add_openai_routes(app, service, HttpError)
     else:
         _tensor_routes(app, service)
@@ -250,7 +264,58 @@ def make_app(service: Service | LLMService, cfg: HttpConfig) -> FastAPI:
         text = service.metrics.prometheus(_gauges(service))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+_OPENAI_ERROR = {
+    "description": "error (OpenAI's shape)",
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "code"],
+                                 "properties": {"message": {"type": "string"},
+                                                "type": {"type": "string"},
+                                                "param": {"type": ["string", "null"]},
+                                                "code": {"type": "string"}}}}}}},
+}  # fmt: skip
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document with the statuses this server answers: a request body that
+    does not validate is 400 in the protocol's error shape (FastAPI documents 422),
+    every route but the health checks may answer 401, and every error has its body."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, description=app.description,
+                      routes=app.routes)  # fmt: skip
+    for path, ops in doc["paths"].items():
+        err = _OPENAI_ERROR if path.startswith("/v1/") else _ERROR
+        for op in ops.values():
+            r = op.setdefault("responses", {})
+            had_422 = r.pop("422", None) is not None
+            if had_422 or "requestBody" in op:
+                r["400"] = err
+            if path not in PUBLIC:
+                r["401"] = err
+            if path.startswith("/v1/") and "requestBody" in op:
+                r.update({"429": err, "500": err, "503": err})
+            for code in list(r):
+                if code != "200" and code.isdigit():
+                    r[code] = err
+    # the server's own limits, where a schema can say them
+    cap = getattr(app.state, "max_tokens", None)
+    for name in ("ChatRequest", "CompletionRequest"):
+        props = doc.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+        for field in ("max_tokens", "max_completion_tokens"):
+            for alt in props.get(field, {}).get("anyOf", []):
+                if cap and alt.get("type") == "integer":
+                    alt["maximum"] = cap
+    doc.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+    doc.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+    app.openapi_schema = doc
+    return doc
 
 
 def _gauges(service: Service | LLMService) -> dict[str, tuple[str, float]]:

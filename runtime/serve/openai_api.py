@@ -15,15 +15,28 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat
 
 from ..sampling import Sampler
 from ..text import TextError
 from .generation import EngineBusy, GenSequence
+
+
+def _not_bool(v: object) -> object:
+    if isinstance(v, bool):
+        raise ValueError("expected a number, not a boolean")
+    return v
+
+
+# JSON's types as JSON Schema reads them: 1.0 is an integer, false is not a number and 1
+# is not a boolean (pydantic's lax mode takes both; its strict mode refuses 1.0)
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = StrictFloat
+Bool = StrictBool
 
 
 class _Req(BaseModel):
@@ -32,28 +45,28 @@ class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="any name: the server serves one model")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stream: bool = False
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=2)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    n: Int = Field(1, ge=1, le=1, description="one choice per request")
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(
+    seed: Int | None = None
+    presence_penalty: Float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Float] | None = Field(
         None, description="token id -> bias added to its logit, -100 to 100 (-100 bans it)"
     )
     # llama.cpp's extras
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repeat_penalty: float = Field(1.0, gt=0)
+    top_k: Int = Field(0, ge=0)
+    min_p: Float = Field(0.0, ge=0, le=1)
+    repeat_penalty: Float = Field(1.0, gt=0)
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class ContentPart(BaseModel):
@@ -70,19 +83,29 @@ class Message(BaseModel):
 
 class ChatRequest(_Req):
     messages: list[Message] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
 
 
 class CompletionRequest(_Req):
-    prompt: str | list[int] | list[str] = Field(
+    prompt: str | list[Int] | list[str] = Field(
         ..., description="text, token ids, or a list holding one text"
     )
-    echo: bool = False
+    echo: Bool = False
 
 
 _Req.model_rebuild()
 ChatRequest.model_rebuild()
 CompletionRequest.model_rebuild()
+
+
+_ANSWER = {
+    "description": "the answer: JSON, or server-sent events with stream: true",
+    "content": {"application/json": {"schema": {"type": "object"}},
+                # each event: "data: " and a JSON chunk, the last "data: [DONE]"
+                "text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                 "properties": {"data": {"type": "string"},
+                                                                "event": {"type": "string"}}}}},
+}  # fmt: skip
 
 
 def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
@@ -145,7 +168,8 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                             "owned_by": "edgepack"}]}  # fmt: skip
 
-    @app.post("/v1/chat/completions", summary="OpenAI: chat completion (streams with SSE)")
+    @app.post("/v1/chat/completions", summary="OpenAI: chat completion (streams with SSE)",
+              responses={200: _ANSWER})  # fmt: skip
     async def chat(r: ChatRequest, request: Request):
         try:
             ids, n = prompt_and_limit(service, r)
@@ -153,7 +177,8 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
             raise fail(e.code, e.message) from None
         return await run(r, ids, n, "chat", request)
 
-    @app.post("/v1/completions", summary="OpenAI: text completion (streams with SSE)")
+    @app.post("/v1/completions", summary="OpenAI: text completion (streams with SSE)",
+              responses={200: _ANSWER})  # fmt: skip
     async def complete(r: CompletionRequest, request: Request):
         try:
             ids, n = prompt_and_limit(service, r)
