@@ -275,15 +275,18 @@ def _check_manifest(m: object, weights: dict, path: str) -> None:
     try:
         wspecs = m["weights"]
         check_graph(m["graph"], m["plan"], wspecs)
-        if "llm" in m:  # a language model's prompt graph, planned on the same arena
-            pre = m["llm"]["prefill"]
-            if pre["plan"]["arena_bytes"] != m["plan"]["arena_bytes"]:
-                raise _fail(path, "the prefill and decode graphs plan different arenas")
-            check_graph(pre["graph"], pre["plan"], wspecs)
-            for name in m["graph"].get("state", []):  # the one KV cache both graphs use
-                here = (m["plan"]["tensors"][name], m["graph"]["tensors"][name])
-                if (pre["plan"]["tensors"].get(name), pre["graph"]["tensors"].get(name)) != here:
-                    raise _fail(path, f"state {name!r} differs between prefill and decode")
+        if "llm" in m:  # a language model's other graphs, planned on the same arena
+            others = {"prefill": m["llm"]["prefill"]} | {
+                f"decode of {r} rows": g for r, g in m["llm"].get("decode_rows", {}).items()}
+            for what, pre in others.items():
+                if pre["plan"]["arena_bytes"] != m["plan"]["arena_bytes"]:
+                    raise _fail(path, f"the {what} and decode graphs plan different arenas")
+                check_graph(pre["graph"], pre["plan"], wspecs)
+                for name in m["graph"].get("state", []):  # the one KV cache they all use
+                    here = (m["plan"]["tensors"][name], m["graph"]["tensors"][name])
+                    there = (pre["plan"]["tensors"].get(name), pre["graph"]["tensors"].get(name))
+                    if there != here:
+                        raise _fail(path, f"state {name!r} differs between {what} and decode")
         for name, spec in wspecs.items():
             w = weights.get(name)
             if w is None or name.startswith(PAD_PREFIX):

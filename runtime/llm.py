@@ -49,13 +49,23 @@ class LLMSession:
             pre, self.bundle.weights, device=self.decode.device, arena=self.decode.arena
         )
         self.positions = [0] * self.slots
-        # each slot's row of the decode logits, made once: a step allocates nothing
-        (logits,) = self.decode.host_outputs()
-        self._rows = [logits[i] for i in range(self.slots)]
         self._feeds = {
             k: {n: np.zeros(rows, np.int32) for n in ("ids", "pos", "slot")}
             for k, rows in (("prefill", self.chunk), ("decode", self.slots))
         }
+        # Decode steps by row count: the full graph (a row per slot) and the smaller ones
+        # the bundle carries; a step runs the smallest that holds its sequences, each row
+        # naming its slot. Rows and feeds are made once: a step allocates nothing.
+        (logits,) = self.decode.host_outputs()
+        self._decoders = {self.slots: (self.decode, self._feeds["decode"], list(logits))}
+        for r, g in llm.get("decode_rows", {}).items():
+            ex = Executor({**m, "graph": g["graph"], "plan": g["plan"]}, self.bundle.weights,
+                          device=self.decode.device, arena=self.decode.arena)  # fmt: skip
+            (out,) = ex.host_outputs()
+            feeds = {n: np.zeros(int(r), np.int32) for n in ("ids", "pos", "slot")}
+            self._decoders[int(r)] = (ex, feeds, list(out))
+        self._sizes = sorted(self._decoders)
+        self._one = self._decoders[self._sizes[0]]
 
     @property
     def vocab(self) -> int:
@@ -113,30 +123,40 @@ class LLMSession:
             self.positions[slot] >= self.ctx
         ):
             self._tokens([token], slot)  # raises, naming what is wrong
-        f = self._feeds["decode"]
+        ex, f, rows = self._one
         f["slot"].fill(-1)
-        f["ids"][slot], f["pos"][slot], f["slot"][slot] = token, self.positions[slot], slot
-        self.decode.run_views(f)
+        f["ids"][0], f["pos"][0], f["slot"][0] = token, self.positions[slot], slot
+        ex.run_views(f)
         self.positions[slot] += 1
-        return self._rows[slot]
+        return rows[0]
 
-    def step_many(self, slots: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:
+    def step_many(self, slots: Sequence[int], tokens: Sequence[int],
+                  rows: int = 0) -> list[np.ndarray]:  # fmt: skip
         """One decode run for several sequences: ``tokens[i]`` to sequence ``slots[i]``
-        (distinct slots). The decode graph has a row per slot, so its projections are
-        one GEMM over the rows, not a GEMV per sequence. Returns each sequence's logits
-        [vocab] (arena views, valid until the next run)."""
-        f = self._feeds["decode"]
+        (distinct slots), on the smallest decode graph of at least ``rows`` rows that
+        holds them (row i carries slot i's token), so the projections are one product
+        over the rows, not one per sequence. Returns each sequence's logits [vocab]
+        (arena views, valid until the next run).
+
+        Graphs of different row counts may round differently in the last bits (their
+        products are blocked differently); a caller that wants a sequence's tokens not
+        to depend on what runs beside it passes the same ``rows`` every time."""
         for slot, token in zip(slots, tokens):
             if not (0 <= slot < self.slots and 0 <= token < self.vocab) or (
                 self.positions[slot] >= self.ctx
             ):
                 self._tokens([token], slot)  # raises, naming what is wrong
-        if len(set(slots)) != len(slots):
-            raise LLMError(f"step_many: slots {list(slots)} repeat")
+        if len(set(slots)) != len(slots) or not slots:
+            raise LLMError(f"step_many: slots {list(slots)} are empty or repeat")
+        k = len(slots)
+        ex, f, out = self._decoders[next((r for r in self._sizes if r >= max(k, rows)),
+                                         self._sizes[-1])]  # fmt: skip
         f["slot"].fill(-1)
-        for slot, token in zip(slots, tokens):
-            f["ids"][slot], f["pos"][slot], f["slot"][slot] = token, self.positions[slot], slot
-        self.decode.run_views(f)
+        f["ids"].fill(0)
+        f["pos"].fill(0)
+        for i, (slot, token) in enumerate(zip(slots, tokens)):
+            f["ids"][i], f["pos"][i], f["slot"][i] = token, self.positions[slot], slot
+        ex.run_views(f)
         for slot in slots:
             self.positions[slot] += 1
-        return [self._rows[slot] for slot in slots]
+        return out[:k]

@@ -130,6 +130,37 @@ def test_slots_are_separate_sequences(llama):
     _close(s.prefill(b, slot=0), _hf_logits(model, b)[-1], 1e-4)
 
 
+def test_decode_steps_of_several_sequences_on_every_row_count(tmp_path):
+    # a 4-slot bundle carries decode graphs of 1, 2 and 4 rows; a step of k sequences
+    # runs the smallest that holds them (row i naming its slot) and gives each
+    # sequence what it gets alone, to the last bits when the same graph runs
+    model = _llama(tmp_path / "hf", True, False)
+    out = tmp_path / "four.epk"
+    build_llm(tmp_path / "hf", out, ctx=64, slots=4, chunk=4, kv="f32", log=lambda s: None)
+    assert sorted(LLMSession(out).bundle.manifest["llm"]["decode_rows"], key=int) == ["1", "2"]
+    prompts = [[5, 17, 3], [44, 1, 90, 90], [7], [12, 8]]
+    for rows in (0, 4):  # the smallest graph each time, then always the 4-row one
+        s = LLMSession(out)
+        last = [int(np.argmax(s.prefill(p, slot=i))) for i, p in enumerate(prompts)]
+        seqs = [list(p) for p in prompts]
+        for k in (3, 1, 4, 2):  # steps of 3, 1, 4 and 2 of the sequences
+            slots = [(i * 3) % 4 for i in range(k)] if k < 4 else [2, 0, 3, 1]
+            got = s.step_many(slots, [last[i] for i in slots], rows)
+            for i, lg in zip(slots, got):
+                seqs[i].append(last[i])
+                want = _hf_logits(model, seqs[i])[-1]
+                _close(lg, want, 1e-4)
+                last[i] = int(np.argmax(lg))
+    # bit for bit: a sequence alone and beside others on one graph
+    s, r = LLMSession(out), LLMSession(out)
+    for i, p in enumerate(prompts):
+        s.prefill(p, slot=i)
+        r.prefill(p, slot=i)
+    together = [x.copy() for x in s.step_many([0, 1, 2, 3], [1, 2, 3, 4], rows=4)]
+    alone = [r.step_many([i], [i + 1], rows=4)[0].copy() for i in range(4)]
+    assert all(np.array_equal(a, b) for a, b in zip(together, alone))
+
+
 def test_the_bundle_records_the_kv_cache_and_refuses_a_full_context(llama):
     _, path = llama
     s = LLMSession(path)

@@ -66,8 +66,11 @@ def env(tmp_path_factory):
     bundle = d / "tiny.epk"
     build_llm(hf, bundle, ctx=CTX, chunk=8, kv="f32", slots=SLOTS, log=lambda s: None)
     try:
+        # --batch-invariant: every decode step on the 16-row graph, so concurrent and
+        # sequential requests give the same tokens to the last bit (the default, the
+        # smallest graph that holds the step, rounds differently between row counts)
         s, url = _serve(bundle, d, "llm", "--model", "tiny", "--api-key", KEY,
-                        "--queue", "32")  # fmt: skip
+                        "--queue", "32", "--batch-invariant")  # fmt: skip
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
         yield SimpleNamespace(dir=d, bundle=bundle, model=model, tok=tok, server=s, url=url,
                               client=client)  # fmt: skip

@@ -101,6 +101,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slots", type=_pos_int, metavar="N",
                    help="sequences generated at once, each in a KV-cache slot (default: all "
                         "the bundle's slots, set at build time with --slots)")  # fmt: skip
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="run every decode step on the graph of --slots rows, so a sequence's "
+                        "tokens never depend on what runs beside it (slower for few "
+                        "streams)")  # fmt: skip
     g.add_argument("--max-tokens", type=_pos_int, metavar="N",
                    help="most tokens one request may ask for (default: the context)")  # fmt: skip
     g = p.add_argument_group("identity")
@@ -259,7 +263,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if llm:
         from .service import LLMService
 
-        service = LLMService(session, model, scfg, slots=a.slots, max_tokens=a.max_tokens)
+        service = LLMService(session, model, scfg, slots=a.slots, max_tokens=a.max_tokens,
+                             batch_invariant=a.batch_invariant)  # fmt: skip
     else:
         service = Service(session, model, scfg)
     agent = http = None

@@ -15,9 +15,12 @@ Each turn of the loop:
    frees the slot of a sequence that ended (end of sequence, a stop string,
    ``max_tokens``, the context's end, a cancel, its deadline).
 
-A sequence's tokens do not depend on what else runs: the rows of a decode step are
-computed independently (checked bit for bit: 16 concurrent streams give the tokens of
-16 sequential ones, tests/test_openai_api.py).
+Each step runs the smallest decode graph holding its sequences (the bundle carries
+graphs of 1, 2, 4... rows), so one stream on a 16-slot bundle pays for one row. Graphs
+of different row counts round differently in the last bits; with ``batch_invariant``
+every step runs the graph of ``slots`` rows instead, and a sequence's tokens do not
+depend on what runs beside it (checked: 16 concurrent streams give the tokens of 16
+sequential ones, tests/test_openai_api.py).
 """
 
 from __future__ import annotations
@@ -81,9 +84,13 @@ class EngineBusy(Exception):
 class Engine:
     def __init__(self, session: LLMSession, codec: TextCodec, metrics: Metrics,
                  slots: int | None = None, max_waiting: int = 64,
-                 threads: int | None = None) -> None:  # fmt: skip
+                 threads: int | None = None, batch_invariant: bool = False) -> None:  # fmt: skip
         self.session, self.codec, self.metrics = session, codec, metrics
         self.slots = min(slots or session.slots, session.slots)
+        # Every decode step on the graph of `slots` rows, whatever runs: a sequence's
+        # tokens then do not depend on the others (graphs of other row counts round
+        # differently in the last bits), at the cost of computing idle rows.
+        self.min_rows = self.slots if batch_invariant else 0
         self.max_waiting = max_waiting
         self.threads = threads
         self._free = list(range(self.slots))[::-1]
@@ -193,7 +200,8 @@ class Engine:
         going = [q for q in self._running if q.fed == len(q.prompt) and not q.finished
                  and q.last >= 0]  # fmt: skip
         if going:
-            rows = s.step_many([q.slot for q in going], [q.last for q in going])
+            rows = s.step_many([q.slot for q in going], [q.last for q in going],
+                               self.min_rows)  # fmt: skip
             self.steps += 1
             self.rows += len(going)
             for seq, logits in zip(going, rows):

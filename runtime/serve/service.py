@@ -108,7 +108,7 @@ class LLMService:
     that the HTTP (OpenAI) and MQTT fronts submit sequences to."""
 
     def __init__(self, bundle, model: str, cfg: ServiceConfig, slots: int | None = None,
-                 max_tokens: int | None = None) -> None:  # fmt: skip
+                 max_tokens: int | None = None, batch_invariant: bool = False) -> None:  # fmt: skip
         from ..llm import LLMSession
         from ..text import TextCodec
         from .generation import Engine
@@ -119,7 +119,8 @@ class LLMService:
         self.metrics = Metrics()
         self._warm_up()
         self.engine = Engine(self.llm, self.codec, self.metrics, slots=slots,
-                             max_waiting=cfg.max_queue, threads=cfg.threads)  # fmt: skip
+                             max_waiting=cfg.max_queue, threads=cfg.threads,
+                             batch_invariant=batch_invariant)  # fmt: skip
         self.closed = False
 
     def _warm_up(self) -> None:
@@ -127,7 +128,8 @@ class LLMService:
         first request must not pay for loading or compiling kernels)."""
         s = self.llm
         s.prefill([0], 0)
-        s.step_many(list(range(s.slots)), [0] * s.slots)
+        for rows in s._sizes:  # every decode graph (numba compiles per shape)
+            s.step_many(list(range(rows)), [0] * rows)
         for slot in range(s.slots):
             s.reset(slot)
 
