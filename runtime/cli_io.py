@@ -48,12 +48,13 @@ def pubkey(a: argparse.Namespace) -> bytes | None:
     return read_key(a.require_signature) if a.require_signature else None
 
 
-def open_session(a: argparse.Namespace):
-    """The session for ``a.bundle``: a path, or the payload of this executable."""
+def open_session(a: argparse.Namespace, bundle=None):
+    """The session for ``a.bundle``: a path, or the payload of this executable (or
+    ``bundle``, that one already opened)."""
     from .session import Session
 
     return Session(
-        a.bundle,
+        bundle if bundle is not None else a.bundle,
         threads=a.threads,
         require_signature=pubkey(a),
         verify_weights=getattr(a, "verify_weights", True),

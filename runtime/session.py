@@ -33,7 +33,7 @@ def open_located(
 class Session:
     def __init__(
         self,
-        path: str | os.PathLike | Located,
+        path: str | os.PathLike | Located | Bundle,
         threads: int | None = None,
         require_signature: bytes | None = None,
         verify_weights: bool = True,
@@ -46,7 +46,11 @@ class Session:
         ``require_gpu``. ``gpu_weights``: ``"upload"`` (a device copy, made once) or
         ``"map"`` (the GPU reads the mmap'd file pages; for unified-memory boards)."""
         set_threads(threads)
-        self.bundle: Bundle = open_located(path, require_signature, verify_weights)
+        # an already opened bundle (serve's, after a look at its manifest) or a path
+        self.bundle: Bundle = (
+            path if isinstance(path, Bundle)
+            else open_located(path, require_signature, verify_weights)
+        )  # fmt: skip
         self.manifest = self.bundle.manifest
         self.executor = Executor(
             self.manifest,

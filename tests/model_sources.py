@@ -241,3 +241,31 @@ def text_page(rng, shape):
             x[:, :, top : top + rng.integers(2, 6), c : c + rng.integers(8, 16)] = -1.8
             c += int(rng.integers(8, 20))
     return x
+
+
+def word_llama(folder: Path, words: list[str], template: str, positions: int, seed: int = 0):
+    """A random-weight 2-layer Llama from transformers (tied embeddings, large weights
+    so greedy text varies) saved in ``folder`` with a word-level tokenizer over
+    ``words`` (ids in that order; "<s>" 0 and "</s>" 1 are BOS and EOS) and the chat
+    ``template``. Returns (the transformers model, the tokenizer)."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=positions, tie_word_embeddings=True,
+                      initializer_range=0.5, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    (Path(folder) / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"})
+    )
+    return model, tok

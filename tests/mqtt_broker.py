@@ -308,6 +308,18 @@ def digits_bundle(base: Path, batch: int = 1, quant: str = "fp32") -> Path:
     return _BUNDLES[key]
 
 
+def digits_ref_rows(session, x: np.ndarray) -> np.ndarray:
+    """What ``edgepack run`` gives for each row of ``x`` (batch bundles: the row in a
+    zero-padded batch, which is how the agent runs a part-full batch)."""
+    b = session.inputs[0]["shape"][0]
+    out = []
+    for row in x:
+        z = np.zeros((b, 1, 8, 8), np.float32)
+        z[0] = row
+        out.append(session.run({"image": z})["logits"][0])
+    return np.stack(out)
+
+
 def digits_inputs() -> np.ndarray:
     """Real inputs: the scikit-learn digits test split, float32 [N, 1, 8, 8]."""
     import train_digits

@@ -70,16 +70,6 @@ def _triton(url: str, **kw):
     return th, th.InferenceServerClient(url.split("://", 1)[1], **kw)
 
 
-def _ref_rows(session, x: np.ndarray) -> np.ndarray:
-    b = session.inputs[0]["shape"][0]
-    out = []
-    for row in x:
-        z = np.zeros((b, 1, 8, 8), np.float32)
-        z[0] = row
-        out.append(session.run({"image": z})["logits"][0])
-    return np.stack(out)
-
-
 @pytest.mark.parametrize("binary", [False, True])
 def test_tritonclient_infer_equals_local_run(env, binary):
     th, c = _triton(env.url1)
@@ -105,7 +95,7 @@ def test_batched_bundle_takes_any_row_count(env):
     inp = th.InferInput("image", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=True)
     res = c.infer("digits4", [inp], headers={"Authorization": f"Bearer {KEY}"})
-    assert np.array_equal(res.as_numpy("logits"), _ref_rows(env.ref4, x))
+    assert np.array_equal(res.as_numpy("logits"), mb.digits_ref_rows(env.ref4, x))
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_rows(env):
@@ -124,7 +114,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_rows(env):
 
     with cf.ThreadPoolExecutor(6) as pool:
         rs = list(pool.map(one, range(12)))
-    want = _ref_rows(env.ref4, X)
+    want = mb.digits_ref_rows(env.ref4, X)
     for i, r in enumerate(rs):
         assert r.status_code == 200, r.text
         y = np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(1, 10)
@@ -288,7 +278,7 @@ def test_one_queue_for_mqtt_and_http(env, tmp_path):
         rs = [httpx.post(f"{url}/v2/models/digits4/infer", json={"inputs": [
             {"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32",
              "data": X[i].ravel().tolist()}]}) for i in range(3, 6)]  # fmt: skip
-        want = _ref_rows(env.ref4, X)
+        want = mb.digits_ref_rows(env.ref4, X)
         for i, j in enumerate(jobs):
             assert np.array_equal(j.result(timeout=30)["logits"][0], want[i])
         for i, r in enumerate(rs, 3):

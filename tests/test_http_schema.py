@@ -54,45 +54,35 @@ def llm_server(tmp_path_factory):
         mb.cleanup()
 
 
+FAST = settings(max_examples=25, deadline=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))  # fmt: skip
+tensor_lazy = schemathesis.pytest.from_fixture("tensor_schema")
+llm_lazy = schemathesis.pytest.from_fixture("llm_schema")
+
+
 @pytest.fixture(scope="module")
 def tensor_schema(tensor_server):
-    return _schema_of(tensor_server), tensor_server
+    return _schema_of(tensor_server)
 
 
 @pytest.fixture(scope="module")
 def llm_schema(llm_server):
-    return _schema_of(llm_server), llm_server
-
-
-FAST = settings(max_examples=25, deadline=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))  # fmt: skip
-tensor_lazy = schemathesis.pytest.from_fixture("tensor_lazy_schema")
-llm_lazy = schemathesis.pytest.from_fixture("llm_lazy_schema")
-
-
-@pytest.fixture(scope="module")
-def tensor_lazy_schema(tensor_schema):
-    return tensor_schema[0]
-
-
-@pytest.fixture(scope="module")
-def llm_lazy_schema(llm_schema):
-    return llm_schema[0]
+    return _schema_of(llm_server)
 
 
 @tensor_lazy.parametrize()
 @FAST
-def test_tensor_server_follows_its_openapi_document(case, tensor_schema):
-    case.call_and_validate(base_url=tensor_schema[1], headers=AUTH)
+def test_tensor_server_follows_its_openapi_document(case, tensor_server):
+    case.call_and_validate(base_url=tensor_server, headers=AUTH)
 
 
 @llm_lazy.parametrize()
 @FAST
-def test_llm_server_follows_its_openapi_document(case, llm_schema):
+def test_llm_server_follows_its_openapi_document(case, llm_server):
     from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     # A schema-valid prompt can still be longer than the model's context (a token count
     # no schema can state): that is a documented 400 (context_length_exceeded), so the
     # "valid data is accepted" check does not apply; every other check does.
-    case.call_and_validate(base_url=llm_schema[1], headers=AUTH,
+    case.call_and_validate(base_url=llm_server, headers=AUTH,
                            excluded_checks=[positive_data_acceptance])  # fmt: skip

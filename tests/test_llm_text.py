@@ -3,7 +3,6 @@ the sampler, stop strings and streaming, end to end through the bundle."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -15,8 +14,7 @@ from edgepack.runtime.generate import Stats, generate
 from edgepack.runtime.llm import LLMSession
 from edgepack.runtime.sampling import Sampler
 from edgepack.runtime.text import TextCodec, TextError
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM
+from model_sources import word_llama
 
 pytestmark = pytest.mark.cpu
 
@@ -30,21 +28,8 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     d = tmp_path_factory.mktemp("text")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, tie_word_embeddings=True,
-                      initializer_range=0.5, bos_token_id=0, eos_token_id=1)  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
     hf = d / "hf"
-    model.save_pretrained(hf)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(hf / "tokenizer.json"))
-    (hf / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"})
-    )
+    model, _ = word_llama(hf, WORDS, TEMPLATE, 64)
     build_llm(hf, d / "t.epk", ctx=48, chunk=4, kv="f32", log=lambda s: None)
     return model, d / "t.epk"
 

@@ -80,22 +80,10 @@ def env(tmp_path_factory):
         mb.cleanup()
 
 
-def ref_rows(session, x: np.ndarray) -> np.ndarray:
-    """What ``edgepack run`` gives for each row of ``x`` (batch bundles: the row in a
-    zero-padded batch, which is how the agent runs a part-full batch)."""
-    b = session.inputs[0]["shape"][0]
-    out = []
-    for row in x:
-        z = np.zeros((b, 1, 8, 8), np.float32)
-        z[0] = row
-        out.append(session.run({"image": z})["logits"][0])
-    return np.stack(out)
-
-
 @pytest.mark.parametrize("encoding", ["safetensors", "npz", "json", "b64"])
 def test_answers_equal_local_run(env, encoding):
     c, X = env.client, env.X
-    want = ref_rows(env.ref1, X[:12])
+    want = mb.digits_ref_rows(env.ref1, X[:12])
     jobs = [
         c.submit(
             {"image": X[i : i + 1]},
@@ -111,7 +99,7 @@ def test_answers_equal_local_run(env, encoding):
         assert j.device == "dev-a"
     # one job of 7 rows on a batch-1 bundle: 7 runs, one answer
     y = c.infer(X[20:27], device="dev-a", encoding=encoding if encoding != "b64" else "npy")
-    assert np.array_equal(y["logits"], ref_rows(env.ref1, X[20:27]))
+    assert np.array_equal(y["logits"], mb.digits_ref_rows(env.ref1, X[20:27]))
 
 
 def test_batched_bundle_combines_jobs_and_matches_run(env):
@@ -124,7 +112,7 @@ def test_batched_bundle_combines_jobs_and_matches_run(env):
     combined = 0
     for s, n, j in jobs:
         y = j.result(timeout=30)["logits"]
-        assert np.array_equal(y, ref_rows(env.ref4, X[s : s + n]))
+        assert np.array_equal(y, mb.digits_ref_rows(env.ref4, X[s : s + n]))
         combined += j.meta["timing"]["batch_rows"] > n  # ran together with another job
     assert combined > 0
 
@@ -137,9 +125,9 @@ def test_stream_yields_each_row_once(env):
         a, b = part.rows
         seen[a:b] += 1
         assert part.device == "dev-b4"
-        assert np.array_equal(part.outputs["logits"], ref_rows(env.ref4, X[a:b]))
+        assert np.array_equal(part.outputs["logits"], mb.digits_ref_rows(env.ref4, X[a:b]))
     assert (seen == 1).all()
-    assert np.array_equal(job.result()["logits"], ref_rows(env.ref4, X[:10]))
+    assert np.array_equal(job.result()["logits"], mb.digits_ref_rows(env.ref4, X[:10]))
 
 
 def test_resent_job_id_gets_the_stored_answer(env):
@@ -195,7 +183,7 @@ def test_mqtt_3_1_1_client_gets_json_answer(env):
     y = np.asarray(r["outputs"]["logits"]["data"], np.float32).reshape(
         r["outputs"]["logits"]["shape"]
     )
-    assert np.array_equal(y, ref_rows(env.ref1, x))
+    assert np.array_equal(y, mb.digits_ref_rows(env.ref1, x))
 
 
 def test_past_deadline_gets_error_not_answer(env):
@@ -214,7 +202,8 @@ def test_full_queue_answers_busy_and_client_retries(env):
         env.client.submit({"image": X[i : i + 1]}, device="dev-q", timeout=30) for i in range(8)
     ]
     for i, j in enumerate(jobs):
-        assert np.array_equal(j.result(timeout=60)["logits"], ref_rows(env.ref4, X[i : i + 1]))
+        want = mb.digits_ref_rows(env.ref4, X[i : i + 1])
+        assert np.array_equal(j.result(timeout=60)["logits"], want)
     assert env.client.stats["retryable_errors"] > 0
     r = raw_job(
         env, "edgepack/v1/dev/dev-q/jobs", {"id": "q-0", "inputs": {"image": X[:1].tolist()}}
@@ -233,7 +222,7 @@ def test_large_input_goes_by_reference(env):
     before = env.client.stats["by_reference"]
     y = env.client.infer({"image": X}, model="digits4", timeout=60)
     assert env.client.stats["by_reference"] == before + 1
-    assert np.array_equal(y["logits"], ref_rows(env.ref4, X))
+    assert np.array_equal(y["logits"], mb.digits_ref_rows(env.ref4, X))
 
 
 def ep(*args, **kw) -> subprocess.CompletedProcess:
@@ -269,7 +258,7 @@ def test_mosquitto_pub_and_sub_walkthrough(env, tmp_path):
     sub_args = ["mosquitto_sub", "-h", "127.0.0.1", "-p", port, "-V", "mqttv5", "-C", "1",
                 "-W", "30", "-t", "edgepack/v1/reply/walk"]  # fmt: skip
     x = env.X[9:10]
-    want = ref_rows(env.ref1, x)
+    want = mb.digits_ref_rows(env.ref1, x)
     # JSON in, JSON out
     sub = subprocess.Popen(sub_args, stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)  # let mosquitto_sub subscribe

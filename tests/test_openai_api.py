@@ -10,7 +10,6 @@ chat template; greedy answers are checked against transformers' own ``generate``
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import signal
 import time
 from types import SimpleNamespace
@@ -36,25 +35,10 @@ SLOTS = 16
 
 
 def _llama_folder(d):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from model_sources import word_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=CTX, tie_word_embeddings=True,
-                      initializer_range=0.5, bos_token_id=0, eos_token_id=1)  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
-    hf = d / "hf"
-    model.save_pretrained(hf)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(hf / "tokenizer.json"))
-    (hf / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"})
-    )
-    return model, tok, hf
+    model, tok = word_llama(d / "hf", WORDS, TEMPLATE, CTX)
+    return model, tok, d / "hf"
 
 
 @pytest.fixture(scope="module")

@@ -237,9 +237,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from ..cli_io import pubkey
     from ..session import open_located
 
-    located = open_located(a.bundle, pubkey(a))
+    # opened (signature checked, weights verified) once, whichever kind it is
+    located = open_located(a.bundle, pubkey(a), getattr(a, "verify_weights", True))
     llm = "llm" in located.manifest
-    session = located if llm else open_session(a)
+    session = located if llm else open_session(a, located)
     model = a.model or _model_name(session, a.bundle)
     device = a.device or None
     for value, what in ((device, "--device"), (model, "--model"), (a.group, "--group")):

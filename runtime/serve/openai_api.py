@@ -168,23 +168,22 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                             "owned_by": "edgepack"}]}  # fmt: skip
 
-    @app.post("/v1/chat/completions", summary="OpenAI: chat completion (streams with SSE)",
-              responses={200: _ANSWER})  # fmt: skip
-    async def chat(r: ChatRequest, request: Request):
+    async def answer(r: ChatRequest | CompletionRequest, request: Request, kind: str):
         try:
             ids, n = prompt_and_limit(service, r)
         except GenRequestError as e:
             raise fail(e.code, e.message) from None
-        return await run(r, ids, n, "chat", request)
+        return await run(r, ids, n, kind, request)
+
+    @app.post("/v1/chat/completions", summary="OpenAI: chat completion (streams with SSE)",
+              responses={200: _ANSWER})  # fmt: skip
+    async def chat(r: ChatRequest, request: Request):
+        return await answer(r, request, "chat")
 
     @app.post("/v1/completions", summary="OpenAI: text completion (streams with SSE)",
               responses={200: _ANSWER})  # fmt: skip
     async def complete(r: CompletionRequest, request: Request):
-        try:
-            ids, n = prompt_and_limit(service, r)
-        except GenRequestError as e:
-            raise fail(e.code, e.message) from None
-        return await run(r, ids, n, "text", request)
+        return await answer(r, request, "text")
 
 
 class GenRequestError(ValueError):
