@@ -27,6 +27,9 @@ def cmd_build(a: argparse.Namespace) -> int:
         group_size=a.group_size,
         conv_algo=a.conv_algo,
         layout=a.layout,
+        tokenizer=a.tokenizer,
+        pooling=a.pooling,
+        embedding_output=a.embedding_output,
     )
     private = read_key(a.sign, "private key") if a.sign else None
     embed = read_key(a.embed_pubkey) if a.embed_pubkey else None
@@ -59,6 +62,9 @@ def cmd_build(a: argparse.Namespace) -> int:
 def _build_llm(a: argparse.Namespace, private: bytes | None, embed: bytes | None) -> int:
     from .packager.llm.build import build_llm
 
+    if a.tokenizer or a.embedding_output or a.pooling != "auto":
+        raise ValueError("--tokenizer, --pooling and --embedding-output are for ONNX text "
+                         "encoders; a language model carries its folder's tokenizer.json")
     kw = dict(quant_embed=a.quant_embed, group_size=a.group_size, ctx=a.ctx, slots=a.slots,
               chunk=a.chunk, kv=a.kv, act_quant=a.act_quant, max_error=a.max_error)  # fmt: skip
     if a.target:  # the target's stub runs the bundle (run, info, bench; generate needs
@@ -213,6 +219,16 @@ def make_parser() -> argparse.ArgumentParser:
         help="auto (default): conv regions run channels-last (NHWC) on CPU targets "
         "(docs/bundle-format.md); nchw: every activation channels-first as imported",
     )
+    enc = p.add_argument_group("text encoders (ONNX; serve answers /v1/embeddings, docs/http.md)")
+    enc.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
+                     help="carry this Hugging Face tokenizer.json: inputs named input_ids, "
+                     "attention_mask (and token_type_ids) take tokenized text")
+    enc.add_argument("--pooling", choices=("auto", "mean", "cls", "none"), default="auto",
+                     help="token vectors -> one vector per text (default auto: none for a "
+                     "[batch, dim] output, mean over the mask for [batch, tokens, dim])")
+    enc.add_argument("--embedding-output", metavar="NAME",
+                     help="the output holding the embeddings (default: a [batch, dim] "
+                     "output such as sentence_embedding, else the first [batch, tokens, dim])")
     llm = p.add_argument_group("language models (a model folder)")
     llm.add_argument("--ctx", type=int, default=DEFAULT_CTX,
                      help=f"positions per sequence: the KV cache's length (default {DEFAULT_CTX})")

@@ -17,6 +17,7 @@ from ..kernels.registry import wants
 from ..kernels.wtypes import DEFAULT_GROUP, by_quant
 from ..runtime.errortable import format_error_table
 from ..runtime.executor import DTYPES, Executor, seeded_feeds
+from ..runtime.text import TOKENIZER
 from .conv_algo import choose_conv_algorithms
 from .fuse import optimise
 from .ir import Graph, PackError
@@ -27,6 +28,7 @@ from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
 from .precision import keep_sensitive, measured_tensors, output_cosine, quantized_weights
 from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
+from .text_encoder import text_encoder_section
 from .writer import write_bundle
 
 DEFAULT_CALIB_SAMPLES = 8
@@ -135,11 +137,16 @@ def build(
     log: Callable[[str], None] = print,
     constant_inputs: Mapping[str, np.ndarray | str] | None = None,
     min_cosine: float | None = None,
+    tokenizer: str | Path | None = None,
+    pooling: str = "auto",
+    embedding_output: str | None = None,
 ) -> BuildResult:
     """Pack ``model`` into the bundle ``out``. ``min_cosine``: with a quantized mode,
     keep the most sensitive layers float32 until the outputs' cosine with fp32 on the
     calibration inputs reaches it (packager/precision.py); None: DEFAULT_MIN_COSINE
-    with ``calib`` (real inputs), off without; 0: off."""
+    with ``calib`` (real inputs), off without; 0: off. ``tokenizer``: a text encoder's
+    tokenizer.json, carried with its ``pooling`` of ``embedding_output`` so that
+    ``serve --http`` answers /v1/embeddings (packager/text_encoder.py)."""
     if quant not in MODES:
         raise PackError(f"--quant {quant!r}; choose from {', '.join(MODES)}")
     if min_cosine is None:  # seeded random inputs say little of what the data needs
@@ -154,6 +161,15 @@ def build(
     g = import_onnx(model, input_shapes, log=lambda s: log("      " + s),
                     constant_inputs=constant_inputs)
     n_onnx = len(g.nodes)
+    carried: dict[str, np.ndarray] = {}  # tensors no node reads (a tokenizer)
+    encoder = None
+    if tokenizer is not None:
+        encoder, carried[TOKENIZER] = text_encoder_section(g, tokenizer, pooling,
+                                                           embedding_output)  # fmt: skip
+        log(f"      text encoder: {encoder['pooling']} pooling of {encoder['output']!r} "
+            f"({encoder['dimensions']} dims, up to {encoder['max_tokens']} tokens)")
+    elif pooling != "auto" or embedding_output is not None:
+        raise PackError("--pooling and --embedding-output go with --tokenizer")
     stage(2, "fold and fuse")
     stats = optimise(g)
     log(
@@ -198,6 +214,8 @@ def build(
         | ({"group_size": group_size} if quant == "int4" else {}),
         **(extra_manifest or {}),
     }
+    if encoder is not None:
+        extra["text_encoder"] = encoder
     error = None
     if quant != "fp32":
         stage(5, "measure quantization error on calibration inputs")
@@ -249,6 +267,7 @@ def build(
             )
     else:
         stage(5, "no quantization error to measure (fp32)")
+    q.consts.update(carried)  # weight-section entries no node reads
     manifest = make_manifest(q, plan, extra)
     stage(6, f"write {out}")
     size = write_bundle(out, manifest, q.consts)

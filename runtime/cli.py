@@ -58,7 +58,9 @@ def describe(bundle, file_size: int) -> str:
         row = WTYPES.get(m["weights"][name]["dtype"])
         return int(np.prod(w.shape)) * (row.per_element if row else 1)
 
-    params = sum(count(k, w) for k, w in bundle.weights.items())
+    from .text import TOKENIZER  # carried in the weight section, not a parameter
+
+    params = sum(count(k, w) for k, w in bundle.weights.items() if k != TOKENIZER)
     wtypes_used = Counter(
         m["weights"][n["inputs"][1]]["dtype"]
         for n in g["nodes"]
@@ -81,6 +83,13 @@ def describe(bundle, file_size: int) -> str:
         out.append(
             f"          activations int8 in blocks of {block} at {count_xq} linear(s) "
             "(integer products); float32 elsewhere"
+        )
+    if "text_encoder" in m:
+        e = m["text_encoder"]
+        out.append(
+            f"encoder:  {e['pooling']} pooling of {e['output']} -> {e['dimensions']} dims"
+            f"{', normalised' if e['normalize'] else ''}; texts of up to {e['max_tokens']} "
+            f"tokens (tokenizer.json, vocab {e['vocab_size']}): serve answers /v1/embeddings"
         )
     if "llm" in m:
         from .llm_cli import llm_summary

@@ -19,18 +19,22 @@ class TextError(ValueError):
     """The bundle cannot turn text into tokens or back (no tokenizer, no template)."""
 
 
+def load_tokenizer(weights: Mapping[str, np.ndarray]):
+    """The ``tokenizers.Tokenizer`` a bundle carries, or TextError."""
+    if TOKENIZER not in weights:
+        raise TextError("this bundle carries no tokenizer (its model folder had none)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise TextError(
+            "this runtime lacks the tokenizers package (pip install 'edgepack[llm]')"
+        ) from None
+    return Tokenizer.from_str(bytes(weights[TOKENIZER]).decode("utf-8"))
+
+
 class TextCodec:
     def __init__(self, manifest: Mapping, weights: Mapping[str, np.ndarray]) -> None:
-        if TOKENIZER not in weights:
-            raise TextError("this bundle carries no tokenizer (its model folder had none)")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise TextError(
-                "this runtime lacks the tokenizers package (pip install 'edgepack[llm]')"
-            ) from None
-
-        self.tok = Tokenizer.from_str(bytes(weights[TOKENIZER]).decode("utf-8"))
+        self.tok = load_tokenizer(weights)
         info = manifest["llm"].get("text", {})
         self.template = info.get("chat_template")
         self.bos, self.eos = info.get("bos_token"), info.get("eos_token")

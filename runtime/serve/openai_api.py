@@ -163,10 +163,7 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
                 "created": int(time.time()), "model": name, "choices": [choice],
                 "usage": data["usage"], "timings": data["timings"]}  # fmt: skip
 
-    @app.get("/v1/models", summary="OpenAI: the model served")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "edgepack"}]}  # fmt: skip
+    model_list(app, name, created)
 
     async def answer(r: ChatRequest | CompletionRequest, request: Request, kind: str):
         try:
@@ -184,6 +181,16 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
               responses={200: _ANSWER})  # fmt: skip
     async def complete(r: CompletionRequest, request: Request):
         return await answer(r, request, "text")
+
+
+def model_list(app: FastAPI, name: str, created: int | None = None) -> None:
+    """GET /v1/models: the one model served."""
+    created = int(time.time()) if created is None else created
+
+    @app.get("/v1/models", summary="OpenAI: the model served")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "edgepack"}]}  # fmt: skip
 
 
 class GenRequestError(ValueError):

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...kernels.registry import DTYPES
-from ..executor import Executor
+from ..executor import DTYPES, Executor  # the arena's dtypes (token ids are i64)
 
 log = logging.getLogger("edgepack.agent")
 

@@ -67,6 +67,11 @@ class Service:
             run_estimate_s=run_s,
         )
         self.input_dtypes = {t["name"]: DTYPES[t["dtype"]] for t in session.inputs}
+        self.encoder = None  # a text encoder's tokenizer and pooling (/v1/embeddings)
+        if "text_encoder" in session.manifest:
+            from ..embed import TextEncoder
+
+            self.encoder = TextEncoder(session.manifest, session.bundle.weights)
         self.closed = False
 
     def _warm_up(self, executors: list[Executor]) -> float:
