@@ -115,6 +115,32 @@ class LLMSession:
             logits = out[-1]
         return logits
 
+    def prefill_many(self, parts: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """One prompt-chunk run holding the next tokens of several sequences: ``parts``
+        is (slot, tokens) with distinct slots and at most ``chunk`` tokens together.
+        Each row names its slot and position, and the attention stores every row's key
+        and value before any row attends, so prompts packed together read only their
+        own sequence. No logits: a caller feeds each prompt's last token through a
+        decode step (``step_many``), which gives them."""
+        ts = [(slot, self._tokens(tokens, slot)) for slot, tokens in parts]
+        n = sum(t.size for _, t in ts)
+        slots = [slot for slot, _ in ts]
+        if not n or n > self.chunk or len(set(slots)) != len(slots):
+            raise LLMError(f"prefill_many: {n} tokens of slots {slots} (1 to {self.chunk} "
+                           "tokens, distinct slots)")  # fmt: skip
+        f = self._feeds["prefill"]
+        lo = self.chunk - n  # idle rows first, as prefill's
+        f["ids"][:lo], f["pos"][:lo], f["slot"][:lo] = 0, 0, -1
+        for slot, t in ts:
+            start = self.positions[slot]
+            f["ids"][lo : lo + t.size] = t
+            f["pos"][lo : lo + t.size] = np.arange(start, start + t.size)
+            f["slot"][lo : lo + t.size] = slot
+            lo += t.size
+        self.prefill_ex.run_views(f)
+        for slot, t in ts:
+            self.positions[slot] += t.size
+
     def step(self, token: int, slot: int = 0) -> np.ndarray:
         """Feed one token to sequence ``slot``; the logits [vocab] after it (the same
         arena view every time: read it before the next run). The steady-state decode
@@ -141,22 +167,50 @@ class LLMSession:
         Graphs of different row counts may round differently in the last bits (their
         products are blocked differently); a caller that wants a sequence's tokens not
         to depend on what runs beside it passes the same ``rows`` every time."""
-        for slot, token in zip(slots, tokens):
-            if not (0 <= slot < self.slots and 0 <= token < self.vocab) or (
-                self.positions[slot] >= self.ctx
-            ):
-                self._tokens([token], slot)  # raises, naming what is wrong
-        if len(set(slots)) != len(slots) or not slots:
-            raise LLMError(f"step_many: slots {list(slots)} are empty or repeat")
-        k = len(slots)
+        return self.step_rows([(slot, [token]) for slot, token in zip(slots, tokens)], rows)
+
+    @property
+    def max_rows(self) -> int:
+        """The rows of the largest decode graph (one per slot)."""
+        return self._sizes[-1]
+
+    def step_rows(self, items: Sequence[tuple[int, Sequence[int]]],
+                  rows: int = 0) -> list[np.ndarray]:  # fmt: skip
+        """``step_many`` where a sequence may bring several tokens: ``items`` is (slot,
+        tokens), distinct slots, at most ``max_rows`` tokens together, laid out row
+        after row. The attention stores every row's key and value before any row
+        attends, so a prompt's remaining tokens can ride in the same run as the other
+        sequences' next tokens (the serving engine's mixed steps). Returns the logits
+        after each item's last token."""
+        k = sum(len(t) for _, t in items)
+        slots = [slot for slot, _ in items]
+        if not items or len(set(slots)) != len(slots) or k > self.max_rows or any(
+            len(t) == 0 for _, t in items
+        ):
+            raise LLMError(f"step_rows: {k} tokens of slots {slots} (1 to {self.max_rows} "
+                           "tokens, distinct slots, none empty)")  # fmt: skip
+        for slot, tokens in items:
+            if len(tokens) == 1:  # the steady-state case: checks by comparison
+                if not (0 <= slot < self.slots and 0 <= tokens[0] < self.vocab) or (
+                    self.positions[slot] >= self.ctx
+                ):
+                    self._tokens(tokens, slot)  # raises, naming what is wrong
+            else:
+                self._tokens(tokens, slot)
         ex, f, out = self._decoders[next((r for r in self._sizes if r >= max(k, rows)),
                                          self._sizes[-1])]  # fmt: skip
         f["slot"].fill(-1)
         f["ids"].fill(0)
         f["pos"].fill(0)
-        for i, (slot, token) in enumerate(zip(slots, tokens)):
-            f["ids"][i], f["pos"][i], f["slot"][i] = token, self.positions[slot], slot
+        i, last = 0, []
+        for slot, tokens in items:
+            p = self.positions[slot]
+            for token in tokens:
+                f["ids"][i], f["pos"][i], f["slot"][i] = token, p, slot
+                i += 1
+                p += 1
+            last.append(i - 1)
         ex.run_views(f)
-        for slot in slots:
-            self.positions[slot] += 1
-        return out[:k]
+        for slot, tokens in items:
+            self.positions[slot] += len(tokens)
+        return [out[j] for j in last]

@@ -161,6 +161,44 @@ def test_decode_steps_of_several_sequences_on_every_row_count(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(together, alone))
 
 
+def test_prompts_packed_into_one_chunk_read_only_their_own_sequence(tmp_path):
+    # prefill_many: the serving engine packs several prompts (each but its last token)
+    # into one chunk, rows naming their slots; each prompt's last token then goes
+    # through a decode step with the others. Against transformers, and bit for bit
+    # against the same prompts prefilled one by one.
+    model = _llama(tmp_path / "hf", True, False)
+    out = tmp_path / "packed.epk"
+    build_llm(tmp_path / "hf", out, ctx=64, slots=4, chunk=8, kv="f32", log=lambda s: None)
+    prompts = [[5, 17, 3], [44, 1, 90, 90, 6], [7, 9], [12, 8, 30, 2]]
+    s, r = LLMSession(out), LLMSession(out)
+    s.prefill_many([(0, prompts[0][:-1]), (1, prompts[1][:-1]), (2, prompts[2][:-1])])
+    s.prefill_many([(3, prompts[3][:-1])])
+    got = [x.copy() for x in s.step_many([0, 1, 2, 3], [p[-1] for p in prompts], rows=4)]
+    for i, p in enumerate(prompts):
+        _close(got[i], _hf_logits(model, p)[-1], 1e-4)
+        r.prefill(p[:-1], slot=i)
+    alone = r.step_many([0, 1, 2, 3], [p[-1] for p in prompts], rows=4)
+    assert all(np.array_equal(a, b) for a, b in zip(got, alone))
+    assert s.positions == [len(p) for p in prompts]
+    with pytest.raises(LLMError, match="1 to 8 tokens, distinct slots"):
+        s.prefill_many([(0, [1] * 5), (1, [2] * 4)])
+    with pytest.raises(LLMError, match="distinct slots"):
+        s.prefill_many([(0, [1]), (0, [2])])
+    # step_rows: a decode run where sequences bring several tokens (a prompt's tail
+    # beside the others' next tokens); the logits after each one's last token
+    s = LLMSession(out)
+    s.prefill_many([(1, prompts[1][:2])])
+    seqs = [[], prompts[1][:2], [], []]
+    items = [(0, prompts[0][1:]), (1, prompts[1][2:3]), (3, prompts[3][:1])]
+    got = s.step_rows(items)
+    for (slot, toks), lg in zip(items, got):
+        seqs[slot] = seqs[slot] + list(toks)
+        _close(lg, _hf_logits(model, seqs[slot])[-1], 1e-4)
+    assert s.positions == [2, 3, 0, 1]
+    with pytest.raises(LLMError, match="1 to 4 tokens"):
+        s.step_rows([(0, [1, 2, 3]), (2, [4, 5])])
+
+
 def test_the_bundle_records_the_kv_cache_and_refuses_a_full_context(llama):
     _, path = llama
     s = LLMSession(path)

@@ -20,7 +20,7 @@ from .. import portable
 from ..activations import EXP_LN2_HI, EXP_LN2_LO, EXP_LO, EXP_LOG2E, EXP_TAYLOR
 from ..ops import GATE_ACTS
 from .jit import njit
-from .kernels import half_to_f32
+from .kernels import exp_f32, half_to_f32, tanh_f32
 from .simd import Ops, prefetch
 
 _V8 = Ops(8)  # eight lanes on every CPU (AVX-512 uses ymm, NEON two q registers)
@@ -144,24 +144,26 @@ def rope_rows(x, pos, cos, sin, y, heads, hd):
             y[t, i] = x[t, i]
 
 
-@njit(inline="always")
-def _gate(g, act):
-    if act == 0:  # silu
-        return g / (1.0 + np.exp(-g))
-    # gelu_tanh
-    return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
-
-
 GATE_CODES = {a: i for i, a in enumerate(GATE_ACTS)}  # what glu_rows' ``act`` means
 
 
 @njit(cache=True)
 def glu_rows(x, y, act):
-    """y[r, i] = act(x[r, i]) * x[r, F + i], x [R, 2F], y [R, F]."""
+    """y[r, i] = act(x[r, i]) * x[r, F + i], x [R, 2F], y [R, F]. In float32 with the
+    libm-free exp and tanh, so the loops vectorise: the float64 gate called libm's exp
+    per element, 8 ns each (SmolLM2's 32-token prompt chunk spent 12 ms in it, Zen 2)."""
     f = y.shape[1]
     for r in range(x.shape[0]):
-        for i in range(f):
-            y[r, i] = _gate(np.float64(x[r, i]), act) * x[r, f + i]
+        if act == 0:  # silu
+            for i in range(f):
+                g = x[r, i]
+                y[r, i] = g / (np.float32(1) + exp_f32(-g)) * x[r, f + i]
+        else:  # gelu_tanh
+            for i in range(f):
+                g = x[r, i]
+                u = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+                t = tanh_f32(u)
+                y[r, i] = np.float32(0.5) * g * (np.float32(1) + t) * x[r, f + i]
 
 
 @njit(cache=True)

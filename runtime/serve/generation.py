@@ -5,12 +5,16 @@ Each turn of the loop:
 
 1. admits waiting sequences into free KV-cache slots (a slot is the bundle's planned
    cache rows: no allocation per request);
-2. runs **one prefill chunk** (the bundle's ``chunk`` tokens) of the oldest sequence
-   still reading its prompt, so a long prompt never stalls the running streams for
-   more than one chunk;
-3. runs **one decode step for every generating sequence together**: the decode graph
-   has a row per slot, so its projections are one GEMM over the active rows
-   (``LLMSession.step_many``), not a GEMV per sequence;
+2. when the prompts being read do not fit in the rows the decode step leaves free,
+   runs **one prefill chunk** (the bundle's ``chunk`` tokens) holding them, oldest
+   first, each but its last token (``prefill_many``: rows name their sequence, so
+   several prompts share one run); a long prompt never stalls the running streams for
+   more than one chunk a turn;
+3. runs **one decode step for every generating sequence together**, its free rows
+   filled with prompt tokens (``LLMSession.step_rows``; a prompt that ends there gets
+   its first token from its last row): the decode graph has a row per slot, so its
+   projections are one GEMM over the rows, not a GEMV per sequence, and a short prompt
+   costs a few rows of a step instead of a chunk of mostly idle rows;
 4. samples each sequence's next token with its own sampler, streams its text, and
    frees the slot of a sequence that ended (end of sequence, a stop string,
    ``max_tokens``, the context's end, a cancel, its deadline).
@@ -186,26 +190,49 @@ class Engine:
             elif seq.deadline is not None and now > seq.deadline:
                 self._finish(seq, error=("deadline_exceeded", "the deadline passed"))
         s = self.session
-        reading = [q for q in self._running if q.fed < len(q.prompt)]
-        if reading:
-            seq = reading[0]
-            if seq.fed == 0:
+        for seq in self._running:
+            if seq.fed == 0 and seq.started_at is None:
                 s.reset(seq.slot)
                 seq.started_at = time.monotonic()
-            part = seq.prompt[seq.fed : seq.fed + s.chunk]
-            logits = s.prefill(part, seq.slot)
-            seq.fed += len(part)
-            if seq.fed == len(seq.prompt):
-                self._next(seq, logits)
         going = [q for q in self._running if q.fed == len(q.prompt) and not q.finished
                  and q.last >= 0]  # fmt: skip
-        if going:
-            rows = s.step_many([q.slot for q in going], [q.last for q in going],
-                               self.min_rows)  # fmt: skip
+        reading = [q for q in self._running if q.fed < len(q.prompt)]
+        free = s.max_rows - len(going)
+        if self.min_rows or sum(len(q.prompt) - q.fed for q in reading) > free:
+            # Prompts the step cannot take whole: a prompt chunk, each prompt but its
+            # last token, packed oldest first (rows name their sequence, so several
+            # short prompts share one run). Batch-invariant serving always takes this
+            # path, so a prompt token's rounding never depends on what runs beside it.
+            parts, room = [], s.chunk
+            for seq in reading:
+                n = min(len(seq.prompt) - 1 - seq.fed, room)
+                if n > 0:
+                    parts.append((seq.slot, seq.prompt[seq.fed : seq.fed + n]))
+                    seq.fed += n
+                    room -= n
+            if parts:
+                s.prefill_many(parts)
+        # One decode-graph run: each generating sequence's next token, then prompt
+        # tokens (oldest first) in the rows left, so a short prompt, or a long one's
+        # tail, needs no prompt chunk of mostly idle rows; a prompt that ends in the
+        # step has its first token from its last row's logits.
+        items = [(q.slot, [q.last]) for q in going]
+        owners = list(going)
+        for seq in reading:
+            n = min(len(seq.prompt) - seq.fed, free)
+            if n <= 0 or (self.min_rows and n > 1):
+                continue
+            items.append((seq.slot, seq.prompt[seq.fed : seq.fed + n]))
+            owners.append(seq)
+            seq.fed += n
+            free -= n
+        if items:
+            outs = s.step_rows(items, self.min_rows)
             self.steps += 1
-            self.rows += len(going)
-            for seq, logits in zip(going, rows):
-                self._next(seq, logits)
+            self.rows += len(items)
+            for seq, logits in zip(owners, outs):
+                if seq.fed == len(seq.prompt):
+                    self._next(seq, logits)
 
     def _next(self, seq: GenSequence, logits) -> None:
         """Sample ``seq``'s next token from ``logits`` and stream it, or end it."""
