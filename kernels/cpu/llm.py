@@ -15,6 +15,7 @@ next step (issue 17's decode budget).
 from __future__ import annotations
 
 import numpy as np
+from numba import prange
 
 from .. import portable
 from ..activations import EXP_LN2_HI, EXP_LN2_LO, EXP_LO, EXP_LOG2E, EXP_TAYLOR
@@ -318,18 +319,21 @@ def _attend_head_scalar(qkv, t, s, p, lo, h, kh, kc, vc, out, sc, acc, hd, scale
         out[t, h * hd + i] = acc[i]
 
 
-@njit(cache=True)
+@njit(parallel=True, cache=True)
 def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, hd, scale,
                    window, cap, half):  # fmt: skip
     """The ``attention`` op (kernels/ref/llm.py) over caches kc, vc [S, C, Hkv, D]:
     float32, or halves as uint16 bits (``half``). ``qkv_bits`` is qkv viewed as uint32
-    (for the rounding to half); ``sc`` (group x C float32, group = heads / kv heads) and
-    ``acc`` (group x D float32) scratch. When D is a multiple of 8 the dot products,
-    the softmax's exp and the weighted sum run on 8-lane vectors (simd.Ops(8): fixed
-    lanes, so every CPU sums in the same order), and the query heads sharing a kv head
-    are taken together so each cached value row is read once for all of them.
-    SmolLM2 at depth 2048 (9 heads, 3 kv heads of 64, f16 cache, 1 thread): 0.27 ms a
-    layer with a scalar float64 exp per score and each head on its own."""
+    (for the rounding to half); ``sc`` (n x group x C float32, group = heads / kv heads)
+    and ``acc`` (n x group x D float32) scratch for n workers, which take the (row, kv
+    head) tasks in turn: the bind gives as many copies as threads run (n = 1: serial;
+    a bundle planned before workers had one). When D is a multiple of 8 the dot
+    products, the softmax's exp and the weighted sum run on 8-lane vectors
+    (simd.Ops(8): fixed lanes, so every CPU sums in the same order), and the query heads
+    sharing a kv head are taken together so each cached value row is read once for all
+    of them. SmolLM2 at depth 2048 (9 heads, 3 kv heads of 64, f16 cache, 1 thread):
+    0.27 ms a layer with a scalar float64 exp per score and each head on its own. A
+    task's sums are the same whichever worker runs it."""
     t_rows = qkv.shape[0]
     ko, vo = heads * hd, (heads + kvh) * hd
     for t in range(t_rows):  # every row checked before anything is stored
@@ -349,22 +353,28 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
                 kc[s, p, kh, i] = qkv[t, ko + j]
                 vc[s, p, kh, i] = qkv[t, vo + j]
     group = heads // kvh
-    for t in range(t_rows):
-        s = slot[t]
-        if s < 0:
-            for j in range(heads * hd):
-                out[t, j] = 0.0
-            continue
-        p = pos[t]
-        lo = max(0, p - window + 1) if window else 0
-        for kh in range(kvh):
+    per_sc, per_acc = group * kc.shape[1], group * hd
+    workers = max(1, min(sc.shape[0] // per_sc, acc.shape[0] // per_acc))
+    tasks = t_rows * kvh
+    for w in prange(workers):
+        scw = sc[w * per_sc : (w + 1) * per_sc]
+        accw = acc[w * per_acc : (w + 1) * per_acc]
+        for task in range(w, tasks, workers):
+            t, kh = task // kvh, task % kvh
+            s = slot[t]
+            if s < 0:
+                for j in range(kh * group * hd, (kh + 1) * group * hd):
+                    out[t, j] = 0.0
+                continue
+            p = pos[t]
+            lo = max(0, p - window + 1) if window else 0
             if hd % 8 == 0:
-                _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, scale,
-                                  cap, half)  # fmt: skip
+                _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, scw, accw, hd,
+                                  scale, cap, half)  # fmt: skip
             else:
                 for g in range(group):
-                    _attend_head_scalar(qkv, t, s, p, lo, kh * group + g, kh, kc, vc, out, sc,
-                                        acc, hd, scale, cap, half)  # fmt: skip
+                    _attend_head_scalar(qkv, t, s, p, lo, kh * group + g, kh, kc, vc, out, scw,
+                                        accw, hd, scale, cap, half)  # fmt: skip
 
 
 # The kernels the backend binds (kernels/cpu/native.py; AOT signatures in abi.py).
