@@ -9,6 +9,7 @@ from . import __version__
 from .kernels.wtypes import DEFAULT_GROUP, GROUP_SIZES, QUANT_MODES
 from .packager.llm import ACT_QUANT, DEFAULT_CHUNK, DEFAULT_CTX, KV_DTYPES
 from .packager.quantize import DEFAULT_MIN_WEIGHTS
+from .packager.text_encoder import POOLINGS
 from .runtime.cli import ERRORS, add_runtime_commands, dispatch
 
 
@@ -223,7 +224,7 @@ def make_parser() -> argparse.ArgumentParser:
     enc.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
                      help="carry this Hugging Face tokenizer.json: inputs named input_ids, "
                      "attention_mask (and token_type_ids) take tokenized text")
-    enc.add_argument("--pooling", choices=("auto", "mean", "cls", "none"), default="auto",
+    enc.add_argument("--pooling", choices=POOLINGS, default="auto",
                      help="token vectors -> one vector per text (default auto: none for a "
                      "[batch, dim] output, mean over the mask for [batch, tokens, dim])")
     enc.add_argument("--embedding-output", metavar="NAME",

@@ -58,8 +58,7 @@ def _pad_id(raw: bytes, tok) -> int:
 
 
 def text_encoder_section(
-    g: Graph, tokenizer: str | Path, pooling: str = "auto", output: str | None = None,
-    normalize: bool = True,
+    g: Graph, tokenizer: str | Path, pooling: str = "auto", output: str | None = None
 ) -> tuple[dict, np.ndarray]:
     """(the manifest's ``text_encoder`` section, tokenizer.json as the u8 tensor the
     bundle carries) for the imported graph ``g``, or PackError naming what does not fit."""
@@ -126,7 +125,7 @@ def text_encoder_section(
         "token_type_ids": roles.get("token_type_ids"),
         "output": output,
         "pooling": pooling,
-        "normalize": bool(normalize),
+        "normalize": True,  # OpenAI's embeddings are unit vectors
         "max_tokens": int(seq),
         "dimensions": int(oshape[-1]),
         "pad_id": _pad_id(raw, tok),

@@ -97,22 +97,9 @@ class LLMSession:
         t = self._tokens(tokens, slot)
         if not t.size:
             raise LLMError("prefill of no tokens")
-        f = self._feeds["prefill"]
         logits = None
         for c0 in range(0, t.size, self.chunk):
-            part = t[c0 : c0 + self.chunk]
-            n = part.size
-            start = self.positions[slot]
-            # A chunk's tokens fill its last n rows, so the last token is the graph's
-            # last row (the one whose logits a bundle's prefill computes; older bundles
-            # give every row's). Idle rows (slot -1) store and attend nothing.
-            lo = self.chunk - n
-            f["ids"][:lo], f["ids"][lo:] = 0, part
-            f["pos"][:lo], f["pos"][lo:] = 0, np.arange(start, start + n)
-            f["slot"][:lo], f["slot"][lo:] = -1, slot
-            (out,) = self.prefill_ex.run_views(f)
-            self.positions[slot] += n
-            logits = out[-1]
+            logits = self._prefill_chunk([(slot, t[c0 : c0 + self.chunk])])[-1]
         return logits
 
     def prefill_many(self, parts: Sequence[tuple[int, Sequence[int]]]) -> None:
@@ -121,25 +108,34 @@ class LLMSession:
         Each row names its slot and position, and the attention stores every row's key
         and value before any row attends, so prompts packed together read only their
         own sequence. No logits: a caller feeds each prompt's last token through a
-        decode step (``step_many``), which gives them."""
+        decode step (``step_rows``), which gives them."""
         ts = [(slot, self._tokens(tokens, slot)) for slot, tokens in parts]
         n = sum(t.size for _, t in ts)
         slots = [slot for slot, _ in ts]
         if not n or n > self.chunk or len(set(slots)) != len(slots):
             raise LLMError(f"prefill_many: {n} tokens of slots {slots} (1 to {self.chunk} "
                            "tokens, distinct slots)")  # fmt: skip
+        self._prefill_chunk(ts)
+
+    def _prefill_chunk(self, parts: Sequence[tuple[int, np.ndarray]]) -> np.ndarray:
+        """Run the prompt-chunk graph on ``parts`` ((slot, checked tokens), at most
+        ``chunk`` together) in its last rows, each at its sequence's next positions, and
+        advance them; the graph's logits output. The last token is the graph's last
+        row (the one whose logits a bundle's prefill computes; older bundles give every
+        row's). Idle rows (slot -1) store and attend nothing."""
         f = self._feeds["prefill"]
-        lo = self.chunk - n  # idle rows first, as prefill's
+        lo = self.chunk - sum(t.size for _, t in parts)
         f["ids"][:lo], f["pos"][:lo], f["slot"][:lo] = 0, 0, -1
-        for slot, t in ts:
+        for slot, t in parts:
             start = self.positions[slot]
             f["ids"][lo : lo + t.size] = t
             f["pos"][lo : lo + t.size] = np.arange(start, start + t.size)
             f["slot"][lo : lo + t.size] = slot
             lo += t.size
-        self.prefill_ex.run_views(f)
-        for slot, t in ts:
+        (out,) = self.prefill_ex.run_views(f)
+        for slot, t in parts:
             self.positions[slot] += t.size
+        return out
 
     def step(self, token: int, slot: int = 0) -> np.ndarray:
         """Feed one token to sequence ``slot``; the logits [vocab] after it (the same
