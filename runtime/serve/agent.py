@@ -163,13 +163,14 @@ class Agent:
         gc.collect()
         gc.freeze()
         self.started = True
-        self._publish_status("online")
+        # Logged before "online" goes out: whoever sees the status may read the log.
         log.info(
             "serving: jobs on %s%s; status on %s",
             self.jobs_topic,
             f" and {self.fleet_sub}" if self.fleet else "",
             self.status_topic,
         )
+        self._publish_status("online")
 
     def serve_forever(self, stop: threading.Event) -> None:
         """Publish metrics and expire stale state until ``stop`` is set."""
