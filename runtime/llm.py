@@ -72,8 +72,16 @@ class LLMSession:
         return int(self.spec["vocab"])
 
     def reset(self, slot: int = 0) -> None:
+        self.keep(slot, 0)
+
+    def keep(self, slot: int, n: int) -> None:
+        """Cut sequence ``slot`` back to its first ``n`` positions: the next token goes
+        to position ``n``, and the cached keys and values before it are kept (a prompt
+        that starts with the tokens the slot held reuses them)."""
         self._slot(slot)
-        self.positions[slot] = 0
+        if not 0 <= n <= self.positions[slot]:
+            raise LLMError(f"slot {slot} holds {self.positions[slot]} positions, not {n}")
+        self.positions[slot] = n
 
     def _slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:

@@ -128,6 +128,14 @@ def test_slots_are_separate_sequences(llama):
     _close(s.step(tb, slot=1), _hf_logits(model, b + [tb])[-1], 1e-4)
     s.reset(0)  # a new sequence in slot 0 starts from position 0
     _close(s.prefill(b, slot=0), _hf_logits(model, b)[-1], 1e-4)
+    # keep: a prompt sharing the slot's first 5 positions (b's prompt, then its own
+    # tokens) feeds only what follows them (the serving engine's prompt cache)
+    s.step(int(np.argmax(lb)), slot=0)
+    s.keep(0, 5)
+    c = b[:5] + [30, 31, 32]
+    _close(s.prefill(c[5:], slot=0), _hf_logits(model, c)[-1], 1e-4)
+    with pytest.raises(LLMError, match="holds 8 positions, not 9"):
+        s.keep(0, 9)
 
 
 def test_decode_steps_of_several_sequences_on_every_row_count(tmp_path):

@@ -163,6 +163,61 @@ def test_16_concurrent_streams_give_the_tokens_of_16_sequential_ones(env):
     assert rows > steps
 
 
+def test_a_chats_next_turn_reuses_the_cached_prompt(env):
+    # the second turn starts with the first turn's prompt: the server keeps the keys
+    # and values its slot holds (batch-invariant serving: the prompt tokens but the
+    # last) and feeds only the rest; the answer is still transformers' greedy one
+    msgs = [{"role": "user", "content": "w40 w41 w42 w43"}]
+    kw = {"model": "tiny", "max_tokens": 6, "temperature": 0, "logit_bias": {"1": -100}}
+    first = env.client.chat.completions.create(messages=msgs, **kw)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "w44 w45"}]  # fmt: skip
+    cached0 = _metric(env, 'edgepack_tokens_total{kind="prompt_cached"}')
+    second = env.client.chat.completions.create(messages=msgs, **kw)
+    ids = _chat_ids(env, msgs)
+    assert second.choices[0].message.content == _greedy(env, ids, 6)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == first.usage.prompt_tokens - 1
+    assert _metric(env, 'edgepack_tokens_total{kind="prompt_cached"}') - cached0 == cached
+
+
+def test_the_prompt_cache_keeps_a_sequences_own_tokens(env):
+    # default serving keeps every position a sequence fed, its own tokens too: a next
+    # turn that quotes the answer reuses all of it but the last token (sampled, never
+    # fed), and goes on as transformers does over the whole prompt
+    from edgepack.runtime.sampling import Sampler
+    from edgepack.runtime.serve.generation import GenSequence
+    from edgepack.runtime.serve.service import LLMService, ServiceConfig
+
+    svc = LLMService(env.bundle, "tiny", ServiceConfig(threads=1))
+    try:
+
+        def run(prompt: list[int]) -> tuple[list[int], dict]:
+            done: cf.Future = cf.Future()
+            seq = GenSequence("t", prompt, 5, Sampler(temperature=0, logit_bias={1: -100}),
+                              lambda kind, data: kind in ("done", "error")
+                              and done.set_result(data))  # fmt: skip
+            svc.engine.submit(seq)
+            data = done.result(timeout=60)
+            assert "usage" in data, data
+            return seq.seen[len(prompt) :], data
+
+        p1 = [0, 2, 20, 21, 22, 3]
+        out1, _ = run(p1)
+        p2 = p1 + out1 + [2, 30, 3]
+        out2, d2 = run(p2)
+        assert d2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(p1) + 4
+        want = list(p2)
+        with torch.no_grad():
+            for _ in range(5):
+                logits = env.model(torch.tensor([want])).logits[0, -1]
+                logits[1] = -float("inf")  # the end of sequence, banned as above
+                want.append(int(logits.argmax()))
+        assert out2 == want[len(p2) :]
+    finally:
+        svc.close()
+
+
 def _metric(env, name: str) -> float:
     """A sample of ``env.url``'s /metrics (an unlabelled name, or name{labels})."""
     text = httpx.get(f"{env.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text

@@ -4,7 +4,9 @@ LLM bundle's slots, for the HTTP (OpenAI) and MQTT fronts alike.
 Each turn of the loop:
 
 1. admits waiting sequences into free KV-cache slots (a slot is the bundle's planned
-   cache rows: no allocation per request);
+   cache rows: no allocation per request), each into the free slot whose cache starts
+   with the longest run of its prompt's tokens: those positions are kept, not computed
+   again (the prompt cache: a shared system prompt, or a chat's earlier turns);
 2. when the prompts being read do not fit in the rows the decode step leaves free,
    runs **one prefill chunk** (the bundle's ``chunk`` tokens) holding them, oldest
    first, each but its last token (``prefill_many``: rows name their sequence, so
@@ -68,7 +70,8 @@ class GenSequence:
     front: str = "http"
     # engine state
     slot: int = -1
-    fed: int = 0  # prompt tokens prefilled
+    cached: int = 0  # prompt tokens the slot's cache already held
+    fed: int = 0  # prompt tokens prefilled (cached ones included)
     last: int = -1  # the token to feed next
     completion_tokens: int = 0
     first_token_at: float | None = None
@@ -88,9 +91,11 @@ class EngineBusy(Exception):
 class Engine:
     def __init__(self, session: LLMSession, codec: TextCodec, metrics: Metrics,
                  slots: int | None = None, max_waiting: int = 64,
-                 threads: int | None = None, batch_invariant: bool = False) -> None:  # fmt: skip
+                 threads: int | None = None, batch_invariant: bool = False,
+                 prompt_cache: bool = True) -> None:  # fmt: skip
         self.session, self.codec, self.metrics = session, codec, metrics
         self.slots = min(slots or session.slots, session.slots)
+        self.prompt_cache, self.batch_invariant = prompt_cache, batch_invariant
         # Every decode step on the graph of `slots` rows, whatever runs: a sequence's
         # tokens then do not depend on the others (graphs of other row counts round
         # differently in the last bits), at the cost of computing idle rows.
@@ -98,6 +103,9 @@ class Engine:
         self.max_waiting = max_waiting
         self.threads = threads
         self._free = list(range(self.slots))[::-1]
+        # The tokens whose keys and values each free slot's cache holds, from position 0
+        # (what its last sequence fed); a new prompt keeps the run it shares with them.
+        self._held: list[list[int]] = [[] for _ in range(self.slots)]
         self._waiting: deque[GenSequence] = deque()
         self._running: list[GenSequence] = []
         self._cv = threading.Condition()
@@ -171,7 +179,7 @@ class Engine:
                     return
                 while self._waiting and self._free:
                     seq = self._waiting.popleft()
-                    seq.slot = self._free.pop()
+                    self._take_slot(seq)
                     self._running.append(seq)
             t0 = time.perf_counter()
             try:
@@ -182,6 +190,23 @@ class Engine:
                     self._finish(seq, error=("internal", f"{type(e).__name__}: {e}"))
             self._step_s = 0.9 * self._step_s + 0.1 * (time.perf_counter() - t0)
 
+    def _take_slot(self, seq: GenSequence) -> None:
+        """Give ``seq`` the free slot whose cache holds the longest start of its prompt;
+        a prompt that matches none takes an empty slot, else the least recently freed
+        (``_free`` is a stack, newest last), so recent caches stay for their follow-ups.
+        The last prompt token is always fed again: its logits give the first token."""
+        best, bi = 0, len(self._free) - 1
+        if self.prompt_cache:
+            for i, slot in enumerate(self._free):
+                n = _common(self._held[slot], seq.prompt, len(seq.prompt) - 1)
+                if n > best:
+                    best, bi = n, i
+        if best == 0:  # an empty cache if any is free, else the least recently freed
+            bi = next((i for i in range(len(self._free) - 1, -1, -1)
+                       if not self._held[self._free[i]]), 0)  # fmt: skip
+        seq.slot, seq.cached = self._free.pop(bi), best
+        self._held[seq.slot] = []
+
     def _turn(self) -> None:
         now = time.monotonic()
         for seq in list(self._running):
@@ -191,8 +216,9 @@ class Engine:
                 self._finish(seq, error=("deadline_exceeded", "the deadline passed"))
         s = self.session
         for seq in self._running:
-            if seq.fed == 0 and seq.started_at is None:
-                s.reset(seq.slot)
+            if seq.started_at is None:
+                s.keep(seq.slot, seq.cached)
+                seq.fed = seq.cached
                 seq.started_at = time.monotonic()
         going = [q for q in self._running if q.fed == len(q.prompt) and not q.finished
                  and q.last >= 0]  # fmt: skip
@@ -234,6 +260,19 @@ class Engine:
                 if seq.fed == len(seq.prompt):
                     self._next(seq, logits)
 
+    def _fed_tokens(self, seq: GenSequence, error: tuple[str, str] | None) -> list[int]:
+        """The tokens ``seq`` left in its slot's cache that a later prompt may reuse:
+        all it fed (prompt, then its own tokens up to the last fed); nothing after a
+        failed step. Batch-invariant serving keeps only the prompt tokens that went
+        through prefill chunks, where a later prompt's tokens go too: reused positions
+        then hold the bits that computing them again would give."""
+        if seq.started_at is None or (error is not None and error[0] == "internal"):
+            return []
+        n = self.session.positions[seq.slot]
+        if self.batch_invariant:
+            n = min(n, len(seq.prompt) - 1)
+        return seq.seen[:n]
+
     def _next(self, seq: GenSequence, logits) -> None:
         """Sample ``seq``'s next token from ``logits`` and stream it, or end it."""
         tok = seq.sampler(logits, seq.seen)
@@ -262,11 +301,13 @@ class Engine:
         with self._cv:
             if seq in self._running:
                 self._running.remove(seq)
+                self._held[seq.slot] = self._fed_tokens(seq, error)
                 self._free.append(seq.slot)
             if not self._running and not self._waiting:
                 self._cv.notify_all()
         self.metrics.inc("tokens_generated", seq.completion_tokens)
         self.metrics.inc("tokens_prompt", seq.fed)
+        self.metrics.inc("tokens_prompt_cached", seq.cached)
         if error is not None:
             self.metrics.error(error[0])
             seq.emit("error", {"code": error[0], "message": error[1]})
@@ -284,7 +325,8 @@ class Engine:
             "stop": reason,
             "usage": {"prompt_tokens": len(seq.prompt),
                       "completion_tokens": seq.completion_tokens,
-                      "total_tokens": len(seq.prompt) + seq.completion_tokens},
+                      "total_tokens": len(seq.prompt) + seq.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": seq.cached}},
             "timings": {"queue_ms": round(((seq.started_at or first) - seq.received) * 1e3, 3),
                         "ttft_ms": round((first - seq.received) * 1e3, 3),
                         "decode_tps": round((seq.completion_tokens - 1) / decode_s, 2)
@@ -296,3 +338,12 @@ _CANCEL_TEXT = {
     "cancelled": "the request was cancelled",
     "shutting_down": "the server stopped before this request finished",
 }
+
+
+def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """The length of the common start of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return max(n, 0)

@@ -90,7 +90,7 @@ class Metrics:
                 for k in ("received", "ok", "error", "duplicate", "partial")])  # fmt: skip
         family("edgepack_tokens_total", "counter", "Language models: tokens by kind.",
                [(f'{{kind="{k}"}}', counts.get(f"tokens_{k}", 0))
-                for k in ("prompt", "generated")])  # fmt: skip
+                for k in ("prompt", "prompt_cached", "generated")])  # fmt: skip
         family("edgepack_errors_total", "counter", "Error answers by protocol error code.",
                [(f'{{code="{_esc(k)}"}}', v) for k, v in sorted(errors.items())])  # fmt: skip
         family("edgepack_http_requests_total", "counter", "HTTP requests by route and status.",
