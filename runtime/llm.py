@@ -65,6 +65,8 @@ class LLMSession:
             feeds = {n: np.zeros(int(r), np.int32) for n in ("ids", "pos", "slot")}
             self._decoders[int(r)] = (ex, feeds, list(out))
         self._sizes = sorted(self._decoders)
+        # every layer's key and value cache, [slots, ctx, kv heads, head dim] (share)
+        self._caches = [self.decode.views[n] for n in m["graph"].get("state", [])]
         self._one = self._decoders[self._sizes[0]]
 
     @property
@@ -82,6 +84,20 @@ class LLMSession:
         if not 0 <= n <= self.positions[slot]:
             raise LLMError(f"slot {slot} holds {self.positions[slot]} positions, not {n}")
         self.positions[slot] = n
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        """Start sequence ``dst`` with the first ``n`` positions of sequence ``src``: their
+        keys and values are copied, every layer (SmolLM2, f16 cache: 23 KB a position),
+        so a prompt that starts like another sequence skips computing them. ``dst`` then
+        holds exactly those ``n`` positions; ``src`` is unchanged."""
+        self._slot(src)
+        self._slot(dst)
+        if src == dst or not 0 <= n <= self.positions[src]:
+            raise LLMError(f"share: slot {src} holds {self.positions[src]} positions; "
+                           f"{n} of them cannot go to slot {dst}")  # fmt: skip
+        for c in self._caches:
+            c[dst, :n] = c[src, :n]
+        self.positions[dst] = n
 
     def _slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:

@@ -66,17 +66,16 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit(f"{url} did not become ready")
 
 
-def _stream(url: str, i: int, tokens: int, eos: list[int]) -> dict:
-    """One streamed chat request: (ttft, gaps between content chunks, tokens)."""
-    import httpx
-
+def _stream(http, url: str, i: int, tokens: int, eos: list[int]) -> dict:
+    """One streamed chat request on ``http`` (an httpx.Client): (ttft, gaps between
+    content chunks, tokens)."""
     body = {"model": "smol", "stream": True, "temperature": 0, "max_tokens": tokens,
             "messages": [{"role": "user", "content": f"Write a short story about "
                                                      f"{TOPICS[i % len(TOPICS)]}."}],
             "logit_bias": {str(t): -100 for t in eos}}  # fmt: skip
     t0 = time.perf_counter()
     stamps = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+    with http.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -90,11 +89,18 @@ def _stream(url: str, i: int, tokens: int, eos: list[int]) -> dict:
 
 
 def drive(url: str, streams: int, requests: int, tokens: int, eos: list[int]) -> dict:
-    """``streams`` clients, each ``requests`` requests back to back."""
-    def client(c: int) -> list[dict]:
-        return [_stream(url, c * requests + k, tokens, eos) for k in range(requests)]
+    """``streams`` clients, each ``requests`` requests back to back from its own httpx
+    client (a fresh client per request spent ~30 ms of CPU making its TLS context, on
+    the servers' cores), each request on a new connection (llama-server drops a
+    keep-alive connection after a stream, and httpx does not retry that)."""
+    import httpx
 
-    _stream(url, 0, 4, eos)  # warm
+    def client(c: int) -> list[dict]:
+        with httpx.Client(headers={"Connection": "close"}) as http:
+            return [_stream(http, url, c * requests + k, tokens, eos) for k in range(requests)]
+
+    with httpx.Client() as http:
+        _stream(http, url, 0, 4, eos)  # warm
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(streams) as pool:
         res = [r for rs in pool.map(client, range(streams)) for r in rs]

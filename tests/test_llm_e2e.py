@@ -136,6 +136,14 @@ def test_slots_are_separate_sequences(llama):
     _close(s.prefill(c[5:], slot=0), _hf_logits(model, c)[-1], 1e-4)
     with pytest.raises(LLMError, match="holds 8 positions, not 9"):
         s.keep(0, 9)
+    # share: slot 1 starts with slot 0's first 6 positions, copied (every layer's keys
+    # and values), and goes on by itself
+    s.share(0, 1, 6)
+    d = c[:6] + [9, 10]
+    _close(s.prefill(d[6:], slot=1), _hf_logits(model, d)[-1], 1e-4)
+    _close(s.step(4, slot=0), _hf_logits(model, c + [4])[-1], 1e-4)  # slot 0 as it was
+    with pytest.raises(LLMError, match="slot 0 holds 9 positions; 10 of them"):
+        s.share(0, 1, 10)
 
 
 def test_decode_steps_of_several_sequences_on_every_row_count(tmp_path):

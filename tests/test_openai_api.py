@@ -181,39 +181,52 @@ def test_a_chats_next_turn_reuses_the_cached_prompt(env):
     assert _metric(env, 'edgepack_tokens_total{kind="prompt_cached"}') - cached0 == cached
 
 
-def test_the_prompt_cache_keeps_a_sequences_own_tokens(env):
+def test_the_prompt_cache_keeps_a_sequences_own_tokens_and_shares_prompts(env):
     # default serving keeps every position a sequence fed, its own tokens too: a next
     # turn that quotes the answer reuses all of it but the last token (sampled, never
-    # fed), and goes on as transformers does over the whole prompt
+    # fed). Prompts that arrive together with one start compute it once: the others
+    # copy it from the first one's slot. Every answer is transformers' over the prompt.
     from edgepack.runtime.sampling import Sampler
     from edgepack.runtime.serve.generation import GenSequence
     from edgepack.runtime.serve.service import LLMService, ServiceConfig
 
+    def want(prompt: list[int], n: int) -> list[int]:
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                logits = env.model(torch.tensor([seq])).logits[0, -1]
+                logits[1] = -float("inf")  # the end of sequence, banned as below
+                seq.append(int(logits.argmax()))
+        return seq[len(prompt) :]
+
     svc = LLMService(env.bundle, "tiny", ServiceConfig(threads=1))
     try:
 
-        def run(prompt: list[int]) -> tuple[list[int], dict]:
+        def submit(prompt: list[int]) -> tuple[GenSequence, cf.Future]:
             done: cf.Future = cf.Future()
             seq = GenSequence("t", prompt, 5, Sampler(temperature=0, logit_bias={1: -100}),
                               lambda kind, data: kind in ("done", "error")
                               and done.set_result(data))  # fmt: skip
             svc.engine.submit(seq)
+            return seq, done
+
+        def answer(seq: GenSequence, done: cf.Future) -> tuple[list[int], int]:
             data = done.result(timeout=60)
             assert "usage" in data, data
-            return seq.seen[len(prompt) :], data
+            return seq.seen[len(seq.prompt) :], data["usage"]["prompt_tokens_details"][
+                "cached_tokens"]  # fmt: skip
 
         p1 = [0, 2, 20, 21, 22, 3]
-        out1, _ = run(p1)
+        out1, _ = answer(*submit(p1))
         p2 = p1 + out1 + [2, 30, 3]
-        out2, d2 = run(p2)
-        assert d2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(p1) + 4
-        want = list(p2)
-        with torch.no_grad():
-            for _ in range(5):
-                logits = env.model(torch.tensor([want])).logits[0, -1]
-                logits[1] = -float("inf")  # the end of sequence, banned as above
-                want.append(int(logits.argmax()))
-        assert out2 == want[len(p2) :]
+        out2, cached = answer(*submit(p2))
+        assert cached == len(p1) + 4 and out2 == want(p2, 5)
+        base = [0, 2, 40, 41, 42, 43, 44]
+        prompts = [base + [50 + i, 3] for i in range(3)]
+        got = [answer(*j) for j in [submit(p) for p in prompts]]
+        # the first one finds [0, 2] in a free slot; the others share its 7 tokens
+        assert [c for _, c in got] == [2, 7, 7]
+        assert [o for o, _ in got] == [want(p, 5) for p in prompts]
     finally:
         svc.close()
 

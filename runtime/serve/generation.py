@@ -70,8 +70,10 @@ class GenSequence:
     front: str = "http"
     # engine state
     slot: int = -1
-    cached: int = 0  # prompt tokens the slot's cache already held
+    cached: int = 0  # prompt tokens not computed: the slot held them, or were shared
     fed: int = 0  # prompt tokens prefilled (cached ones included)
+    share_from: GenSequence | None = None  # a running sequence to copy the start of
+    share_n: int = 0  # ... this many positions, once it has computed them
     last: int = -1  # the token to feed next
     completion_tokens: int = 0
     first_token_at: float | None = None
@@ -191,21 +193,52 @@ class Engine:
             self._step_s = 0.9 * self._step_s + 0.1 * (time.perf_counter() - t0)
 
     def _take_slot(self, seq: GenSequence) -> None:
-        """Give ``seq`` the free slot whose cache holds the longest start of its prompt;
-        a prompt that matches none takes an empty slot, else the least recently freed
-        (``_free`` is a stack, newest last), so recent caches stay for their follow-ups.
-        The last prompt token is always fed again: its logits give the first token."""
-        best, bi = 0, len(self._free) - 1
+        """Give ``seq`` a free slot, and the longest start of its prompt that a cache
+        holds or will hold (the last prompt token is always fed again: its logits give
+        the first token):
+
+        - a free slot whose cache starts with it: that slot, nothing copied;
+        - a running sequence whose tokens (fed, or still to feed) start with it, if
+          longer: ``seq`` copies those positions from that sequence's slot once they
+          are computed (``_share``; requests arriving together with one system prompt
+          compute it once);
+        - else an empty slot if any is free, else the least recently freed (``_free``
+          is a stack, newest last), so recent caches stay for their follow-ups."""
+        own, oi, src, best = 0, -1, None, 0
         if self.prompt_cache:
+            limit = len(seq.prompt) - 1
             for i, slot in enumerate(self._free):
-                n = _common(self._held[slot], seq.prompt, len(seq.prompt) - 1)
-                if n > best:
-                    best, bi = n, i
-        if best == 0:  # an empty cache if any is free, else the least recently freed
-            bi = next((i for i in range(len(self._free) - 1, -1, -1)
-                       if not self._held[self._free[i]]), 0)  # fmt: skip
-        seq.slot, seq.cached = self._free.pop(bi), best
+                n = _common(self._held[slot], seq.prompt, limit)
+                if n > own:
+                    own, oi = n, i
+            best = own
+            for q in self._running:
+                n = _common(self._shareable(q), seq.prompt, limit)
+                if n > best and not q.finished and q.cancelled is None:
+                    src, best = q, n
+        if src is not None or oi < 0:
+            own, oi = 0, next((i for i in range(len(self._free) - 1, -1, -1)
+                               if not self._held[self._free[i]]), 0)  # fmt: skip
+        seq.slot, seq.cached = self._free.pop(oi), own
         self._held[seq.slot] = []
+        if src is not None:
+            seq.share_from, seq.share_n = src, best
+
+    def _shareable(self, q: GenSequence) -> Sequence[int]:
+        """The tokens whose keys and values running sequence ``q``'s slot holds or will
+        hold, from position 0 (as ``_fed_tokens`` keeps them for a free slot)."""
+        return q.prompt[: len(q.prompt) - 1] if self.batch_invariant else q.seen
+
+    def _share(self, seq: GenSequence) -> None:
+        """Copy the positions ``seq`` shares with its source once the source has computed
+        them; if the source ended first, ``seq`` computes its prompt itself."""
+        src = seq.share_from
+        if src.finished or src.cancelled is not None or src.started_at is None:
+            seq.share_from = None
+        elif self.session.positions[src.slot] >= seq.share_n:
+            self.session.share(src.slot, seq.slot, seq.share_n)
+            seq.fed = seq.cached = seq.share_n
+            seq.share_from = None
 
     def _turn(self) -> None:
         now = time.monotonic()
@@ -220,9 +253,11 @@ class Engine:
                 s.keep(seq.slot, seq.cached)
                 seq.fed = seq.cached
                 seq.started_at = time.monotonic()
+            if seq.share_from is not None:
+                self._share(seq)
         going = [q for q in self._running if q.fed == len(q.prompt) and not q.finished
                  and q.last >= 0]  # fmt: skip
-        reading = [q for q in self._running if q.fed < len(q.prompt)]
+        reading = [q for q in self._running if q.fed < len(q.prompt) and q.share_from is None]
         free = s.max_rows - len(going)
         if self.min_rows or sum(len(q.prompt) - q.fed for q in reading) > free:
             # Prompts the step cannot take whole: a prompt chunk, each prompt but its
