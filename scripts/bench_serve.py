@@ -191,7 +191,11 @@ def write_report(rows: list[dict], tensor: dict, path: Path, meta: dict) -> None
         f"the other, the same client). SmolLM2-135M-Instruct Q4_0 (edgepack: `--quant int4` "
         f"of the same file), {SLOTS} slots of {CTX} positions, streamed chat requests of "
         f"{meta['tokens']} tokens each (end of sequence banned), {meta['requests']} per "
-        "client, greedy.",
+        "client, greedy. Every prompt is SmolLM2's chat template with its default system "
+        "prompt and one line naming a topic, so requests share their first ~30 tokens: "
+        "both servers keep a finished request's prompt in its slot for the next "
+        "(llama-server's cache_prompt, edgepack's prompt cache), and edgepack also copies "
+        "the shared start from a running request's slot (docs/http.md#prompt-cache).",
         "",
         "| streams | edgepack tok/s | llama-server tok/s | ratio | edgepack TTFT P50 / P99 ms "
         "| llama-server TTFT P50 / P99 ms | edgepack ITL P99 ms | llama-server ITL P99 ms |",

@@ -308,9 +308,13 @@ def test_metrics_of_generation(env):
 
 def test_full_queue_is_429_and_sigterm_drains(env):
     # one slot and one waiting place: of four concurrent requests some are refused
-    s, url = _serve(env.bundle, env.dir, "llm-small", "--slots", "1", "--queue", "1")
+    s, url = _serve(env.bundle, env.dir, "llm-small", "--slots", "1", "--queue", "1",
+                    "--no-prompt-cache")  # fmt: skip
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     kw = {"model": "x", "prompt": [3, 4], "max_tokens": 60, "temperature": 1.0, "seed": 2}
+    # without the prompt cache a repeated prompt is computed again
+    again = [c.completions.create(**(kw | {"max_tokens": 2})) for _ in range(2)]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in again] == [0, 0]
 
     def one(_):
         try:

@@ -107,6 +107,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "streams)")  # fmt: skip
     g.add_argument("--max-tokens", type=_pos_int, metavar="N",
                    help="most tokens one request may ask for (default: the context)")  # fmt: skip
+    g.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
+                   help="compute every prompt in full: no reuse of a KV-cache slot's earlier "
+                        "tokens, no sharing of another request's (the time to first token "
+                        "then says nothing about other requests' prompts)")  # fmt: skip
     g = p.add_argument_group("identity")
     g.add_argument("--device", help="device id: its job topic and client id (default: host name)")
     g.add_argument(
@@ -265,7 +269,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from .service import LLMService
 
         service = LLMService(session, model, scfg, slots=a.slots, max_tokens=a.max_tokens,
-                             batch_invariant=a.batch_invariant)  # fmt: skip
+                             batch_invariant=a.batch_invariant,
+                             prompt_cache=a.prompt_cache)  # fmt: skip
     else:
         service = Service(session, model, scfg)
     agent = http = None

@@ -113,7 +113,8 @@ class LLMService:
     that the HTTP (OpenAI) and MQTT fronts submit sequences to."""
 
     def __init__(self, bundle, model: str, cfg: ServiceConfig, slots: int | None = None,
-                 max_tokens: int | None = None, batch_invariant: bool = False) -> None:  # fmt: skip
+                 max_tokens: int | None = None, batch_invariant: bool = False,
+                 prompt_cache: bool = True) -> None:  # fmt: skip
         from ..llm import LLMSession
         from ..text import TextCodec
         from .generation import Engine
@@ -125,7 +126,8 @@ class LLMService:
         self._warm_up()
         self.engine = Engine(self.llm, self.codec, self.metrics, slots=slots,
                              max_waiting=cfg.max_queue, threads=cfg.threads,
-                             batch_invariant=batch_invariant)  # fmt: skip
+                             batch_invariant=batch_invariant,
+                             prompt_cache=prompt_cache)  # fmt: skip
         self.closed = False
 
     def _warm_up(self) -> None:
