@@ -44,7 +44,12 @@ from pathlib import Path
 
 # Only stdlib and numpy at module level (and the weight-type table, numpy only): workers
 # run this file too, and an ORT worker must not pay (in RSS) for numba/onnx/matplotlib
-# that only the parent or edgepack needs.
+# that only the parent or edgepack needs. edgepack's package comes before numpy: it
+# sets how OpenBLAS's idle threads wait, which OpenBLAS reads as numpy loads it (as
+# the edgepack CLI and executables do; nothing else is imported).
+import edgepack  # noqa: F401
+
+# isort: split
 import numpy as np
 from edgepack.kernels.wtypes import QUANT_MODES
 

@@ -17,18 +17,7 @@ import numpy as np
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 from .abi import AOT_MODULE, GEMM_TILE_KERNELS
 
-# numba's parallel loops run on libgomp, which reads its settings when it loads (at the
-# first parallel kernel). Left alone, its threads spin only ~100 times before sleeping
-# once it manages more threads than there are CPUs (which it does as soon as a second
-# thread launches parallel kernels: a server's engine thread after the main thread's
-# warm-up), and every parallel kernel then waits for a worker to wake: 14-16 us a launch
-# on this Zen 2 against 3 us with these settings. Active waiting with a spin count of
-# 10000 keeps a waiting thread spinning for roughly 0.1 ms (1000 spins when
-# oversubscribed), then it sleeps: an idle device stays idle. An LLM decode step makes
-# ~150 launches: SmolLM2 int4, 2 threads, 1 row 7.8 -> 6.1 ms, 8 rows 23.4 -> 21.3, and
-# the same in a server's engine thread (8.2 ms before). A user's setting of either wins.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"] = "active", "10000"
+# (the OpenMP and OpenBLAS wait settings are made in edgepack/__init__.py)
 
 
 def _aot_namespace(mod) -> SimpleNamespace:
