@@ -1,23 +1,34 @@
 """edgepack: pack a trained model into one bundle per edge device and run it there."""
 
 import os as _os
+import sys as _sys
 
 __version__ = "0.1.0"
 
 # How idle threads wait, set before numpy (OpenBLAS) and numba's OpenMP pool (libgomp)
 # load, since both read it then; a user's own setting of any of these wins.
-# - libgomp: left alone, its workers barely spin before sleeping (~100 spins once it
-#   manages more threads than CPUs, as when a server's engine thread launches kernels
-#   after the main thread's warm-up), and every parallel kernel then waits for a worker
-#   to wake: 14-16 us a launch on a 2-core Zen 2 against 3 us when they spin for 10000
-#   rounds (about 0.1 ms) before sleeping. An LLM decode step makes ~150 launches:
-#   SmolLM2 int4, 2 threads, 1 row 7.8 -> 6.1 ms, 8 rows 23.4 -> 21.3. An idle process
-#   stays idle (~1 ms of CPU in 2 s; plain OMP_WAIT_POLICY=active would burn a core).
+# - libgomp: with its idle workers asleep at once (OMP_WAIT_POLICY=passive, this
+#   package's setting until now; libgomp's own default spins ~100 rounds once it manages
+#   more threads than CPUs, as when a server's engine thread launches kernels after the
+#   main thread's warm-up), every parallel kernel waits for a worker to wake: 14-16 us a
+#   launch on a 2-core Zen 2, against 3 us when they spin 10000 rounds (about 0.1 ms)
+#   before sleeping. An LLM decode step makes ~150 launches: SmolLM2 int4, 2 threads,
+#   1 row 7.8 -> 6.1 ms, 8 rows 23.4 -> 21.3. An idle process stays idle (~1 ms of CPU
+#   in 2 s; plain OMP_WAIT_POLICY=active would burn a core).
 # - OpenBLAS (numpy's matmul, which some fp32 linears use): after a call its workers
 #   spin for 2^28 cycles (~0.1 s) by default, taking the cores from numba's threads:
 #   MobileNetV2 at 2 threads took 24 ms (P99 124) against 12 at one thread, and 70 ms
 #   with libgomp's workers spinning too. With a 2^12-cycle spin: 9.7 ms (P99 11).
-if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
-    _os.environ["OMP_WAIT_POLICY"], _os.environ["GOMP_SPINCOUNT"] = "active", "10000"
+# - Both spinning long is the worst case (2-thread ResNet-18 once took 188 ms instead of
+#   60). So where numpy was imported before edgepack (OpenBLAS loaded, spinning as it
+#   was built to), libgomp's idle threads sleep at once, as before.
+_blas_spins_short = "numpy" not in _sys.modules or any(
+    k in _os.environ for k in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
+)
 if "OPENBLAS_THREAD_TIMEOUT" not in _os.environ and "GOTO_THREAD_TIMEOUT" not in _os.environ:
     _os.environ["OPENBLAS_THREAD_TIMEOUT"] = "12"
+if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
+    if _blas_spins_short:
+        _os.environ["OMP_WAIT_POLICY"], _os.environ["GOMP_SPINCOUNT"] = "active", "10000"
+    else:
+        _os.environ["OMP_WAIT_POLICY"] = "passive"

@@ -17,8 +17,6 @@ import numpy as np
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
 from .abi import AOT_MODULE, GEMM_TILE_KERNELS
 
-# (the OpenMP and OpenBLAS wait settings are made in edgepack/__init__.py)
-
 
 def _aot_namespace(mod) -> SimpleNamespace:
     """The AOT exports under the JIT kernels' names (one export per weight dtype)."""
@@ -53,11 +51,8 @@ def load_kernels() -> SimpleNamespace:
         else:
             ns.HAS_BIAS, ns.HAS_SCALE, ns.HAS_RES = HAS_BIAS, HAS_SCALE, HAS_RES
             return ns
-    # GNU OpenMP (numba's default threading layer here) spins its idle threads; so do
-    # OpenBLAS's between GEMMs. Alternating numba kernels and BLAS calls at 2 threads
-    # each made ResNet-18 take 188 ms instead of 60 (scripts/bench_cnn.py, 2 threads):
-    # idle OpenMP threads must sleep. Read when numba first loads its OpenMP pool.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # How idle OpenMP and OpenBLAS threads wait is set in edgepack/__init__.py (both
+    # read it when they load).
     from . import gemm_tiles, gemv, qdot
     from . import kernels as cpu_numba
     from . import llm as cpu_llm
