@@ -17,6 +17,14 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
+# `python -m pytest` puts the working directory (the repository root) first on the
+# path, where the folder `kernels/` (installed as edgepack.kernels) would shadow PyPI's
+# `kernels`, which transformers >= 5.25 imports: every transformers reference then
+# failed with "cannot import name 'CUDAProperties' from 'kernels'". Nothing here is
+# imported by a top-level name from the root, so it comes off the path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+if Path(getattr(sys.modules.get("kernels"), "__file__", None) or "/").parent == REPO / "kernels":
+    del sys.modules["kernels"]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests"))
 
