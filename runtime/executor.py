@@ -127,7 +127,15 @@ class Executor:
         if not name:
             return None
         if name in weights:
-            return weights[name]
+            w = weights[name]
+            # Read-only, as a bundle's mapped weights are, wherever these came from (a
+            # build runs its graph on weights in memory): numba compiles a kernel per
+            # argument type, read-only included, and the two kinds had compiled every
+            # conv GEMM twice on a first run (~30 s each for the digits CNN).
+            if isinstance(w, np.ndarray) and w.flags.writeable:
+                w = w.view()
+                w.flags.writeable = False
+            return w
         return self.views[name]
 
     def _expected(self) -> str:

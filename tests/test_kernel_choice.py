@@ -121,3 +121,37 @@ def test_a_node_the_device_backend_declines_fails_the_build(tmp_path, digits_onn
     monkeypatch.setitem(registry.KERNELS, key, no)
     with pytest.raises(PackError, match=r"node 'pool\d+'.*'maxpool' \(f32\) has no cuda kernel"):
         build(digits_onnx, tmp_path / "g.epk", backends=("cuda", "cpu", "ref"), log=lambda s: None)
+
+
+def test_a_bundle_runs_on_the_kernels_its_build_compiled(tmp_path, digits_onnx):
+    """A quantized build runs its graph on weights in memory (the error table), then
+    `edgepack run` maps the bundle: both must call the same compiled kernels. numba
+    compiles per argument type, read-only included; writable weights in the build once
+    made the first run compile every conv GEMM again (~30 s each, cold)."""
+    import numba
+    from edgepack.kernels.cpu.native import K
+    from edgepack.runtime.threads import set_threads
+
+    def compiled() -> dict[str, int]:
+        out = {}
+        for name, k in vars(K).items():
+            for part in (k, getattr(k, "serial", None), getattr(k, "parallel", None)):
+                if isinstance(part, numba.core.dispatcher.Dispatcher):
+                    out[f"{name}/{part.py_func.__qualname__}"] = len(part.overloads)
+        return out
+
+    set_threads(1)
+    path = pack(digits_onnx, tmp_path / "d.epk", quant="int8")
+    built = compiled()
+    s = load(path, threads=1)
+    x = np.random.default_rng(0).random(tuple(s.executor.inputs[0]["shape"]), np.float32)
+    feeds = {s.executor.inputs[0]["name"]: x}
+    want = {k: v.copy() for k, v in s.run(feeds).items()}
+    assert compiled() == built
+    assert sum(built.values()) > 0
+    # and the other way round: weights in writable memory bind the mapped run's kernels
+    writable = {k: np.array(v) for k, v in s.bundle.weights.items()}
+    got = Executor(s.manifest, writable, device="cpu").run(feeds)
+    assert compiled() == built
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v)
