@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter
@@ -136,6 +137,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .llm import LLMSession
         from .llm_bench import bench_llm, format_bench, profile_llm
 
+        if a.rounds or a.input:
+            print("error: --rounds and --input time tensor bundles; a language model's "
+                  "bench runs llama-bench's tests (--pp, --tg, --depth)", file=sys.stderr)
+            return 2
         s = LLMSession(bundle, threads=a.threads)
         if a.profile:
             print(profile_llm(s, a.depth[0], a.r * 5))
@@ -152,8 +157,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(format_bench(bench_llm(s, a.pp, a.tg, a.depth, a.r)))
         return 0
     s = open_session(a)
-    feeds = seeded_feeds(s.inputs)
+    feeds = load_inputs(a.input, s.inputs) if a.input else seeded_feeds(s.inputs)
     ex = s.executor
+    if a.rounds:
+        return bench_rounds(ex, feeds, sys.stdin, sys.stdout)
     if a.profile:
         from .profile import format_profile, profile
 
@@ -178,6 +185,33 @@ def cmd_bench(a: argparse.Namespace) -> int:
         f"median {percentile(times, 50):.3f} ms  p99 {percentile(times, 99):.3f} ms  "
         f"min {min(times):.3f} ms  mean {np.mean(times):.3f} ms"
     )
+    return 0
+
+
+def bench_rounds(ex, feeds: dict[str, np.ndarray], requests, replies) -> int:
+    """Timed runs on request, so a driver can interleave this process with other
+    engines in rounds (scripts/bench_cnn.py times the shipped executable this way beside
+    ONNX Runtime). Each request line is ``run K`` (answered ``{"ms": [K times]}``) or
+    ``output PATH`` (the outputs of one run saved to PATH as .npz, answered
+    ``{"ok": true}``); one JSON line answers each; end of input ends."""
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    for line in requests:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "run":
+            times = []
+            for _ in range(int(arg)):
+                t = time.perf_counter_ns()
+                ex.run_views(feeds)
+                times.append((time.perf_counter_ns() - t) / 1e6)
+            reply = {"ms": times}
+        elif cmd == "output":
+            np.savez(arg, **dict(zip((o["name"] for o in ex.outputs), ex.run_views(feeds))))
+            reply = {"ok": True}
+        else:
+            reply = {"error": f"unknown request {line.strip()!r}: run K, or output PATH"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
     return 0
 
 
@@ -260,6 +294,18 @@ def add_runtime_commands(sub: argparse._SubParsersAction, implicit=None) -> None
         "--profile",
         action="store_true",
         help="time every op (fused group) instead; slowest first, with shares",
+    )
+    p.add_argument(
+        "--input",
+        "-i",
+        help="time these inputs (.npz keyed by input name, or .npy) instead of seeded "
+        "random ones",
+    )
+    p.add_argument(
+        "--rounds",
+        action="store_true",
+        help="time on request: read 'run K' or 'output PATH' lines from stdin, answer "
+        "each with a JSON line (for benchmark drivers that interleave engines)",
     )
     llm = p.add_argument_group("language-model bundles (llama-bench's tests)")
     llm.add_argument("--pp", type=_int_at_least(0), default=512,

@@ -11,6 +11,10 @@ Engines, all on the same inputs in one run:
     edgepack-bf16   docs/quantization.md)
     edgepack-int8
     edgepack-int4
+    exe-fp32        the device executables for linux-x86_64 (`edgepack build --target`: the
+    exe-int8        frozen runtime with its ahead-of-time kernels, what a user ships), each
+                    driven through its own `bench --rounds`; the stub is built first
+                    (scripts/build_stub.py, minutes) when the stub cache lacks a current one
 
 Every engine of a config runs in its own worker process (so its peak RSS is its own),
 loads its model once, and is then asked for small rounds of timed runs in turn, so that
@@ -60,7 +64,10 @@ DIGITS_ONNX = REPO / "tests" / "data" / "digits_cnn.onnx"
 MODELS = ("resnet18", "mobilenet_v2", "digits")
 QUANTS = QUANT_MODES  # every --quant mode of the weight-type table (kernels/wtypes.py)
 ORT_FP32, ORT_QDQ = "ort-fp32", "ort-qdq-int8"
-ENGINES = (ORT_FP32, ORT_QDQ) + tuple(f"edgepack-{q}" for q in QUANTS)
+EXE_QUANTS, EXE_TARGET = ("fp32", "int8"), "linux-x86_64"
+ENGINES = (ORT_FP32, ORT_QDQ) + tuple(f"edgepack-{q}" for q in QUANTS) + tuple(
+    f"exe-{q}" for q in EXE_QUANTS
+)
 
 CALIB_SAMPLES = 8  # what edgepack's build uses by default, so both int8 paths see the same
 CALIB_SEED, INPUT_SEED = 0, 1  # timed inputs differ from the calibration inputs
@@ -92,6 +99,7 @@ class Assets:
     qdq: Path
     bundles: dict[str, Path]
     inputs: Path  # npz keyed by input name: the timed inputs
+    exes: dict[str, Path] = field(default_factory=dict)  # quant -> device executable
     notes: list[str] = field(default_factory=list)  # e.g. ORT quantization warnings
 
     def model_file(self, engine: str) -> Path:
@@ -99,6 +107,8 @@ class Assets:
             return self.onnx
         if engine == ORT_QDQ:
             return self.qdq
+        if engine.startswith("exe-"):
+            return self.exes[engine.removeprefix("exe-")]
         return self.bundles[engine.removeprefix("edgepack-")]
 
 
@@ -248,10 +258,15 @@ class Worker:
         self.ready = self._send(spec)
 
     def _send(self, msg: dict) -> dict:
+        return self._line(json.dumps(msg))
+
+    def _line(self, text: str | None) -> dict:
+        """Send one request line (None: only read), return the JSON reply line."""
         assert self.proc.stdin and self.proc.stdout
         try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
+            if text is not None:
+                self.proc.stdin.write(text + "\n")
+                self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the worker died; readline below returns '' and we report its log
         line = self.proc.stdout.readline()
@@ -277,6 +292,56 @@ class Worker:
         self._err.close()
 
 
+class ExeWorker(Worker):
+    """A device executable answering rounds through its own ``bench --rounds`` (runtime
+    /cli.py), on the same timed inputs; peak and end RSS read from its /proc entry."""
+
+    def __init__(self, engine: str, path: Path, inputs: Path, threads: int, log: Path) -> None:
+        self.engine, self.log = engine, log
+        env = dict(os.environ)
+        env.update({k: str(threads) for k in THREAD_ENV})
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._err = log.open("w")
+        self._out = log.with_suffix(".out.npz")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [str(path), "bench", "--rounds", "--input", str(inputs), "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
+            env=env,
+        )
+        self._line(None)  # {"ready": true} once the bundle is mapped and bound
+        self.ready = {"ok": True, "load_s": time.perf_counter() - t0, "import_rss_mb": math.nan}
+
+    def _status_mb(self, key: str) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+        return math.nan
+
+    def request(self, cmd: str, **args: object) -> dict:
+        if cmd == "run":
+            return self._line(f"run {int(args['k'])}")  # type: ignore[call-overload]
+        if cmd == "output":
+            self._line(f"output {self._out}")
+            with np.load(self._out) as data:
+                out = np.asarray(data[data.files[0]], np.float32)
+            return {"shape": list(out.shape), "data": out.ravel().tolist()}
+        if cmd == "stats":
+            return {"peak_rss_mb": self._status_mb("VmHWM"), "end_rss_mb": self._status_mb("VmRSS"),
+                    "extra": {"executable": f"{EXE_TARGET} stub, ahead-of-time kernels"}}
+        raise ValueError(cmd)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]  # end of input ends it
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
+
+
 def _round_sizes(targets: dict[str, int]) -> dict[str, int]:
     """Runs per round for each engine, so that all engines finish in the same round count
     (a fast engine does more runs per round than a slow one) and noise is spread evenly."""
@@ -292,8 +357,9 @@ def measure(
     try:
         # Start one at a time so loading does not compete with another worker's loading.
         for e in engines:
-            workers[e] = Worker(e, assets.model_file(e), assets.inputs, cfg.threads,
-                                logs / f"{cfg.label.replace(' ', '_')}_{e}.log")
+            kind = ExeWorker if e.startswith("exe-") else Worker
+            workers[e] = kind(e, assets.model_file(e), assets.inputs, cfg.threads,
+                              logs / f"{cfg.label.replace(' ', '_')}_{e}.log")
         first, targets = {}, {}
         for e, w in workers.items():
             first[e] = w.request("run", k=1)["ms"][0]  # edgepack: numba JIT or cache load
@@ -446,8 +512,29 @@ def _quantize_qdq(src: Path, dst: Path, name: str, feeds: list[np.ndarray]) -> l
     return list(dict.fromkeys(m.strip() for m in caught if m.strip()))
 
 
-def prepare(model: str, batch: int, work: Path, rebuild: bool) -> Assets:
-    """Model, calibration npz, timed inputs, ORT QDQ model and the three bundles."""
+def current_stub() -> Path:
+    """The stub cache's linux-x86_64 stub, built first (scripts/build_stub.py, minutes)
+    when it is missing or older than this checkout's runtime."""
+    from edgepack.packager.build import PackError
+    from edgepack.packager.stub import cached_stub, check_stub
+    from edgepack.targets import load_target
+
+    target = load_target(EXE_TARGET)
+    try:
+        check_stub(cached_stub(target), target)
+    except (PackError, OSError) as e:
+        print(f"  building the {EXE_TARGET} stub ({e})", flush=True)
+        subprocess.run([sys.executable, str(SCRIPTS / "build_stub.py"), "--target", EXE_TARGET],
+                       check=True, cwd=REPO)
+        check_stub(cached_stub(target), target)
+    return cached_stub(target)
+
+
+def prepare(
+    model: str, batch: int, work: Path, rebuild: bool, exe_quants: Sequence[str] = ()
+) -> Assets:
+    """Model, calibration npz, timed inputs, ORT QDQ model, the bundles, and the device
+    executables of ``exe_quants``."""
     from edgepack.packager.build import build
 
     onnx_path = _model_onnx(model, batch, work, rebuild)
@@ -487,7 +574,25 @@ def prepare(model: str, batch: int, work: Path, rebuild: bool) -> Assets:
                     calib=calib if q != "fp32" else None, log=lambda s: print(s, file=f),
                 ))
         bundles[q] = epk
-    return Assets(onnx=onnx_path, qdq=qdq, bundles=bundles, inputs=inputs, notes=notes)
+    exes = {}
+    if exe_quants:
+        from edgepack.packager.target_build import build_for_target
+        from edgepack.targets import load_target
+
+        stub = current_stub()
+        for q in exe_quants:
+            exe = work / f"{stem}.{q}-{EXE_TARGET}"
+            if rebuild or not exe.exists() or exe.stat().st_mtime < stub.stat().st_mtime:
+                print(f"  building {exe.name} (log {exe.name}.log)", flush=True)
+                with Path(f"{exe}.log").open("w") as f:
+                    build_for_target(
+                        onnx_path, load_target(EXE_TARGET), exe, quant=q,
+                        input_shapes={name: (batch, *shape)},
+                        calib=calib if q != "fp32" else None, log=lambda s: print(s, file=f),
+                    )  # fmt: skip
+            exes[q] = exe
+    return Assets(onnx=onnx_path, qdq=qdq, bundles=bundles, inputs=inputs, notes=notes,
+                  exes=exes)
 
 
 # --- reporting ------------------------------------------------------------------------------
@@ -524,7 +629,7 @@ def machine_info() -> dict[str, str]:
 
 
 def _ratio(r: EngineResult, ref: EngineResult | None) -> str:
-    if ref is None or not r.engine.startswith("edgepack"):
+    if ref is None or not r.engine.startswith(("edgepack", "exe")):
         return ""
     return f"{r.median / ref.median:.2f}"
 
@@ -585,6 +690,10 @@ def format_markdown(
            "compile or cache load), then rounds of runs alternate between the engines, "
            "rotating the order, until each has its run count. gc is off while timing. "
            "edgepack runs through `executor.run_views` (no output copies).",
+           f"- exe-*: the device executable for {EXE_TARGET} (`edgepack build --target "
+           f"{EXE_TARGET}`: the frozen runtime and its ahead-of-time kernels, what a user "
+           "ships), answering the same rounds through its own `bench --rounds` on the same "
+           "inputs; its RSS columns are read from its /proc entry (no import RSS).",
            "- rel L2 and top-1: each engine's output on the timed inputs vs ORT fp32.",
            "", "## Results", "", f"![median latency per config]({chart.name})", ""]
     md += _summary_markdown(results)
@@ -721,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         for batch in args.batches:
             print(f"== {model} batch {batch}: preparing in {args.work}", flush=True)
-            assets = prepare(model, batch, args.work, args.rebuild)
+            exe_quants = [e.removeprefix("exe-") for e in args.engines if e.startswith("exe-")]
+            assets = prepare(model, batch, args.work, args.rebuild, exe_quants)
             notes += [f"{model} b{batch}: {n}" for n in assets.notes]
             for threads in args.threads:
                 cfg = Config(model, batch, threads)

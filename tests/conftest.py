@@ -3,7 +3,9 @@ pack -> write -> mmap -> run (the serialise-and-reload cycle)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +29,23 @@ if Path(getattr(sys.modules.get("kernels"), "__file__", None) or "/").parent == 
     del sys.modules["kernels"]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests"))
+
+
+def bench_rounds(cmd: list[str], work: Path, env: dict | None = None) -> dict[str, np.ndarray]:
+    """Drive ``cmd`` (an ``edgepack bench ... --rounds`` command line) as a benchmark
+    driver does (docs/cli.md); checks every answer and returns the saved outputs."""
+    out = work / "rounds.npz"
+    r = subprocess.run(cmd, input=f"run 3\noutput {out}\nwhat\n", capture_output=True,
+                       text=True, timeout=300, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    replies = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(replies) == 4, r.stdout
+    assert replies[0] == {"ready": True}
+    assert len(replies[1]["ms"]) == 3 and all(t > 0 for t in replies[1]["ms"])
+    assert replies[2] == {"ok": True}
+    assert "unknown request 'what'" in replies[3]["error"]
+    with np.load(out) as saved:
+        return {k: saved[k] for k in saved.files}
 
 
 def pack(model, out: Path, quiet: bool = True, **kw):

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from conftest import load
+from conftest import bench_rounds, load
 from onnx import TensorProto, helper
 
 pytestmark = pytest.mark.cpu
@@ -79,6 +79,16 @@ def test_info_shows_model_arena_and_error_table(digits_bundle):
 def test_bench_reports_median_and_p99(digits_bundle):
     out = ep("bench", digits_bundle, "-n", "20", "--warmup", "2", "--threads", "1").stdout
     assert "median" in out and "p99" in out
+
+
+def test_bench_rounds_answer_a_benchmark_driver(tmp_path, digits_bundle, digit_image):
+    x, _ = digit_image
+    np.save(tmp_path / "x.npy", x)
+    cmd = [sys.executable, "-m", "edgepack.cli", "bench", str(digits_bundle), "--rounds",
+           "--input", str(tmp_path / "x.npy"), "--threads", "1"]  # fmt: skip
+    got = bench_rounds(cmd, tmp_path)
+    assert list(got) == ["logits"]
+    np.testing.assert_array_equal(got["logits"], load(digits_bundle).run({"image": x})["logits"])
 
 
 def test_bench_and_run_a_model_with_int64_and_bool_inputs(tmp_path):

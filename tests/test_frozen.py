@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DATA
+from conftest import DATA, bench_rounds
 from edgepack.packager.stub import _deterministic_targz, _launcher, host_arch
 
 pytestmark = [
@@ -124,7 +124,7 @@ def test_executable_runs_without_python_and_matches_edgepack_run(
         assert np.array_equal(got["logits"], ref["logits"])  # bit for bit
 
 
-def test_version_info_and_bench_inside_the_executable(tmp_path, digits_exe):
+def test_version_info_and_bench_inside_the_executable(tmp_path, digits_exe, digit_inputs):
     env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([str(digits_exe), "--version"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and f"target {TARGET}" in r.stdout and "bundle " in r.stdout
@@ -137,6 +137,12 @@ def test_version_info_and_bench_inside_the_executable(tmp_path, digits_exe):
         env=env,
     )
     assert r.returncode == 0 and "median" in r.stdout
+    # the rounds scripts/bench_cnn.py drives the executable with, on the same inputs
+    got = bench_rounds([str(digits_exe), "bench", "--rounds", "--input", str(digit_inputs)],
+                       tmp_path, env)  # fmt: skip
+    ep("run", digits_exe, "--input", digit_inputs, "--output", tmp_path / "ref.npz")
+    with np.load(tmp_path / "ref.npz") as ref:
+        assert np.array_equal(got["logits"], ref["logits"])
 
 
 def test_tampered_payload_is_refused_even_after_a_verified_start(
