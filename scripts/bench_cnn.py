@@ -72,6 +72,11 @@ ENGINES = (ORT_FP32, ORT_QDQ) + tuple(f"edgepack-{q}" for q in QUANTS) + tuple(
 CALIB_SAMPLES = 8  # what edgepack's build uses by default, so both int8 paths see the same
 CALIB_SEED, INPUT_SEED = 0, 1  # timed inputs differ from the calibration inputs
 ROUND_RUNS = 5  # runs per round for the engine with the fewest runs to do
+# Idle time between one engine's round and the next's, with more than one thread: the
+# worker threads of the engine that just ran keep spinning a while for more work (ORT's
+# pool, OpenMP, OpenBLAS) and took the cores from the next engine's first runs
+# (MobileNetV2 fp32 at 2 threads: 8.8 ms, P99 46, against 4.8 ms run alone).
+ROUND_PAUSE_S = 0.05
 MIN_RUNS, MAX_RUNS = 50, 5000  # bounds for the --seconds budget; 50 puts P99 near the max
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "asimd", "asimddp")
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -375,6 +380,8 @@ def measure(
                 left = targets[e] - len(times[e])
                 if left > 0:
                     times[e] += workers[e].request("run", k=min(chunk[e], left))["ms"]
+                    if cfg.threads > 1:
+                        time.sleep(ROUND_PAUSE_S)
             # Rotate so that no engine always runs right after the same neighbour.
             order = order[1:] + order[:1]
         results = []
@@ -688,7 +695,10 @@ def format_markdown(
            "loading the model.",
            "- Warm-up runs first (the 1st-run column: for edgepack it includes numba's JIT "
            "compile or cache load), then rounds of runs alternate between the engines, "
-           "rotating the order, until each has its run count. gc is off while timing. "
+           "rotating the order, until each has its run count; with more than one "
+           f"thread, {ROUND_PAUSE_S * 1e3:.0f} ms pass idle between rounds, so that one "
+           "engine's spinning pool threads do not take the cores from the next one's "
+           "runs. gc is off while timing. "
            "edgepack runs through `executor.run_views` (no output copies).",
            f"- exe-*: the device executable for {EXE_TARGET} (`edgepack build --target "
            f"{EXE_TARGET}`: the frozen runtime and its ahead-of-time kernels, what a user "
