@@ -22,13 +22,41 @@ __version__ = "0.1.0"
 # - Both spinning long is the worst case (2-thread ResNet-18 once took 188 ms instead of
 #   60). So where numpy was imported before edgepack (OpenBLAS loaded, spinning as it
 #   was built to), libgomp's idle threads sleep at once, as before.
+# - What this package set is recorded in EDGEPACK_THREAD_WAITS, so that a child process
+#   (a server a benchmark or test starts) decides afresh instead of taking its parent's
+#   choice for the user's: a parent that had imported numpy first handed its passive
+#   wait down, and `edgepack serve` under scripts/bench_serve.py decoded one stream at
+#   11 ms a token instead of 6 (llama-server, inheriting it too, at 19 instead of 5).
+_MARK = "EDGEPACK_THREAD_WAITS"
+
+
+def _drop_our_waits(env) -> None:
+    for k, _, v in (kv.partition("=") for kv in env.pop(_MARK, "").split(",") if kv):
+        if env.get(k) == v:
+            del env[k]
+
+
+def foreign_environ() -> dict:
+    """This process's environment without the wait settings this package made: for
+    starting another program (a peer a benchmark compares with), which would otherwise
+    run with edgepack's choice as if the user had made it."""
+    env = dict(_os.environ)
+    _drop_our_waits(env)
+    return env
+
+
+_drop_our_waits(_os.environ)
+_set = {}
 _blas_spins_short = "numpy" not in _sys.modules or any(
     k in _os.environ for k in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
 )
 if "OPENBLAS_THREAD_TIMEOUT" not in _os.environ and "GOTO_THREAD_TIMEOUT" not in _os.environ:
-    _os.environ["OPENBLAS_THREAD_TIMEOUT"] = "12"
+    _set["OPENBLAS_THREAD_TIMEOUT"] = "12"
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     if _blas_spins_short:
-        _os.environ["OMP_WAIT_POLICY"], _os.environ["GOMP_SPINCOUNT"] = "active", "10000"
+        _set["OMP_WAIT_POLICY"], _set["GOMP_SPINCOUNT"] = "active", "10000"
     else:
-        _os.environ["OMP_WAIT_POLICY"] = "passive"
+        _set["OMP_WAIT_POLICY"] = "passive"
+_os.environ.update(_set)
+if _set:
+    _os.environ[_MARK] = ",".join(f"{k}={v}" for k, v in _set.items())

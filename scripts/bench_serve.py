@@ -125,12 +125,14 @@ def _serve_edgepack(bundle: Path, threads: int, log: Path) -> tuple[subprocess.P
 
 
 def _serve_llama(build: Path, gguf: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    from edgepack import foreign_environ  # without the OpenMP wait this process chose
+
     port = _free_port()
     p = subprocess.Popen([str(build / "bin" / "llama-server"), "-m", str(gguf), "--host",
                           "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
                           str(threads), "-np", str(SLOTS), "-c", str(SLOTS * CTX),
                           "--no-webui", "-a", "smol"], stdout=open(log, "wb"),
-                         stderr=subprocess.STDOUT)  # fmt: skip
+                         stderr=subprocess.STDOUT, env=foreign_environ())  # fmt: skip
     return p, f"http://127.0.0.1:{port}"
 
 
