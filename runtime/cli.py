@@ -166,13 +166,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         print(format_profile(profile(ex, feeds, a.n)))
         return 0
-    for _ in range(a.warmup):
-        ex.run_views(feeds)
-    times = []
-    for _ in range(a.n):
-        t = time.perf_counter()
-        ex.run_views(feeds)
-        times.append((time.perf_counter() - t) * 1e3)
+    _timed_runs(ex, feeds, a.warmup)
+    times = _timed_runs(ex, feeds, a.n)
     from .threads import set_threads
 
     threads = a.threads or set_threads(None)
@@ -188,6 +183,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _timed_runs(ex, feeds: dict[str, np.ndarray], n: int) -> list[float]:
+    """``n`` inferences into the arena (no output copies), each one's milliseconds."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter_ns()
+        ex.run_views(feeds)
+        times.append((time.perf_counter_ns() - t) / 1e6)
+    return times
+
+
 def bench_rounds(ex, feeds: dict[str, np.ndarray], requests, replies) -> int:
     """Timed runs on request, so a driver can interleave this process with other
     engines in rounds (scripts/bench_cnn.py times the shipped executable this way beside
@@ -199,14 +204,9 @@ def bench_rounds(ex, feeds: dict[str, np.ndarray], requests, replies) -> int:
     for line in requests:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "run":
-            times = []
-            for _ in range(int(arg)):
-                t = time.perf_counter_ns()
-                ex.run_views(feeds)
-                times.append((time.perf_counter_ns() - t) / 1e6)
-            reply = {"ms": times}
+            reply = {"ms": _timed_runs(ex, feeds, int(arg))}
         elif cmd == "output":
-            np.savez(arg, **dict(zip((o["name"] for o in ex.outputs), ex.run_views(feeds))))
+            np.savez(arg, **ex.run(feeds))
             reply = {"ok": True}
         else:
             reply = {"error": f"unknown request {line.strip()!r}: run K, or output PATH"}

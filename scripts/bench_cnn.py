@@ -142,8 +142,8 @@ class EngineResult:
 # --- worker side ----------------------------------------------------------------------------
 
 
-def _proc_status_mb(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _proc_status_mb(key: str, pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024.0  # reported in kB
     return math.nan
@@ -247,6 +247,8 @@ def worker_main() -> int:
 class Worker:
     """One engine in its own process, talking JSON lines over pipes."""
 
+    exit_line = '{"cmd": "exit"}\n'  # then the end of input
+
     def __init__(self, engine: str, path: Path, inputs: Path, threads: int, log: Path) -> None:
         self.engine, self.log = engine, log
         env = dict(os.environ)
@@ -254,13 +256,21 @@ class Worker:
         env.update({k: str(threads) for k in THREAD_ENV})
         log.parent.mkdir(parents=True, exist_ok=True)
         self._err = log.open("w")
+        t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker"],
+            self._command(path, inputs, threads),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
             text=True, env=env, cwd=REPO,
         )
-        spec = {"engine": engine, "path": str(path), "inputs": str(inputs), "threads": threads}
-        self.ready = self._send(spec)
+        self.ready = self._handshake(path, inputs, threads, t0)
+
+    def _command(self, path: Path, inputs: Path, threads: int) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), "--worker"]
+
+    def _handshake(self, path: Path, inputs: Path, threads: int, t0: float) -> dict:
+        spec = {"engine": self.engine, "path": str(path), "inputs": str(inputs),
+                "threads": threads}  # fmt: skip
+        return self._send(spec)
 
     def _send(self, msg: dict) -> dict:
         return self._line(json.dumps(msg))
@@ -288,7 +298,7 @@ class Worker:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write('{"cmd": "exit"}\n')  # type: ignore[union-attr]
+                self.proc.stdin.write(self.exit_line)  # type: ignore[union-attr]
                 self.proc.stdin.close()  # type: ignore[union-attr]
                 self.proc.wait(timeout=30)
             except (BrokenPipeError, subprocess.TimeoutExpired):
@@ -301,27 +311,15 @@ class ExeWorker(Worker):
     """A device executable answering rounds through its own ``bench --rounds`` (runtime
     /cli.py), on the same timed inputs; peak and end RSS read from its /proc entry."""
 
-    def __init__(self, engine: str, path: Path, inputs: Path, threads: int, log: Path) -> None:
-        self.engine, self.log = engine, log
-        env = dict(os.environ)
-        env.update({k: str(threads) for k in THREAD_ENV})
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._err = log.open("w")
-        self._out = log.with_suffix(".out.npz")
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [str(path), "bench", "--rounds", "--input", str(inputs), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
-            env=env,
-        )
-        self._line(None)  # {"ready": true} once the bundle is mapped and bound
-        self.ready = {"ok": True, "load_s": time.perf_counter() - t0, "import_rss_mb": math.nan}
+    exit_line = ""  # the end of input ends it
 
-    def _status_mb(self, key: str) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024.0
-        return math.nan
+    def _command(self, path: Path, inputs: Path, threads: int) -> list[str]:
+        self._out = self.log.with_suffix(".out.npz")
+        return [str(path), "bench", "--rounds", "--input", str(inputs), "--threads", str(threads)]
+
+    def _handshake(self, path: Path, inputs: Path, threads: int, t0: float) -> dict:
+        self._line(None)  # {"ready": true} once the bundle is mapped and bound
+        return {"ok": True, "load_s": time.perf_counter() - t0, "import_rss_mb": math.nan}
 
     def request(self, cmd: str, **args: object) -> dict:
         if cmd == "run":
@@ -332,19 +330,11 @@ class ExeWorker(Worker):
                 out = np.asarray(data[data.files[0]], np.float32)
             return {"shape": list(out.shape), "data": out.ravel().tolist()}
         if cmd == "stats":
-            return {"peak_rss_mb": self._status_mb("VmHWM"), "end_rss_mb": self._status_mb("VmRSS"),
+            pid = self.proc.pid
+            return {"peak_rss_mb": _proc_status_mb("VmHWM", pid),
+                    "end_rss_mb": _proc_status_mb("VmRSS", pid),
                     "extra": {"executable": f"{EXE_TARGET} stub, ahead-of-time kernels"}}
         raise ValueError(cmd)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # type: ignore[union-attr]  # end of input ends it
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._err.close()
 
 
 def _round_sizes(targets: dict[str, int]) -> dict[str, int]:

@@ -25,8 +25,6 @@ DATA = REPO / "tests" / "data"
 # failed with "cannot import name 'CUDAProperties' from 'kernels'". Nothing here is
 # imported by a top-level name from the root, so it comes off the path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
-if Path(getattr(sys.modules.get("kernels"), "__file__", None) or "/").parent == REPO / "kernels":
-    del sys.modules["kernels"]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests"))
 
