@@ -8,11 +8,34 @@ runs on (``pycc`` cannot cross-compile), tuned for the target's CPU name.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from pathlib import Path
 
-from ..kernels.cpu.abi import AOT_MODULE, aot_signatures
+from ..kernels.cpu.abi import AOT_MODULE, POOLED_SUFFIX, aot_signatures
+
+
+@contextlib.contextmanager
+def _releasing_gil():
+    """Every export releases the GIL while it runs (numba's ``nogil``), so the kernel
+    pool's threads run an SPMD kernel's parts at once (kernels/cpu/pool.py), and a
+    server's other threads run during a step. pycc builds its flags itself and has no
+    option for it: its Flags class is swapped for one that sets it, for this build."""
+    from numba.pycc import compiler
+
+    base = compiler.Flags
+
+    class NogilFlags(base):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.release_gil = True
+
+    compiler.Flags = NogilFlags
+    try:
+        yield
+    finally:
+        compiler.Flags = base
 
 
 def compile_kernels(
@@ -33,8 +56,11 @@ def compile_kernels(
 
     import importlib
 
+    from numba import types
+
     from ..kernels.cpu import kernels as cpu_numba
     from ..kernels.cpu.native import gemm_shape as host_gemm_shape
+    from ..kernels.cpu.native_pool import launcher, pool_start
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -43,10 +69,18 @@ def compile_kernels(
     cc.target_cpu = cpu_name
     cc.verbose = False
     shape = gemm_shape or host_gemm_shape()
+    state = types.Array(types.int64, 1, "C")  # the kernel pool's (kernels/cpu/pool.py)
+    cc.export("pool_start", types.void(state, types.int64))(pool_start.py_func)
     for export, (fn, sig) in aot_signatures(shape).items():
         mod, _, name = fn.rpartition(".")
         where = importlib.import_module(f"{cpu_numba.__package__}.{mod}") if mod else cpu_numba
-        cc.export(export, sig)(getattr(where, name).py_func)
+        kern = getattr(where, name)
+        if kern.targetoptions.get("parallel"):  # threads: kernels/cpu/native_pool.py
+            cc.export(export + POOLED_SUFFIX, sig.return_type(state, *sig.args))(
+                launcher(kern)
+            )
+        else:
+            cc.export(export, sig)(kern.py_func)
     from ..kernels.cpu import qdot
 
     if features is None and cpu_name == "host":
@@ -56,7 +90,8 @@ def compile_kernels(
     t = time.perf_counter()
     before, qdot.BUILD_FEATURES[0] = qdot.BUILD_FEATURES[0], features or ""
     try:
-        cc.compile()
+        with _releasing_gil():
+            cc.compile()
     finally:
         qdot.BUILD_FEATURES[0] = before
     built = sorted(out.glob(f"{AOT_MODULE}*.so"))

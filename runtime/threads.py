@@ -1,8 +1,9 @@
 """Thread count for the kernels and for the BLAS behind NumPy's matmul.
 
-The JIT kernels run their parallel loops on numba's thread pool. The AOT kernels
-shipped in device executables are single-threaded (numba's ahead-of-time compiler
-has no parallel loops), so there ``--threads`` sets the BLAS threads only.
+The JIT kernels run their parallel loops on numba's thread pool; the AOT kernels
+shipped in device executables on edgepack's kernel pool (kernels/cpu/pool.py: numba's
+ahead-of-time compiler has no parallel loops), which starts with one thread per core
+this process may use, as numba does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ def set_threads(n: int | None) -> int | None:
     from ..kernels.cpu.native import K
 
     global _limiter
-    if K.build == "jit":
+    if K.build != "jit":
+        from ..kernels.cpu.pool import POOL, default_threads
+
+        if n is None:
+            return POOL[0].threads
+        if n >= 1:  # capped as numba caps the JIT's: at the cores this process may use
+            n = min(n, default_threads())
+            POOL[0].resize(n)
+    else:
         import numba
 
         if n is None:

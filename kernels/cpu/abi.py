@@ -39,6 +39,11 @@ def xq_scratch_views(scratch, rows: int, k_padded: int):
 
 
 AOT_MODULE = "edgepack_kernels"
+# A kernel with parallel loops is exported as a launcher on the native kernel pool
+# (kernels/cpu/native_pool.py) under its name plus this, taking the pool's state first.
+POOLED_SUFFIX = "_pooled"
+POOL_STATE_LEN = 32 + 8 * 64  # int64s: native_pool.py's layout, MAX_THREADS = 64
+POOL_WANT, POOL_STARTED = 24, 25  # its parts to use and threads running (caller included)
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
 # builds export the target's shape under the plain name.
 GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv", "dw3", "gemv_q4")

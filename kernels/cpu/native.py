@@ -7,6 +7,7 @@ Both builds come from the same source (kernels/cpu/kernels.py) and give bit-iden
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import types
@@ -15,26 +16,48 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
-from .abi import AOT_MODULE, GEMM_TILE_KERNELS
+from .abi import AOT_MODULE, GEMM_TILE_KERNELS, POOLED_SUFFIX
 
 
 def _aot_namespace(mod) -> SimpleNamespace:
-    """The AOT exports under the JIT kernels' names (one export per weight dtype)."""
-    ns = {name: getattr(mod, name) for name in dir(mod) if not name.startswith("_")}
+    """The AOT exports under the JIT kernels' names (one export per weight dtype); the
+    parallel ones run on the native kernel pool (pool.py), one thread per core unless
+    set_threads says otherwise."""
+    from .pool import POOL, KernelPool, default_threads
+
+    if not POOL:
+        POOL.append(KernelPool(mod.pool_start, default_threads()))
+    state = POOL[0].state
+    ns = {}
+    for name in dir(mod):
+        if name.startswith("_") or name == "pool_start":
+            continue
+        if name.endswith(POOLED_SUFFIX):  # launcher(state, *args)
+            ns[name[: -len(POOLED_SUFFIX)]] = functools.partial(getattr(mod, name), state)
+        else:
+            ns[name] = getattr(mod, name)
     for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc", "dw3", "embed_rows"):
         ns[name] = _by_weight_dtype(ns.pop(f"{name}_f32"), ns.pop(f"{name}_i8"))
     by_w = {np.dtype(t): ns.pop(f"gemv_{n}") for t, n in ((np.int8, "i8"), (np.uint16, "f16"),
                                                               (np.int16, "bf16"))}  # fmt: skip
-    ns["gemv"] = lambda x, w, *rest: by_w[w.dtype](x, w, *rest)
+    ns["gemv"] = _by_dtype(lambda a: by_w[a[1].dtype])
     f32, f16 = ns.pop("attention_rows_f32"), ns.pop("attention_rows_f16")
-    ns["attention_rows"] = lambda *a: (f16 if a[4].dtype == np.uint16 else f32)(*a)  # caches
+    ns["attention_rows"] = _by_dtype(lambda a: f16 if a[4].dtype == np.uint16 else f32)  # caches
     return SimpleNamespace(build="aot", **ns)
 
 
 def _by_weight_dtype(f32, i8):
-    def kernel(x, w, *rest):
-        return (i8 if w.dtype == np.int8 else f32)(x, w, *rest)
+    return _by_dtype(lambda a: i8 if a[1].dtype == np.int8 else f32)
 
+
+def _by_dtype(pick):
+    """One AOT kernel of several exports (one per dtype), picked by ``pick(args)`` per
+    call, or once per call site by ``resolved``."""
+
+    def kernel(*args):
+        return pick(args)(*args)
+
+    kernel.pick = pick
     return kernel
 
 
@@ -72,9 +95,11 @@ def load_kernels() -> SimpleNamespace:
 
 
 def kernel_threads() -> int:
-    """Threads the kernels' parallel loops use now (1 for the serial AOT build)."""
+    """Threads the kernels' parallel loops use now: numba's, or the AOT kernel pool's."""
     if K.build != "jit":
-        return 1
+        from .pool import POOL
+
+        return POOL[0].threads
     import numba
 
     return numba.get_num_threads()
@@ -112,9 +137,12 @@ def resolved(kern, args: tuple):
     call to gemmp, and MobileNetV2 makes ~130 kernel calls a run (an mbconv chain three
     a band). The compiled entry point only unboxes. Serial or parallel build as
     ``_by_thread_count`` would pick now: the thread count is fixed before binding (the
-    kernels' worker counts are bound too). AOT builds are plain functions: as they are.
+    kernels' worker counts are bound too). An AOT kernel: its export for these
+    arguments' dtypes.
     """
     if K.build != "jit":
+        while hasattr(kern, "pick"):
+            kern = kern.pick(args)
         return kern
     import numba
 

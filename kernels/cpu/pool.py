@@ -1,0 +1,58 @@
+"""The ahead-of-time kernels' thread pool, as Python sees it: its state and its size.
+
+The pool itself is machine code in the AOT extension (native_pool.py): a kernel with
+parallel loops is exported as a launcher taking this state first, and helper threads
+started by the extension's ``pool_start`` run its parts. Python only owns the state
+array (which must outlive the helpers: they hold its address) and sets how many parts
+a kernel call uses.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .abi import POOL_STARTED, POOL_STATE_LEN, POOL_WANT
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its affinity mask, as numba's default)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class KernelPool:
+    """``start(state, n)`` starts helper threads until n run (native_pool.pool_start)."""
+
+    def __init__(self, start, threads: int = 1):
+        self.state = np.zeros(POOL_STATE_LEN, np.int64)
+        _KEPT.append(self.state)  # the helpers poll it by address for the process's life
+        self._start = start
+        self.resize(threads)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    @property
+    def threads(self) -> int:
+        """Parts a kernel call runs in now (caller included)."""
+        return int(max(1, min(self.state[POOL_WANT], self.state[POOL_STARTED])))
+
+    def resize(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        self.state[POOL_WANT] = threads
+        self._start(self.state, threads)
+
+    def _after_fork(self) -> None:
+        # a forked child has only the thread that forked: clear the job, the tickets
+        # and the count, so its first parallel call starts helpers of its own
+        want = int(self.state[POOL_WANT])
+        self.state[:] = 0
+        self.resize(max(1, want))
+
+
+_KEPT: list[np.ndarray] = []
+POOL: list[KernelPool] = []  # the AOT build's (native.load_kernels), once loaded
