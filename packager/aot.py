@@ -38,18 +38,35 @@ def _releasing_gil():
         compiler.Flags = base
 
 
+@contextlib.contextmanager
+def _with_features(features: str):
+    """pycc's target machine gets the CPU name only (its codegen passes no features):
+    ``x86-64-v4`` alone lacks VNNI, and qdot's ``vpdpbusd`` then fails instruction
+    selection. The features go to the target machine too, for this build."""
+    from numba.core.codegen import AOTCPUCodegen
+
+    base = AOTCPUCodegen._customize_tm_features
+    AOTCPUCodegen._customize_tm_features = lambda self: features
+    try:
+        yield
+    finally:
+        AOTCPUCodegen._customize_tm_features = base
+
+
 def compile_kernels(
     out_dir: str | Path,
     cpu_name: str = "host",
     gemm_shape: str | None = None,
     features: str | None = None,
+    module: str = AOT_MODULE,
 ) -> Path:
     """Build ``edgepack_kernels*.so`` into ``out_dir`` for LLVM CPU ``cpu_name`` (which
     implies its features, e.g. ``x86-64-v3`` = AVX2 + FMA) with the GEMM tile shape
     ``gemm_shape`` (default: the host's); returns its path. ``features`` (an LLVM feature
     string, the target's ``llvm_features``; default: the host's for ``host``, none
     else) picks the integer-dot instructions (kernels/cpu/qdot.py), which the CPU name
-    alone does not tell the kernel source."""
+    alone does not tell the kernel source. ``module``: the extension's name (a target's
+    extra builds are more modules beside the first, kernels/cpu/native.py picks one)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pycc's pending-deprecation notice
         from numba.pycc import CC
@@ -64,7 +81,7 @@ def compile_kernels(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cc = CC(AOT_MODULE)
+    cc = CC(module)
     cc.output_dir = str(out)
     cc.target_cpu = cpu_name
     cc.verbose = False
@@ -90,13 +107,13 @@ def compile_kernels(
     t = time.perf_counter()
     before, qdot.BUILD_FEATURES[0] = qdot.BUILD_FEATURES[0], features or ""
     try:
-        with _releasing_gil():
+        with _releasing_gil(), _with_features(features or ""):
             cc.compile()
     finally:
         qdot.BUILD_FEATURES[0] = before
-    built = sorted(out.glob(f"{AOT_MODULE}*.so"))
+    built = sorted(out.glob(f"{module}.*so"))
     if not built:
-        raise RuntimeError(f"pycc produced no {AOT_MODULE} module in {out}")
+        raise RuntimeError(f"pycc produced no {module} module in {out}")
     isa = qdot.dot_isa({f[1:] for f in (features or "").split(",") if f.startswith("+")})
     print(
         f"compiled {len(aot_signatures(shape))} kernels for {cpu_name} (GEMM tiles {shape}, "

@@ -29,7 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import __version__
-from ..targets import Target
+from ..kernels.cpu.abi import AOT_MODULE
+from ..targets import KernelBuild, Target, cpuinfo_flags, llvm_features
 from .ir import PackError
 
 STUB_FORMAT = 1
@@ -135,10 +136,41 @@ def cuda_packages(target: Target) -> list[str]:
     return [CUPY_WHEELS[major], *CUDA_NEEDS]
 
 
+def kernel_modules(target: Target) -> list[tuple[KernelBuild, str]]:
+    """(build, extension module name) of each of ``target``'s kernel builds, first
+    preferred; the target's own build is ``edgepack_kernels``."""
+    *extra, base = target.kernel_builds
+    return [(b, f"{AOT_MODULE}_{i}") for i, b in enumerate(extra, 1)] + [(base, AOT_MODULE)]
+
+
+def _compile_builds(target: Target, builds, out: Path) -> None:
+    """Compile every kernel build into ``out``, two at a time (each is one process's
+    work for ~5 minutes: pycc compiles on one core)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ..kernels.cpu.native import gemm_shape
+    from .aot import compile_kernels
+
+    jobs = [
+        (out, b.cpu, gemm_shape(set(b.cpu_features), target.arch),
+         llvm_features(target.arch, b.cpu_features), module)
+        for b, module in builds
+    ]  # fmt: skip
+    if len(jobs) == 1:
+        compile_kernels(*jobs[0])
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # numba's state is not fork-safe
+    with ProcessPoolExecutor(max_workers=min(2, len(jobs)), mp_context=ctx) as pool:
+        for f in [pool.submit(compile_kernels, *j) for j in jobs]:
+            f.result()
+
+
 def stub_modules(target: Target) -> tuple[list[str], list[str]]:
     """(hidden imports, excluded modules) for freezing ``target``'s runtime."""
     hidden = [
-        "edgepack_kernels",
+        *(m for _, m in kernel_modules(target)),
         "edgepack_stub_info",
         "edgepack.kernels.cpu.backend",
         "edgepack.kernels.ref.backend",
@@ -422,17 +454,21 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
     with tempfile.TemporaryDirectory(prefix="edgepack-stub-") as tmp:
         work = Path(tmp)
         aot = work / "aot"
-        from ..kernels.cpu.native import gemm_shape
-        from .aot import compile_kernels
-
-        log(f"[1/4] compile kernels for {target.cpu} ({target.arch})")
-        compile_kernels(aot, target.cpu, gemm_shape(set(target.cpu_features), target.arch),
-                        target.llvm_features)  # fmt: skip
+        builds = kernel_modules(target)
+        cpus = ", ".join(b.cpu for b, _ in builds)
+        log(f"[1/4] compile kernels for {cpus} ({target.arch})")
+        _compile_builds(target, builds, aot)
         info = {
             "target": target.name,
             "arch": target.arch,
             "cpu": target.cpu,
             "edgepack": __version__,
+            # the kernel builds, first preferred: the runtime takes the first whose
+            # /proc/cpuinfo flags the CPU has (kernels/cpu/native.py)
+            "kernels": [
+                {"module": m, "cpu": b.cpu, "flags": cpuinfo_flags(target.arch, b.cpu_features)}
+                for b, m in builds
+            ],
         }
         (aot / "edgepack_stub_info.py").write_text(f"INFO = {info!r}\n")
         src = _stage_runtime_sources(work / "src")

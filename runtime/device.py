@@ -61,7 +61,9 @@ class HostDevice:
     kind = "cpu"
 
     def describe(self) -> str:
-        return "host CPU"
+        from ..kernels.cpu.native import K
+
+        return "host CPU" if K.build == "jit" else f"host CPU, kernels built for {K.cpu}"
 
     def arena(self, nbytes: int) -> np.ndarray:
         a = aligned_arena(nbytes)

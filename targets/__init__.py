@@ -28,7 +28,9 @@ __all__ = [
     "BACKENDS",
     "QUANTS",
     "CPU_FEATURES",
+    "CPUINFO_FLAGS",
     "CudaInfo",
+    "KernelBuild",
     "Target",
     "TargetError",
     "load_target",
@@ -81,6 +83,32 @@ CPU_FEATURES: dict[str, dict[str, str]] = {
     },
 }
 
+# The same features as Linux spells them in /proc/cpuinfo ("flags" on x86, "Features"
+# on aarch64): what an executable checks at start to pick its kernel build.
+CPUINFO_FLAGS: dict[str, dict[str, str]] = {
+    "x86_64": {
+        **{f: f for f in CPU_FEATURES["x86_64"]},
+        "sse4.2": "sse4_2",
+        "avxvnni": "avx_vnni",
+        "avx512vnni": "avx512_vnni",
+        "avx512bf16": "avx512_bf16",
+        "avx512fp16": "avx512_fp16",
+    },
+    "aarch64": {
+        "neon": "asimd",
+        "fp16": "asimdhp",
+        "fp16fml": "asimdfhm",
+        "dotprod": "asimddp",
+        "i8mm": "i8mm",
+        "bf16": "bf16",
+        "sve": "sve",
+        "sve2": "sve2",
+        "crc": "crc32",
+        "lse": "atomics",
+        "rcpc": "lrcpc",
+    },
+}
+
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # becomes part of file names
 _CPU_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")  # LLVM CPU names: x86-64-v3, cortex-a72
 _GLIBC_RE = re.compile(r"(\d+)\.(\d+)")
@@ -103,6 +131,24 @@ class CudaInfo:
 
 
 @dataclass(frozen=True)
+class KernelBuild:
+    """One more CPU the executable's kernels are compiled for (``extra_builds``)."""
+
+    cpu: str  # LLVM CPU name
+    cpu_features: tuple[str, ...]
+
+
+def llvm_features(arch: str, features: tuple[str, ...]) -> str:
+    """Target feature names as an LLVM/numba feature string, e.g. ``"+neon,+dotprod"``."""
+    return ",".join(f"+{CPU_FEATURES[arch][f]}" for f in features)
+
+
+def cpuinfo_flags(arch: str, features: tuple[str, ...]) -> list[str]:
+    """Target feature names as /proc/cpuinfo lists them."""
+    return [CPUINFO_FLAGS[arch][f] for f in features]
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     description: str
@@ -116,6 +162,9 @@ class Target:
     default_threads: int
     backends: tuple[str, ...]
     cuda: CudaInfo | None = None
+    # more CPUs the kernels are built for, first preferred (the executable runs the first
+    # whose features the CPU has, else the target's own build)
+    extra_builds: tuple[KernelBuild, ...] = ()
     # Where the target was read from; for messages only, so equality ignores it.
     source: str = field(default="", compare=False, repr=False)
 
@@ -133,7 +182,12 @@ class Target:
     @property
     def llvm_features(self) -> str:
         """The features as an LLVM/numba feature string, e.g. ``"+neon,+dotprod"``."""
-        return ",".join(f"+{f}" for f in self.llvm_feature_names)
+        return llvm_features(self.arch, self.cpu_features)
+
+    @property
+    def kernel_builds(self) -> tuple[KernelBuild, ...]:
+        """Every CPU the kernels are compiled for, first preferred, the target's last."""
+        return (*self.extra_builds, KernelBuild(self.cpu, self.cpu_features))
 
     def as_dict(self) -> dict[str, Any]:
         """The target as its TOML fields (lists for arrays; no ``cuda`` key when absent)."""
@@ -150,6 +204,10 @@ class Target:
             "default_threads": self.default_threads,
             "backends": list(self.backends),
         }
+        if self.extra_builds:
+            d["extra_builds"] = [
+                {"cpu": b.cpu, "cpu_features": list(b.cpu_features)} for b in self.extra_builds
+            ]
         if self.cuda is not None:
             d["cuda"] = {
                 "arch": self.cuda.arch,
@@ -175,7 +233,9 @@ _FIELDS: dict[str, tuple[type, bool]] = {
     "default_threads": (int, True),
     "backends": (list, True),
     "cuda": (dict, False),
+    "extra_builds": (list, False),
 }
+_BUILD_FIELDS: dict[str, tuple[type, bool]] = {"cpu": (str, True), "cpu_features": (list, True)}
 _CUDA_FIELDS: dict[str, tuple[type, bool]] = {
     "arch": (str, True),
     "cuda_version": (str, True),
@@ -251,20 +311,21 @@ def _parse(raw: dict[str, Any], where: str, stem: str) -> Target:
         )
     arch = raw["arch"]
     _one_of(arch, ARCHES, "arch", where)
-    if not _CPU_RE.fullmatch(raw["cpu"]):
-        raise TargetError(
-            f"{where}: field 'cpu' {raw['cpu']!r} is not an LLVM CPU name "
-            "(lower case, e.g. x86-64-v3, cortex-a72)"
-        )
-
-    features = _str_list(raw, "cpu_features", where)
-    known = CPU_FEATURES[arch]
-    for f in features:
-        if f not in known:
+    features = _cpu_and_features(raw, arch, where, "")
+    extra = []
+    for i, b in enumerate(raw.get("extra_builds", [])):
+        prefix = f"extra_builds[{i}]."
+        if not isinstance(b, dict):
+            raise TargetError(f"{where}: 'extra_builds' must be an array of tables")
+        _check_keys(b, _BUILD_FIELDS, where, prefix)
+        more = _cpu_and_features(b, arch, where, prefix)
+        lacking = [f for f in features if f not in more]
+        if lacking:
             raise TargetError(
-                f"{where}: field 'cpu_features' has unknown {arch} feature {f!r} "
-                f"(known: {', '.join(known)})"
+                f"{where}: field '{prefix}cpu_features' lacks {', '.join(lacking)}: an extra "
+                "build is for CPUs with at least the target's features"
             )
+        extra.append(KernelBuild(b["cpu"], more))
 
     if not _GLIBC_RE.fullmatch(raw["min_glibc"]):
         raise TargetError(
@@ -335,8 +396,28 @@ def _parse(raw: dict[str, Any], where: str, stem: str) -> Target:
         default_threads=raw["default_threads"],
         backends=backends,
         cuda=cuda,
+        extra_builds=tuple(extra),
         source=where,
     )
+
+
+def _cpu_and_features(raw: dict[str, Any], arch: str, where: str, prefix: str) -> tuple[str, ...]:
+    """Check a ``cpu`` name and its ``cpu_features``; the features."""
+    if not _CPU_RE.fullmatch(raw["cpu"]):
+        raise TargetError(
+            f"{where}: field '{prefix}cpu' {raw['cpu']!r} is not an LLVM CPU name "
+            "(lower case, e.g. x86-64-v3, cortex-a72)"
+        )
+    raw_f = {"cpu_features": raw["cpu_features"]}
+    features = _str_list(raw_f, "cpu_features", where)
+    known = CPU_FEATURES[arch]
+    for f in features:
+        if f not in known:
+            raise TargetError(
+                f"{where}: field '{prefix}cpu_features' has unknown {arch} feature {f!r} "
+                f"(known: {', '.join(known)})"
+            )
+    return features
 
 
 def _load_bytes(data: bytes, where: str, stem: str) -> Target:

@@ -145,6 +145,39 @@ def test_version_info_and_bench_inside_the_executable(tmp_path, digits_exe, digi
         assert np.array_equal(got["logits"], ref["logits"])
 
 
+def test_the_executable_picks_its_kernel_build_from_the_cpu(tmp_path, digits_exe, digit_inputs):
+    """linux-x86_64 executables carry kernels for x86-64-v4 (AVX-512 with VNNI) and for
+    the target's x86-64-v3, and take the first the CPU has (EDGEPACK_CPU_FLAGS plays
+    another CPU): both builds give the same bits, and a CPU below v3 is refused with
+    what it lacks before any kernel runs."""
+    from edgepack.kernels.cpu.native import host_cpu_flags
+
+    v4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    host = "x86-64-v4" if v4 <= (host_cpu_flags() or set()) else "x86-64-v3"
+    outs = {}
+    for flags, build in ((None, host), ("avx2 fma f16c sse2", "x86-64-v3")):
+        env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"))
+        env.pop("EDGEPACK_CPU_FLAGS", None)
+        if flags:
+            env["EDGEPACK_CPU_FLAGS"] = flags
+        r = subprocess.run([str(digits_exe), "bench", "-n", "2", "--warmup", "1"],
+                           capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        assert r.returncode == 0 and f"kernels built for {build})" in r.stdout, r.stderr[-2000:]
+        out = tmp_path / f"{build}.npz"
+        run = [str(digits_exe), "run", "--input", str(digit_inputs), "--output", str(out)]
+        r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        with np.load(out) as y:
+            outs[flags] = y["logits"]
+    assert np.array_equal(outs[None], outs["avx2 fma f16c sse2"])
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"), EDGEPACK_CPU_FLAGS="sse2")
+    r = subprocess.run([str(digits_exe), "run", "--input", str(digit_inputs)],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 1
+    assert "this CPU lacks avx2, f16c, fma, which the kernels of this executable need " \
+        "(built for x86-64-v3)" in r.stderr, r.stderr[-2000:]
+
+
 def test_tampered_payload_is_refused_even_after_a_verified_start(
     tmp_path, digits_exe, digit_inputs
 ):

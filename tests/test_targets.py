@@ -15,6 +15,7 @@ from edgepack.targets import (
     TargetError,
     _parse,
     list_targets,
+    llvm_features,
     load_target,
     target_names,
 )
@@ -34,11 +35,20 @@ def _toml_value(v) -> str:
 
 
 def dump_toml(d: dict) -> str:
-    """Enough TOML for a target: scalars and arrays, then sub-tables."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    """Enough TOML for a target: scalars and arrays, then sub-tables and arrays of them."""
+
+    def tables(v) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
+    lines = [
+        f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict) and not tables(v)
+    ]
     for k, v in d.items():
         if isinstance(v, dict):
             lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+        elif tables(v):
+            for t in v:
+                lines += ["", f"[[{k}]]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in t.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -127,8 +137,10 @@ for t in json.loads(sys.argv[1]):
     print(t["name"], "ok", flush=True)
 """
     ts = [
-        {"name": t.name, "arch": t.arch, "cpu": t.cpu, "features": t.llvm_features}
+        {"name": t.name, "arch": t.arch, "cpu": b.cpu,
+         "features": llvm_features(t.arch, b.cpu_features)}  # fmt: skip
         for t in list_targets()
+        for b in t.kernel_builds
     ]
     r = subprocess.run(
         [sys.executable, "-c", code, json.dumps(ts)], capture_output=True, text=True, timeout=120
@@ -250,6 +262,20 @@ BAD = {
     "jetpack version": (_cuda(jetpack="six"), r"'cuda.jetpack' is 'six'"),
     "unified not bool": (_cuda(unified_memory=1), r"'cuda.unified_memory' must be a boolean"),
     "cuda not table": (_set("cuda", "sm_87"), r"'cuda' must be a table"),
+    "extra build lacks a base feature": (
+        _set("extra_builds", [{"cpu": "cortex-a78", "cpu_features": ["neon", "fp16"]}]),
+        r"'extra_builds\[0\].cpu_features' lacks dotprod: an extra build is for CPUs with at",
+    ),
+    "extra build unknown feature": (
+        _set("extra_builds", [{"cpu": "neoverse-v1",
+                               "cpu_features": ["neon", "dotprod", "fp16", "sve3"]}]),
+        r"'extra_builds\[0\].cpu_features' has unknown aarch64 feature 'sve3'",
+    ),
+    "extra build typo key": (
+        _set("extra_builds", [{"cpu": "cortex-a78", "features": ["neon"]}]),
+        r"unknown field\(s\) extra_builds\[0\].features",
+    ),
+    "extra builds not tables": (_set("extra_builds", ["x86-64-v4"]), r"array of tables"),
 }
 
 
@@ -329,3 +355,42 @@ def test_cli_reports_bad_target(tmp_path):
     r = ep("targets", write(tmp_path, d))
     assert r.returncode == 1
     assert r.stderr.startswith("edgepack: error: ") and "'arch' is 'mips'" in r.stderr
+
+
+def test_extra_builds_come_first_and_round_trip(tmp_path):
+    """A target's extra kernel builds are preferred in their order, its own build last;
+    the stub names their modules after the plain one."""
+    from edgepack.packager.stub import kernel_modules
+
+    d = valid()
+    d["extra_builds"] = [
+        {"cpu": "neoverse-v1", "cpu_features": ["neon", "dotprod", "fp16", "i8mm", "sve"]},
+        {"cpu": "cortex-a78", "cpu_features": ["neon", "dotprod", "fp16", "i8mm"]},
+    ]
+    t = load_target(str(write(tmp_path, d)))
+    assert [b.cpu for b in t.kernel_builds] == ["neoverse-v1", "cortex-a78", "cortex-a76"]
+    assert t.as_dict() == d
+    assert [m for _, m in kernel_modules(t)] == [
+        "edgepack_kernels_1", "edgepack_kernels_2", "edgepack_kernels"
+    ]
+    x86 = load_target("linux-x86_64")
+    assert [b.cpu for b in x86.kernel_builds] == ["x86-64-v4", "x86-64-v3"]
+
+
+def test_the_executable_takes_the_first_build_its_cpu_can_run(monkeypatch):
+    from edgepack.kernels.cpu.native import UnsupportedCPU, aot_module
+
+    builds = [
+        {"module": "k_1", "cpu": "x86-64-v4", "flags": ["avx2", "fma", "avx512f", "avx512_vnni"]},
+        {"module": "k", "cpu": "x86-64-v3", "flags": ["avx2", "fma"]},
+    ]
+    monkeypatch.delenv("EDGEPACK_KERNEL_CPU", raising=False)
+    assert aot_module(builds, {"avx2", "fma", "avx512f", "avx512_vnni", "sse2"}) == "k_1"
+    assert aot_module(builds, {"avx2", "fma", "avx512f"}) == "k"  # AVX-512 without VNNI
+    with pytest.raises(UnsupportedCPU, match=r"lacks avx2, fma, which .* \(built for x86-64-v3\)"):
+        aot_module(builds, {"sse2", "sse4_2"})
+    monkeypatch.setenv("EDGEPACK_KERNEL_CPU", "x86-64-v3")
+    assert aot_module(builds, {"avx2", "fma", "avx512f", "avx512_vnni"}) == "k"
+    monkeypatch.setenv("EDGEPACK_KERNEL_CPU", "znver9")
+    with pytest.raises(UnsupportedCPU, match="has kernels for x86-64-v4, x86-64-v3"):
+        aot_module(builds, {"avx2", "fma"})

@@ -67,7 +67,10 @@ def load_kernels() -> SimpleNamespace:
         raise ValueError(f"EDGEPACK_KERNELS={mode!r}; use auto, aot or jit")
     if mode in ("auto", "aot"):
         try:
-            ns = _aot_namespace(importlib.import_module(AOT_MODULE))
+            builds = _stub_builds()
+            name = aot_module(builds)
+            ns = _aot_namespace(importlib.import_module(name))
+            ns.cpu = next((b.get("cpu") for b in builds if b["module"] == name), None) or "host"
         except ImportError:
             if mode == "aot":
                 raise
@@ -92,6 +95,64 @@ def load_kernels() -> SimpleNamespace:
         if getattr(f, "targetoptions", {}).get("parallel"):
             names[k] = _by_thread_count(f)
     return SimpleNamespace(build="jit", gemm_shape=shape, **names)
+
+
+class UnsupportedCPU(ValueError):
+    """This CPU lacks features every kernel build of the executable needs."""
+
+
+def _stub_builds() -> list[dict]:
+    """The kernel builds a frozen stub carries, first preferred (packager/stub.py)."""
+    try:
+        import edgepack_stub_info  # written into the stub when it is frozen
+    except ImportError:
+        return [{"module": AOT_MODULE}]
+    return list(edgepack_stub_info.INFO.get("kernels") or [{"module": AOT_MODULE}])
+
+
+def host_cpu_flags() -> set[str] | None:
+    """The CPU's features as /proc/cpuinfo lists them (None where it cannot be read).
+    ``EDGEPACK_CPU_FLAGS`` (space-separated) stands in for them: tests use it to play
+    an older CPU."""
+    forced = os.environ.get("EDGEPACK_CPU_FLAGS")
+    if forced is not None:
+        return set(forced.split())
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):  # x86, aarch64
+                    return set(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def aot_module(builds: list[dict], flags: set[str] | None = None) -> str:
+    """The module of the first kernel build whose features this CPU has.
+
+    As ONNX Runtime's MLAS picks its kernels from the CPU it starts on: an AVX-512 CPU
+    runs the x86-64-v4 build, an AVX2 one the x86-64-v3 build. ``EDGEPACK_KERNEL_CPU``
+    names a build to take instead (to compare them). A CPU below the last build (the
+    target's own) is refused: its kernels would stop on an illegal instruction."""
+    flags = host_cpu_flags() if flags is None else flags
+    forced = os.environ.get("EDGEPACK_KERNEL_CPU")
+    if forced:
+        named = [b for b in builds if b.get("cpu") == forced]
+        if not named:
+            have = ", ".join(str(b.get("cpu")) for b in builds)
+            raise UnsupportedCPU(f"EDGEPACK_KERNEL_CPU={forced}: this executable has kernels "
+                                 f"for {have}")  # fmt: skip
+        builds = named
+    for b in builds:
+        if flags is None or set(b.get("flags", ())) <= flags:
+            return b["module"]
+    last = builds[-1]
+    lacking = sorted(set(last.get("flags", ())) - flags)
+    raise UnsupportedCPU(
+        f"this CPU lacks {', '.join(lacking)}, which the kernels of this executable need "
+        f"(built for {last.get('cpu')}); build for a target that matches it"
+    )
 
 
 def kernel_threads() -> int:
