@@ -463,6 +463,7 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
             "arch": target.arch,
             "cpu": target.cpu,
             "edgepack": __version__,
+            "default_threads": target.default_threads,  # the kernel pool's cap
             # the kernel builds, first preferred: the runtime takes the first whose
             # /proc/cpuinfo flags the CPU has (kernels/cpu/native.py)
             "kernels": [

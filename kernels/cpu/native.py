@@ -25,8 +25,9 @@ def _aot_namespace(mod) -> SimpleNamespace:
     set_threads says otherwise."""
     from .pool import POOL, KernelPool, default_threads
 
-    if not POOL:
-        POOL.append(KernelPool(mod.pool_start, default_threads()))
+    if not POOL:  # one per core, at most the target's default_threads (a stub records it)
+        cap = _stub_info().get("default_threads") or default_threads()
+        POOL.append(KernelPool(mod.pool_start, min(default_threads(), cap)))
     state = POOL[0].state
     ns = {}
     for name in dir(mod):
@@ -101,13 +102,18 @@ class UnsupportedCPU(ValueError):
     """This CPU lacks features every kernel build of the executable needs."""
 
 
-def _stub_builds() -> list[dict]:
-    """The kernel builds a frozen stub carries, first preferred (packager/stub.py)."""
+def _stub_info() -> dict:
+    """What packager/stub.py wrote into a frozen stub ({} elsewhere)."""
     try:
         import edgepack_stub_info  # written into the stub when it is frozen
     except ImportError:
-        return [{"module": AOT_MODULE}]
-    return list(edgepack_stub_info.INFO.get("kernels") or [{"module": AOT_MODULE}])
+        return {}
+    return dict(edgepack_stub_info.INFO)
+
+
+def _stub_builds() -> list[dict]:
+    """The kernel builds a frozen stub carries, first preferred (packager/stub.py)."""
+    return list(_stub_info().get("kernels") or [{"module": AOT_MODULE}])
 
 
 def host_cpu_flags() -> set[str] | None:
