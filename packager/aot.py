@@ -18,11 +18,14 @@ from ..kernels.cpu.abi import AOT_MODULE, POOLED_SUFFIX, aot_signatures
 
 @contextlib.contextmanager
 def _releasing_gil():
-    """Every export releases the GIL while it runs (numba's ``nogil``), so the kernel
-    pool's threads run an SPMD kernel's parts at once (kernels/cpu/pool.py), and a
-    server's other threads run during a step. pycc builds its flags itself and has no
-    option for it: its Flags class is swapped for one that sets it, for this build."""
+    """Every export releases the GIL while it runs (numba's ``nogil``), so a server's
+    other threads run during a kernel, and compiles with the JIT kernels' numpy error
+    model (kernels/cpu/jit.py: IEEE division, loops LLVM can vectorise; pycc's default
+    is Python's, a zero check per division). pycc builds its flags itself and has no
+    option for either: its Flags class is swapped for one that sets them, for this build."""
     from numba.pycc import compiler
+
+    from ..kernels.cpu.jit import ERROR_MODEL
 
     base = compiler.Flags
 
@@ -30,6 +33,7 @@ def _releasing_gil():
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.release_gil = True
+            self.error_model = ERROR_MODEL
 
     compiler.Flags = NogilFlags
     try:

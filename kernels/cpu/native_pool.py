@@ -40,7 +40,7 @@ from . import atomics
 from .abi import POOL_STARTED as STARTED
 from .abi import POOL_STATE_LEN as STATE_LEN
 from .abi import POOL_WANT as WANT
-from .jit import njit
+from .jit import ERROR_MODEL, njit
 from .spmd import spmd_function
 
 # state layout (int64 indices); 0-1: spmd.barrier
@@ -152,6 +152,23 @@ def pool_start(state, threads):
         atomics.store(state, STARTED, have + got)
 
 
+def _kernel_flags():
+    """Compiler flags for a kernel compiled inside a launcher: numba's defaults for a
+    subroutine (NRT as the caller has it), with the JIT kernels' numpy error model
+    (jit.py): without it every float division carries a zero check that keeps LLVM
+    from vectorising the loop around it."""
+    from numba.core import compiler, targetconfig
+
+    flags = compiler.Flags()
+    stack = targetconfig.ConfigStack()
+    if stack:
+        top = stack.top()
+        if top.is_set("nrt") and top.nrt:
+            flags.nrt = True
+    flags.error_model = ERROR_MODEL
+    return flags
+
+
 def _launch_intrinsic(spmd_py):
     """The intrinsic that runs ``spmd_py``: _launch(state, argument tuple, parts) runs
     it whole on this thread for parts = 1 (raising as the kernel does), else on the
@@ -163,7 +180,7 @@ def _launch_intrinsic(spmd_py):
             st_ty, tup_ty, _ = sig.args
             n = len(tup_ty.types)
             spmd_sig = types.void(*tup_ty.types, types.int64, types.int64, st_ty)
-            kern = context.compile_subroutine(builder, spmd_py, spmd_sig)
+            kern = context.compile_subroutine(builder, spmd_py, spmd_sig, flags=_kernel_flags())
             mod = builder.module
             pack_ty = ir.LiteralStructType([args[1].type, args[0].type])
             # the part function: unpack the arguments, run one part

@@ -3,7 +3,7 @@
 numba's ahead-of-time compiler (pycc) has no parallel loops: a ``prange`` compiles as
 a plain ``range`` and the device executable ran every kernel on one core. Here the
 same kernel source becomes a function every thread of a small pool calls at once
-(kernels/cpu/pool.py), each with its part number:
+(kernels/cpu/native_pool.py), each with its part number:
 
 - each ``for i in prange(lo, hi)`` walks only the part's contiguous share of lo..hi
   (``n * part // parts`` to ``n * (part + 1) // parts``: prange's own static split);
@@ -16,9 +16,9 @@ same kernel source becomes a function every thread of a small pool calls at once
   in every part: each part needs them.
 
 Iterations of a parallel loop are independent (prange requires it), so any split
-gives bit-identical results; the tests run the transformed kernels under the JIT
-from Python threads against their serial builds. The AOT build (packager/aot.py)
-exports every parallel kernel in this form, compiled to release the GIL.
+gives bit-identical results; tests/test_spmd.py launches them on the pool under the
+JIT against the serial kernels. The AOT build (packager/aot.py) exports every
+parallel kernel in this form, behind a launcher.
 
 The barrier spins on an atomic counter in ``sync`` (int64[2]: arrivals, generation)
 and yields the CPU after ``SPINS`` polls: a futex wake costs ~10-50 us on these VMs,
