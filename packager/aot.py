@@ -17,7 +17,7 @@ from ..kernels.cpu.abi import AOT_MODULE, POOLED_SUFFIX, aot_signatures
 
 
 @contextlib.contextmanager
-def _releasing_gil():
+def _pycc_flags():
     """Every export releases the GIL while it runs (numba's ``nogil``), so a server's
     other threads run during a kernel, and compiles with the JIT kernels' numpy error
     model (kernels/cpu/jit.py: IEEE division, loops LLVM can vectorise; pycc's default
@@ -111,7 +111,7 @@ def compile_kernels(
     t = time.perf_counter()
     before, qdot.BUILD_FEATURES[0] = qdot.BUILD_FEATURES[0], features or ""
     try:
-        with _releasing_gil(), _with_features(features or ""):
+        with _pycc_flags(), _with_features(features or ""):
             cc.compile()
     finally:
         qdot.BUILD_FEATURES[0] = before

@@ -13,20 +13,12 @@ import os
 import sys
 
 from .. import __version__
+from ..kernels.cpu.abi import stub_info
 from .bundle import BundleError
 from .bundle_format import HEADER_SIZE
 from .cli import ERRORS, add_runtime_commands, dispatch
 from .payload import read_trailer
 from .verified import is_verified, mark_verified
-
-
-def _stub_info() -> dict:
-    try:
-        import edgepack_stub_info  # written into the stub when it is frozen
-
-        return dict(edgepack_stub_info.INFO)
-    except ImportError:
-        return {"target": "unknown (not a frozen stub)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BundleError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
-    info = _stub_info()
+    info = stub_info() or {"target": "unknown (not a frozen stub)"}
     version = (
         f"{prog}: edgepack {__version__}, target {info.get('target')}, "
         f"bundle {hashlib.sha256(header).hexdigest()[:16]}" + (", signed" if loc.signature else "")

@@ -3,7 +3,7 @@
 The JIT kernels run their parallel loops on numba's thread pool; the AOT kernels
 shipped in device executables on edgepack's kernel pool (kernels/cpu/pool.py: numba's
 ahead-of-time compiler has no parallel loops), which starts with one thread per core
-this process may use, as numba does.
+this process may use, as numba does, at most the target's ``default_threads``.
 """
 
 from __future__ import annotations

@@ -387,6 +387,11 @@ def test_the_executable_takes_the_first_build_its_cpu_can_run(monkeypatch):
     monkeypatch.delenv("EDGEPACK_KERNEL_CPU", raising=False)
     assert aot_module(builds, {"avx2", "fma", "avx512f", "avx512_vnni", "sse2"}) == "k_1"
     assert aot_module(builds, {"avx2", "fma", "avx512f"}) == "k"  # AVX-512 without VNNI
+    from edgepack.kernels.cpu import native
+
+    with monkeypatch.context() as m:  # /proc/cpuinfo unreadable: the target's floor
+        m.setattr(native, "host_cpu_flags", lambda: None)
+        assert aot_module(builds) == "k"
     with pytest.raises(UnsupportedCPU, match=r"lacks avx2, fma, which .* \(built for x86-64-v3\)"):
         aot_module(builds, {"sse2", "sse4_2"})
     monkeypatch.setenv("EDGEPACK_KERNEL_CPU", "x86-64-v3")

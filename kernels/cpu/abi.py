@@ -39,6 +39,18 @@ def xq_scratch_views(scratch, rows: int, k_padded: int):
 
 
 AOT_MODULE = "edgepack_kernels"
+
+
+def stub_info() -> dict:
+    """What packager/stub.py wrote into a frozen stub (target, kernel builds, thread
+    cap); {} outside one."""
+    try:
+        import edgepack_stub_info  # written into the stub when it is frozen
+    except ImportError:
+        return {}
+    return dict(edgepack_stub_info.INFO)
+
+
 # A kernel with parallel loops is exported as a launcher on the native kernel pool
 # (kernels/cpu/native_pool.py) under its name plus this, taking the pool's state first.
 POOLED_SUFFIX = "_pooled"

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
-from .abi import AOT_MODULE, GEMM_TILE_KERNELS, POOLED_SUFFIX
+from .abi import AOT_MODULE, GEMM_TILE_KERNELS, POOLED_SUFFIX, stub_info
 
 
 def _aot_namespace(mod) -> SimpleNamespace:
@@ -26,7 +26,7 @@ def _aot_namespace(mod) -> SimpleNamespace:
     from .pool import POOL, KernelPool, default_threads
 
     if not POOL:  # one per core, at most the target's default_threads (a stub records it)
-        cap = _stub_info().get("default_threads") or default_threads()
+        cap = stub_info().get("default_threads") or default_threads()
         POOL.append(KernelPool(mod.pool_start, min(default_threads(), cap)))
     state = POOL[0].state
     ns = {}
@@ -102,18 +102,9 @@ class UnsupportedCPU(ValueError):
     """This CPU lacks features every kernel build of the executable needs."""
 
 
-def _stub_info() -> dict:
-    """What packager/stub.py wrote into a frozen stub ({} elsewhere)."""
-    try:
-        import edgepack_stub_info  # written into the stub when it is frozen
-    except ImportError:
-        return {}
-    return dict(edgepack_stub_info.INFO)
-
-
 def _stub_builds() -> list[dict]:
     """The kernel builds a frozen stub carries, first preferred (packager/stub.py)."""
-    return list(_stub_info().get("kernels") or [{"module": AOT_MODULE}])
+    return list(stub_info().get("kernels") or [{"module": AOT_MODULE}])
 
 
 def host_cpu_flags() -> set[str] | None:
@@ -150,8 +141,10 @@ def aot_module(builds: list[dict], flags: set[str] | None = None) -> str:
             raise UnsupportedCPU(f"EDGEPACK_KERNEL_CPU={forced}: this executable has kernels "
                                  f"for {have}")  # fmt: skip
         builds = named
+    if flags is None:  # /proc/cpuinfo unreadable: the target's own build, its floor
+        return builds[-1]["module"]
     for b in builds:
-        if flags is None or set(b.get("flags", ())) <= flags:
+        if set(b.get("flags", ())) <= flags:
             return b["module"]
     last = builds[-1]
     lacking = sorted(set(last.get("flags", ())) - flags)

@@ -2,7 +2,7 @@
 
 numba's ahead-of-time compiler has no parallel loops (its parfors need numba's
 threading layer at run time), so the device executable ran every kernel on one core.
-Here each parallel kernel is compiled twice over from its source: its SPMD form
+Here each parallel kernel is compiled in two pieces from its source: its SPMD form
 (spmd.py: part ``p`` of ``n`` does its share of each parallel loop) and a *launcher*
 with the kernel's own arguments plus the pool's state, which
 
@@ -238,7 +238,6 @@ def _run_job(st, fn, data, parts):
     failed |= atomics.load(st, FAILED)
     atomics.store(st, LOCK, 0)  # taken by ``take``
     return failed
-
 
 
 def _run(context, builder, st_ty, state, fn, slot, parts):

@@ -31,13 +31,10 @@ import ast
 import inspect
 import textwrap
 
-from numba import types
-
 from . import atomics
 from .jit import njit
 
 PART_ARGS = ("_part", "_parts", "_sync")
-SPMD_ARGS = (types.int64, types.int64, types.Array(types.int64, 1, "C"))  # their types
 SPINS = 20000  # polls before a waiting part yields its core to others
 
 
