@@ -31,6 +31,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         tokenizer=a.tokenizer,
         pooling=a.pooling,
         embedding_output=a.embedding_output,
+        act_quant=a.act_quant,
     )
     private = read_key(a.sign, "private key") if a.sign else None
     embed = read_key(a.embed_pubkey) if a.embed_pubkey else None
@@ -220,6 +221,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="auto (default): conv regions run channels-last (NHWC) on CPU targets "
         "(docs/bundle-format.md); nchw: every activation channels-first as imported",
     )
+    p.add_argument("--act-quant", choices=ACT_QUANT, default="auto",
+                   help="int8 activations: with --quant int8, convs quantize their inputs "
+                   "to u8 (per tensor, ranges from --calib) and multiply int8 by int8; a "
+                   "language model's int4 linears quantize theirs in blocks of 32 (as "
+                   "llama.cpp's Q4_0); none: float32 activations; auto (default): int8 "
+                   "for int4 linears where the target's CPU has an integer dot "
+                   "instruction, float32 for convs")
     enc = p.add_argument_group("text encoders (ONNX; serve answers /v1/embeddings, docs/http.md)")
     enc.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
                      help="carry this Hugging Face tokenizer.json: inputs named input_ids, "
@@ -241,10 +249,6 @@ def make_parser() -> argparse.ArgumentParser:
                      "a type the embedding lookup lacks keeps them wider)")
     llm.add_argument("--kv", choices=KV_DTYPES, default="f16",
                      help="KV cache element type (default f16)")
-    llm.add_argument("--act-quant", choices=ACT_QUANT, default="auto",
-                     help="activations of int4 linears: int8 in blocks of 32 with integer "
-                     "products (as llama.cpp's Q4_0), or none (float32); auto: int8 where "
-                     "the CPU has an integer dot instruction (default)")
     p.set_defaults(func=cmd_build)
     p = sub.add_parser(
         "targets",

@@ -67,6 +67,31 @@ def to_panels(hwio: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(kh, kw, c, n, PANEL).transpose(3, 0, 1, 2, 4))
 
 
+def dot4_run(kw: int, c: int) -> int:
+    """Reduction steps of 4 in one kernel row of a qconv: its kw * C taps, rounded up."""
+    return -(-kw * c // 4)
+
+
+def to_dot4_panels(hwio: np.ndarray) -> np.ndarray:
+    """int8 HWIO weights ``[kh, kw, C, Co]`` -> a qconv's panels ``[ceil(Co/PANEL),
+    kh * run4, PANEL, 4]`` (kernels/cpu/qgemm.py): per kernel row, its kw * C taps padded
+    with zeros to run4 * 4, then byte j of column c in step k is tap 4k + j."""
+    kh, kw, c, co = hwio.shape
+    run4, n = dot4_run(kw, c), -(-co // PANEL)
+    padded = np.zeros((kh, run4 * 4, n * PANEL), hwio.dtype)
+    padded[:, : kw * c, :co] = hwio.reshape(kh, kw * c, co)
+    p = padded.reshape(kh, run4, 4, n, PANEL).transpose(3, 0, 1, 4, 2)
+    return np.ascontiguousarray(p).reshape(n, kh * run4, PANEL, 4)
+
+
+def from_dot4_panels(p: np.ndarray, kh: int, kw: int, c: int, co: int) -> np.ndarray:
+    """``to_dot4_panels`` undone: HWIO ``[kh, kw, C, Co]`` (a copy)."""
+    n, _, width, _ = p.shape
+    run4 = dot4_run(kw, c)
+    w = p.reshape(n, kh, run4, width, 4).transpose(1, 2, 4, 0, 3).reshape(kh, run4 * 4, -1)
+    return np.ascontiguousarray(w[:, : kw * c, :co]).reshape(kh, kw, c, co)
+
+
 def linear_panels(w: np.ndarray) -> np.ndarray:
     """A linear's weights ``[N, K]`` -> panels ``[ceil(N/PANEL), K, PANEL]``: the GEMM
     operand ``[K, N]`` cut as ``to_panels`` cuts a 1x1 conv's."""

@@ -81,6 +81,11 @@ def _conv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (x[0], co, *_window_out(x[2:4], k, attrs))
 
 
+def _qconv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x = ins[0]  # [N, H, W, C]; the weights' dot-product panels do not show the kernel
+    return (x[0], *_window_out(x[1:3], attrs["kernel"], attrs), int(attrs["out_channels"]))
+
+
 def _deconv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     """ConvTranspose of x[N, C, H, W] with w[C, Cout / group, kh, kw]: the output size
     the importer worked out (``out_hw``), checked against the geometry."""
@@ -481,6 +486,9 @@ def _op(name, roles, shape, optional=(), consts=(), attrs=(), weight=None) -> Op
 
 
 _CONV_ROLES = ("x", "w", "bias", "scale", "residual")
+# qconv's own attributes: the kernel's [kh, kw], input channels, output channels, the
+# input's quantization (scale, zero point) and the reduction steps of 4 per kernel row
+QCONV_ATTRS = ("kernel", "in_channels", "out_channels", "x_scale", "x_zero", "run4")
 _OPT = ("bias", "scale", "residual")
 OPS: dict[str, OpDef] = {
     d.name: d
@@ -488,6 +496,10 @@ OPS: dict[str, OpDef] = {
         _op("conv", _CONV_ROLES, _conv_shape, _OPT, _W, _CONV_ATTRS, "w"),
         _op("dwconv", _CONV_ROLES, _conv_shape, _OPT, _W, _CONV_ATTRS, "w"),
         _op("conv_wino", _CONV_ROLES, _wino_shape, _OPT, _W, ("pads", "tile"), "w"),
+        # a channels-last conv on u8 activations and s8 weights (kernels/cpu/qgemm.py):
+        # the packager's int8-activation pass makes it from an int8 conv
+        _op("qconv", (*_CONV_ROLES, "zw"), _qconv_shape, ("bias", "residual"),
+            _W | {"zw"}, (*_CONV_ATTRS, *QCONV_ATTRS), "w"),
         # float32 weights (not a weight op: --quant leaves them as they are)
         _op(
             "conv_transpose",

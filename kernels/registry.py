@@ -37,23 +37,26 @@ class Backend:
     host: bool  # computes in host memory (a fallback for a device backend's nodes)
     # Graph passes the packager runs when this backend is a target's first choice
     # (each pass's module says why, with its measurement): Winograd convs, channels-
-    # last regions, GEMM weight panels, banded pointwise-depthwise-pointwise chains.
+    # last regions, GEMM weight panels, banded pointwise-depthwise-pointwise chains,
+    # int8 activations for int8 convs (packager/act_quant.py).
     passes: tuple[str, ...] = ()
 
 
 # One row per backend, in host fallback order (cpu before ref): a table, so the
 # registry imports no backend and no backend knows another.
 BACKEND_TABLE: dict[str, Backend] = {
-    "cpu": Backend(".cpu.backend", True, ("winograd", "channels_last", "panels", "chains")),
+    "cpu": Backend(
+        ".cpu.backend", True, ("winograd", "channels_last", "panels", "chains", "act_quant")
+    ),
     "ref": Backend(".ref.backend", True),
     "cuda": Backend(".cuda.backend", False),
 }
 BACKENDS = tuple(BACKEND_TABLE)
 HOST_BACKENDS = tuple(b for b, row in BACKEND_TABLE.items() if row.host)
-PASSES = ("winograd", "channels_last", "panels", "chains")
+PASSES = ("winograd", "channels_last", "panels", "chains", "act_quant")
 # The ops a pass creates: only a backend that asks for the pass meets them, so only such
 # a backend needs kernels for them (the cuda backend has no conv_wino or mbconv).
-PASS_OPS = {"winograd": ("conv_wino",), "chains": ("mbconv",)}
+PASS_OPS = {"winograd": ("conv_wino",), "chains": ("mbconv",), "act_quant": ("qconv",)}
 assert all(set(row.passes) <= set(PASSES) for row in BACKEND_TABLE.values())
 assert set(PASS_OPS) <= set(PASSES)
 

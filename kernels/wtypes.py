@@ -201,7 +201,8 @@ ROWS: tuple[WeightType, ...] = (
         scale_dtype=np.dtype("<f4"),
         quantize=_i8_quantize,
         dequantize=lambda w, s, wshape=None: channel_scaled(w, s),
-        ops=("conv", "dwconv", "linear", "embed"),  # a table row is an output channel
+        # a table row is an output channel; qconv: int8 x int8 (kernels/cpu/qgemm.py)
+        ops=("conv", "dwconv", "linear", "embed", "qconv"),
         decoders={"cpu": "decode_i8", "cuda": "decode_i8"},
         max_rel_error=2e-2,
         describe="int8: symmetric per-output-channel weights, fp32 scales, fp32 activations",

@@ -54,6 +54,9 @@ TOL: dict[str, tuple[float, float]] = {
     "conv": (1e-4, 1e-4),
     "dwconv": (1e-4, 1e-4),
     "conv_wino": (1e-4, 1e-4),
+    # the same integers, one rounding to float32, then the same float32 operations in
+    # the same order: equal but for the last bit
+    "qconv": (1e-6, 1e-6),
     "linear": (1e-4, 1e-4),
     "matmul": (1e-4, 1e-4),
     "binary": (1e-6, 1e-6),
@@ -1241,6 +1244,55 @@ CASES["conv"] += _nhwc_of(
         ),
     ),
 ]
+
+
+def qconv_case(name: str, xshape, co: int, k=(3, 3), s=(1, 1), p=(1, 1, 1, 1), d=(1, 1),
+               act: str = "none", bias: bool = True, res: bool = False,
+               clip: float = 0.02) -> Case:  # fmt: skip
+    """A conv on u8 activations (kernels/cpu/qgemm.py) as packager/act_quant.py makes it:
+    x [N, H, W, C] float32 with a calibrated range that leaves a ``clip`` fraction of
+    values outside on each side (the saturation), int8 HWIO weights in dot-product
+    panels, the zero-point term and the combined scale."""
+    from edgepack.packager.act_quant import u8_params
+
+    def make(rng, dt):
+        n, h, w, c = xshape
+        x = _randn(rng, *xshape) + F32(0.5)
+        scale, zero = u8_params(*np.quantile(x, [clip, 1 - clip]))
+        hwio = rng.integers(-128, 128, (*k, c, co)).astype(np.int8)
+        npan = -(-co // layout.PANEL)
+        zw = np.zeros(npan * layout.PANEL, np.int32)
+        zw[:co] = -zero * hwio.reshape(-1, co).astype(np.int64).sum(0)
+        sw = (rng.random(co) * 0.01 + 0.001).astype(F32)
+        oh = (h + p[0] + p[2] - d[0] * (k[0] - 1) - 1) // s[0] + 1
+        ow = (w + p[1] + p[3] - d[1] * (k[1] - 1) - 1) // s[1] + 1
+        ins = [x, layout.to_dot4_panels(hwio), _randn(rng, co) if bias else None,
+               (F32(scale) * sw).astype(F32), _randn(rng, n, oh, ow, co) if res else None, zw]
+        attrs = {"strides": list(s), "pads": list(p), "dilations": list(d), "group": 1,
+                 "layout": layout.NHWC, "kernel": list(k), "in_channels": c,
+                 "out_channels": co, "x_scale": scale, "x_zero": zero,
+                 "run4": layout.dot4_run(k[1], c), "act": act,
+                 "act_args": list(ACT_ARGS[act])}  # fmt: skip
+        return ins, attrs
+
+    return Case(name, make, const=(1, 2, 3, 5), dtypes=("i8",), backends=("cpu", "ref"))
+
+
+# Convs on u8 activations: partial panels and vectors, a 3-channel stem (runs padded to
+# 4), 1x1 strided in place, residual and batch, dilated rows, asymmetric pads, rows past
+# one micro-tile and several panels.
+CASES["qconv"] = [
+    qconv_case("k3_c16_co24_relu", (1, 8, 9, 16), 24, act="relu"),
+    qconv_case("stem_k7_s2_c3_co70", (1, 15, 13, 3), 70, k=(7, 7), s=(2, 2), p=(3, 3, 3, 3)),
+    qconv_case("pw_s2_b2_res_clip", (2, 7, 7, 32), 64, k=(1, 1), s=(2, 2), p=(0, 0, 0, 0),
+               act="clip", res=True, bias=False),
+    qconv_case("k3_dil2_rows", (1, 9, 8, 8), 20, d=(2, 1), p=(2, 1, 2, 1)),
+    qconv_case("k3_s2_asym_pads", (1, 10, 11, 12), 33, s=(2, 2), p=(0, 1, 1, 0)),
+    qconv_case("k3_c64_co130_res", (1, 12, 10, 64), 130, res=True, act="relu"),
+    qconv_case("pw_c5_co7_hswish", (1, 5, 6, 5), 7, k=(1, 1), p=(0, 0, 0, 0),
+               act="hard_swish", clip=0.0),
+]
+
 # Small float32 linears on the panel GEMM: a partial panel, three panels with a partial
 # last one, rows past one tile, 3-D x, no bias, a clamp and a polynomial activation.
 CASES["linear"] += [
@@ -1420,7 +1472,7 @@ def test_cuda_covers_every_cpu_kernel():
         if registry.wants(("cpu",), p) and not registry.wants(("cuda",), p)
         for op in made
     }
-    assert cpu_only == {"conv_wino", "mbconv"}
+    assert cpu_only == {"conv_wino", "mbconv", "qconv"}
     assert {(op, dt) for op, dt in cpu if op not in cpu_only} <= cuda, sorted(cpu - cuda)
     assert not {op for op, _ in cuda} & cpu_only, "a cuda kernel no cuda plan can reach"
 
@@ -1632,6 +1684,7 @@ _DECODE = [
     pytest.param(b, op, dt, marks=getattr(pytest.mark, b), id=f"{b}-{op}-{dt}")
     for (op, dt, b) in CPU_KEYS + CUDA_KEYS
     if op in registry.WEIGHT_OPS and dt != "f32" and wtypes.get(dt).per_element == 1
+    if op != "qconv"  # never decoded: it multiplies the stored integers (its own cases)
 ]
 
 

@@ -38,6 +38,18 @@ def xq_scratch_views(scratch, rows: int, k_padded: int):
     return xq, nc, sx
 
 
+# The int8 x int8 GEMM (qgemm.py): rows a micro-tile takes, and the bytes a quantized
+# image needs after its end (a kernel row's taps, padded to a multiple of 4, read them).
+QGEMM_MR = 6
+QGEMM_SLACK = 4
+
+
+def qgemm_scratch_int64s() -> int:
+    """int64s of qgemm's scratch per worker: its MR row offsets and one micro-tile of
+    int32 sums (MR x 64)."""
+    return QGEMM_MR + QGEMM_MR * 64 // 2
+
+
 AOT_MODULE = "edgepack_kernels"
 
 
@@ -99,6 +111,14 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "maxpool_nhwc": ("nhwc.maxpool_nhwc", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "global_avgpool_nhwc": ("nhwc.global_avgpool_nhwc", v(arr(f4, 2), arr(f4, 1))),
         "pad_nhwc": ("nhwc.pad_nhwc", v(arr(f4, 3), arr(f4, 3), i8, i8)),
+        "quantize_pad_nhwc": ("qgemm.quantize_pad_nhwc",
+                              v(arr(f4, 3), arr(u1, 1), i8, i8, i8, i8, f4, i8)),
+        "gemm_u8s8": (
+            "qgemm.gemm_u8s8",
+            v(arr(u1, 1, ro=True), arr(i8, 1, ro=True), i8, i8, i8, arr(i1, 1, ro=True),
+              arr(T.int32, 1, ro=True), arr(f4, 2, "A"), w1, w1, arr(f4, 2, "A"), i8, i8, f4,
+              f4, arr(i8, 2)),
+        ),
         "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3), T.boolean)),
         "sdpa4": ("sdpa4", v(arr(f4, 4, ro=True), arr(f4, 4, ro=True), arr(f4, 4, ro=True),

@@ -29,7 +29,14 @@ from ..ops import BINARY_KINDS, GATE_ACTS, norm_group, slice_block
 from ..ops import args as _args
 from ..recurrent import rnn_scratch_floats, rnn_step
 from ..registry import Bound, Kernel, Spec, register
-from .abi import GEMM_XP_FLOATS, XQ_BLOCK, xq_scratch_layout, xq_scratch_views
+from .abi import (
+    GEMM_XP_FLOATS,
+    QGEMM_SLACK,
+    XQ_BLOCK,
+    qgemm_scratch_int64s,
+    xq_scratch_layout,
+    xq_scratch_views,
+)
 from .native import K, kernel_threads, resolved
 
 F32 = np.dtype(np.float32)
@@ -324,6 +331,72 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
             if fill is not None:
                 fill[0](*fill[1])
             gemmp(*args)
+
+    return step
+
+
+# --- conv on int8 activations (kernels/cpu/qgemm.py) -------------------------------
+
+
+def _qconv_image(x_shape: Sequence[int], out_shape: Sequence[int], attrs: dict):
+    """(rows, columns, row of x's first row, column of its first column) of the u8 image
+    a qconv's windows read: the zero-point-padded window span, or x itself when the
+    windows never leave it."""
+    padded = _padded_image(x_shape[1:], attrs["kernel"], out_shape[1:3], attrs)
+    if padded is None:
+        return x_shape[1], x_shape[2], 0, 0
+    return padded[0], padded[1], attrs["pads"][0], attrs["pads"][1]
+
+
+def _qgemm_scratch_shape() -> tuple[int, int]:
+    return GEMM_SLOTS, qgemm_scratch_int64s()
+
+
+def _qconv_scratch(ins, outs, attrs) -> int:
+    hp, wp, _, _ = _qconv_image(ins[0][0], outs[0], attrs)
+    image = up64(hp * wp * int(attrs["in_channels"]) + QGEMM_SLACK)
+    return image + _nbytes(_qgemm_scratch_shape(), 8)
+
+
+def _bind_qconv(ins, outs, scratch, attrs) -> Bound:
+    """y[P, Co] from the u8 image: quantize (and pad) x into scratch, then gemm_u8s8
+    reads each output pixel's window in place (qgemm.py), a kernel row of kw * C taps
+    at a time, the epilogue fused."""
+    io = _args("qconv", ins)
+    x, w, bias, scale, res, zw = io.x, io.w, io.bias, io.scale, io.residual, io.zw
+    y = outs[0]
+    n_, _, _, c_ = x.shape
+    kh, _ = attrs["kernel"]
+    oh, ow, co = y.shape[1], y.shape[2], y.shape[3]
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    if dw != 1:
+        raise ValueError(f"qconv needs contiguous taps along the width; dilation {dw}")
+    hp, wp, pt, pl = _qconv_image(x.shape, y.shape, attrs)
+    image = up64(hp * wp * c_ + QGEMM_SLACK)
+    xq = scratch[: hp * wp * c_ + QGEMM_SLACK]
+    nslot = max(1, min(GEMM_SLOTS, kernel_threads()))  # a row of gemm scratch a thread
+    qs = scratch[image : image + _nbytes(_qgemm_scratch_shape(), 8)]
+    qs = qs.view(np.int64).reshape(_qgemm_scratch_shape())[:nslot]
+    oy, ox = np.divmod(np.arange(oh * ow, dtype=np.int64), ow)
+    rtab = _readonly((oy * sh * wp + ox * sw) * c_)  # each window's first byte
+    flags = _flags(bias, None, res)
+    act, a, b = _act(attrs)
+    s, z = np.float32(attrs["x_scale"]), int(attrs["x_zero"])
+    b_ = bias if bias is not None else _DUMMY1
+    wq, xr = _readonly(w.reshape(-1)), _readonly(xq)
+    calls = []
+    for n in range(n_):
+        yn = y[n].reshape(oh * ow, co)
+        rn = _DUMMY2 if res is None else res[n].reshape(oh * ow, co)
+        fill = (K.quantize_pad_nhwc, (x[n], xq, hp, wp, pt, pl, s, z))
+        gemm = (K.gemm_u8s8, (xr, rtab, int(attrs["run4"]), kh, dh * wp * c_, wq, zw, yn, b_,
+                              scale, rn, flags, act, a, b, qs))  # fmt: skip
+        calls.append((_bound(*fill), _bound(*gemm)))
+
+    def step() -> None:
+        for (qf, qa), (gf, ga) in calls:
+            qf(*qa)
+            gf(*ga)
 
     return step
 
@@ -1231,6 +1304,7 @@ def _conv_takes(attrs: dict) -> bool:
 _cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes, variant=_conv_variant)
 _cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch, variant=_dw_variant)
 _cpu("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
+_cpu("qconv", _bind_qconv, ("i8",), _qconv_scratch)
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
 _cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
 # float activations only: a node with xq (int8 activations) falls to a kernel that has them

@@ -105,6 +105,38 @@ def conv(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return _act(y.astype(np.float32), attrs)
 
 
+def quantize_u8(x: Array, scale: float, zero: int) -> Array:
+    """ONNX QuantizeLinear to uint8 (x / scale in float32, round half to even, + zero,
+    saturated; NaN as the zero point), as float32 values."""
+    q = np.rint(x.astype(np.float32) / np.float32(scale)) + np.float32(zero)
+    return np.where(np.isnan(q), np.float32(zero), np.clip(q, 0, 255)).astype(np.float32)
+
+
+def qconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """int8 x int8 conv (kernels/cpu/qgemm.py), channels-last: x[N, H, W, C] quantized
+    to u8 (``quantize_u8`` with the node's ``x_scale``, ``x_zero``), the integer conv of
+    (q - zero) with the int8 weights (float64, exact), rounded once to float32, times
+    ``scale`` (the input's scale times the weights' per channel), plus bias and residual
+    in float32 in that order, then the activation."""
+    io = args("qconv", inputs)
+    (kh, kw), c, co = attrs["kernel"], int(attrs["in_channels"]), int(attrs["out_channels"])
+    z = int(attrs["x_zero"])
+    xi = quantize_u8(io.x, attrs["x_scale"], z).astype(np.float64) - z
+    hwio = layout.from_dot4_panels(io.w, kh, kw, c, co)
+    expect_zw = -z * hwio.reshape(-1, co).astype(np.int64).sum(0)
+    if not np.array_equal(io.zw[:co], expect_zw):
+        raise ValueError("qconv: zw is not -x_zero times the weights' column sums")
+    cf = {k: attrs[k] for k in ("strides", "pads", "dilations")} | {"group": 1}
+    w = hwio.astype(np.float64).transpose(layout.OIHW_FROM_HWIO)
+    acc = conv([xi.transpose(layout.TO_NCHW), w, None, None, None], cf)  # float32, once
+    y = acc.transpose(layout.TO_NHWC) * io.scale.astype(np.float32)
+    if io.bias is not None:
+        y = y + io.bias.astype(np.float32)
+    if io.residual is not None:
+        y = y + io.residual
+    return _act(np.ascontiguousarray(y, dtype=np.float32), attrs)
+
+
 def conv_wino(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """A 3x3 stride-1 conv whose weights the packager stored Winograd-transformed:
     inputs as ``conv`` with U[a*a, Co, C] for w. The weights are transformed back and
@@ -672,6 +704,7 @@ REFERENCE: dict[str, RefFn] = {
     "conv": conv,
     "dwconv": conv,
     "conv_wino": conv_wino,
+    "qconv": qconv,
     "linear": linear,
     "matmul": matmul,
     "binary": binary,

@@ -1,0 +1,289 @@
+"""int8 x int8 GEMM for convs and linears: u8 activations times s8 weights into int32.
+
+The scheme (docs/quantization.md, "int8 activations"): activations are quantized per
+tensor, unsigned and asymmetric (``q = clamp(rint(x / s) + z, 0, 255)``, scale and zero
+point from pack-time calibration, as ONNX Runtime's QDQ models carry them), weights
+per output channel, signed and symmetric (``w = q * sw[n]``, kernels/wtypes.py's int8
+row). A product is
+
+    y[m, n] = s * sw[n] * (sum_k q[m, k] * w[k, n] - z * sum_k w[k, n]) + bias[n]
+
+with the integer part exact in int32 (|q * w| <= 255 * 128, K * 32640 < 2**31 for K up
+to 65793). ``zw[n] = -z * sum_k w[k, n]`` is a pack-time constant, added to the sums
+before they turn float; ``scale[n] = s * sw[n]`` likewise. Every CPU computes the same
+integers, so every CPU gives the same bits.
+
+How the integers are made (``_dot4``, from the features of the code being compiled, as
+qdot.py): ``vpdpbusd`` (AVX-512 VNNI: 64 byte products into 16 int32 lanes per
+instruction; AVX-VNNI / AVX-512VL on 256-bit vectors), otherwise the bytes widened to
+16 bits and ``vpmaddwd``-style pair sums. The 16-bit route is where ONNX Runtime's
+``reduce_range`` comes from: its AVX2 kernels multiply u8 by s8 with ``vpmaddubsw``,
+whose 16-bit pair sums saturate past 32767 (255 * 127 * 2 = 64770), so it keeps weights
+to 7 bits on such CPUs. Widening first cannot saturate and keeps all 8 bits, at half
+``vpmaddubsw``'s products per instruction.
+
+Weights are panels like the float GEMM's (kernels/layout.py), regrouped for the dot
+instructions: ``[ceil(N/64), K4, 64, 4]`` int8, K4 = K/4 rounded up, zero past N and
+past K. Lane c of a 64-byte vector holds four consecutive reduction steps of output
+channel c, which is what one ``vpdpbusd`` lane sums against a broadcast of four
+activation bytes. A conv's reduction is ``nky`` kernel rows of ``run`` taps
+(``kw * C``, channels fastest), each run padded to a multiple of 4 with zero weights:
+the activation bytes read past a run (the next pixel's, or the slack after the image)
+are multiplied by zero.
+
+The activation operand is read in place, as gemmp reads its float rows: row m of the
+product is output pixel m's window, starting at byte ``rtab[m]`` of the quantized
+(padded) image, kernel row ky a further ``ky * wrow`` bytes on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..flags import HAS_BIAS, HAS_RES
+from ..layout import PANEL
+from .abi import QGEMM_MR, QGEMM_SLACK, qgemm_scratch_int64s
+from .jit import njit
+from .kernels import act_row
+from .qdot import _call, _consts, _features, _vec, dot_isa
+from .simd import F32, I32, F32Vec, Ops, _elem_ptr
+
+MR = QGEMM_MR  # rows (output pixels) per micro-tile
+K4 = 4  # reduction steps per int32 lane
+TILE = MR * PANEL  # int32 sums per micro-tile (its scratch)
+SLACK = QGEMM_SLACK  # bytes a quantized image needs after its end (padded runs read them)
+assert qgemm_scratch_int64s() == MR + TILE // 2
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I64 = ir.IntType(64)
+
+# Per instruction family: (int32 lanes of an accumulator, columns it sums, accumulators
+# across a chunk of columns). AVX-512 takes a panel's 64 columns as 4 zmm (24
+# accumulators + 4 weights + 1 broadcast of 32 registers), AVX-VNNI 2 ymm at a time
+# (12 + 2 + 1 of 16). AVX2 keeps two partial sums a column (``vpmaddwd``'s pairs) and
+# adds them once per tile: adding them every step or shuffling products into place ran
+# at 23 GMAC/s against 75-80 (AVX2 dots JIT-compiled on an AVX-512 EPYC). Other CPUs
+# (SSE, NEON without a mixed-sign dot) take the same pairs from plain IR: 10 GMAC/s on
+# SSE4.2, a quarter of the float GEMM there.
+_SHAPES = {"vnni512": (16, 16, 4), "vnni256": (8, 8, 2), "avx2": (8, 4, 2),
+           "sdot": (8, 4, 2), "generic": (8, 4, 2)}  # fmt: skip
+
+
+def _dot4(builder, isa: str, acc, u, s, lanes: int):
+    """acc plus the products of u (unsigned bytes) and s (signed bytes), 4 bytes a
+    column: acc[l] + sum_{j<4} u[4l+j] * s[4l+j] where an accumulator lane is a column;
+    for the pair families lane l holds products 2l, 2l+1 (two lanes a column)."""
+    vi = _vec(I32, lanes)
+    if isa in ("vnni512", "vnni256"):
+        name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
+        return _call(builder, name, vi, [acc, builder.bitcast(u, vi), builder.bitcast(s, vi)])
+    if isa == "avx2":  # bytes widened to 16 bits: vpmaddwd's pair sums cannot saturate
+        n = 2 * lanes
+        a16, b16 = builder.zext(u, _vec(_I16, n)), builder.sext(s, _vec(_I16, n))
+        return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", vi, [a16, b16]))
+    wide = _vec(I32, 2 * lanes)  # the same pair sums in plain IR
+    p = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
+    und = ir.Constant(wide, ir.Undefined)
+    for j in range(2):
+        part = builder.shuffle_vector(p, und, _consts(I32, range(j, 2 * lanes, 2)))
+        acc = builder.add(acc, part)
+    return acc
+
+
+def _column_sums(builder, acc, lanes: int, cols: int):
+    """An accumulator's per-column sums: itself, or its lane pairs added (``avx2``)."""
+    if cols == lanes:
+        return acc
+    und = ir.Constant(acc.type, ir.Undefined)
+    even = builder.shuffle_vector(acc, und, _consts(I32, range(0, lanes, 2)))
+    odd = builder.shuffle_vector(acc, und, _consts(I32, range(1, lanes, 2)))
+    return builder.add(even, odd)
+
+
+def _data(context, builder, arrty, arr, elem):
+    data = context.make_array(arrty)(context, builder, value=arr).data
+    return builder.bitcast(data, elem.as_pointer())
+
+
+@intrinsic
+def q8_tile(typingctx, x, xo, w, wo, nky, run4, wrow, acc):
+    """acc[r * 64 + c] = sum_{ky < nky, j < run4} dot4(x bytes at xo[r] + ky * wrow + 4j,
+    w bytes at wo + ((ky * run4 + j) * 64 + c) * 4), for r < MR, c < 64: one micro-tile
+    of MR rows by one weight panel's 64 columns, every sum from zero."""
+
+    def codegen(context, builder, sig, args):
+        isa = dot_isa(_features(context))
+        lanes, cpa, nv = _SHAPES[isa]
+        px = _data(context, builder, sig.args[0], args[0], _I8)
+        pxo = _data(context, builder, sig.args[1], args[1], _I64)
+        pw = _data(context, builder, sig.args[2], args[2], _I8)
+        pacc = _data(context, builder, sig.args[7], args[7], I32)
+        cast = [context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 4, 5, 6)]
+        wo_, nky_, run4_, wrow_ = cast
+        rows = [builder.load(builder.gep(pxo, [ir.Constant(_I64, r)])) for r in range(MR)]
+        vi, vb = _vec(I32, lanes), _vec(_I8, 4 * cpa)
+        vs = _vec(I32, cpa)
+        step = ir.Constant(_I64, 4 * PANEL)  # weight bytes per reduction step of 4
+        for chunk in range(PANEL // (cpa * nv)):
+            col0 = chunk * cpa * nv
+            slots = [[cgutils.alloca_once_value(builder, ir.Constant(vi, [0] * lanes))
+                      for _ in range(nv)] for _ in range(MR)]  # fmt: skip
+            with cgutils.for_range(builder, nky_) as ky_loop:
+                ky = ky_loop.index
+                xk = builder.mul(ky, wrow_)
+                wk = builder.add(wo_, builder.mul(builder.mul(ky, run4_), step))
+                with cgutils.for_range(builder, run4_) as j_loop:
+                    j = j_loop.index
+                    wj = builder.add(wk, builder.mul(j, step))
+                    ws = []
+                    for v in range(nv):
+                        off = builder.add(wj, ir.Constant(_I64, 4 * (col0 + v * cpa)))
+                        p = builder.bitcast(builder.gep(pw, [off]), vb.as_pointer())
+                        ws.append(builder.load(p, align=1))
+                    xj = builder.add(xk, builder.mul(j, ir.Constant(_I64, 4)))
+                    for r in range(MR):
+                        p = builder.gep(px, [builder.add(rows[r], xj)])
+                        four = builder.load(builder.bitcast(p, I32.as_pointer()), align=1)
+                        splat = builder.insert_element(
+                            ir.Constant(vs, ir.Undefined), four, ir.Constant(I32, 0)
+                        )
+                        splat = builder.shuffle_vector(
+                            splat, ir.Constant(vs, ir.Undefined), _consts(I32, [0] * cpa)
+                        )
+                        u = builder.bitcast(splat, vb)
+                        for v in range(nv):
+                            a = builder.load(slots[r][v])
+                            builder.store(_dot4(builder, isa, a, u, ws[v], lanes), slots[r][v])
+            for r in range(MR):
+                for v in range(nv):
+                    off = ir.Constant(_I64, r * PANEL + col0 + v * cpa)
+                    p = builder.bitcast(builder.gep(pacc, [off]), vs.as_pointer())
+                    sums = _column_sums(builder, builder.load(slots[r][v]), lanes, cpa)
+                    builder.store(sums, p, align=4)
+        return context.get_dummy_value()
+
+    return types.void(x, xo, w, wo, nky, run4, wrow, acc), codegen
+
+
+LANES = 16  # the epilogue's float vectors (LLVM splits them on narrower CPUs)
+_V = Ops(LANES)
+vload_n, vstore_n, vmul, vadd = _V.vload_n, _V.vstore_n, _V.vmul, _V.vadd
+vmax, vmin, vsplat, vzero = _V.vmax, _V.vmin, _V.vsplat, _V.vzero
+
+
+@intrinsic
+def vsums(typingctx, acc, ao, zw, zo):
+    """float32(acc[ao:ao+16] + zw[zo:zo+16]), int32 sums plus their zero-point terms."""
+
+    def codegen(context, builder, sig, args):
+        vi = _vec(I32, LANES)
+        a = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        z = _elem_ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+        va = builder.load(builder.bitcast(a, vi.as_pointer()), align=4)
+        vz = builder.load(builder.bitcast(z, vi.as_pointer()), align=4)
+        return builder.sitofp(builder.add(va, vz), _vec(F32, LANES))
+
+    return F32Vec(LANES)(acc, ao, zw, zo), codegen
+
+
+@njit(cache=True)
+def _epilogue(acc, zw, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, b):
+    """c[m0:m0+rows, c_n:c_n+cols] = scale * (acc + zw) + bias [+ res], then relu or
+    clip in registers (other activations: act_row after)."""
+    zero = vzero()
+    lo = vsplat(a)
+    hi = vsplat(b)
+    for r in range(rows):
+        for v in range(0, cols, LANES):
+            n = cols - v
+            y = vmul(vsums(acc, r * PANEL + v, zw, c_n + v), vload_n(scale, c_n + v, n))
+            if flags & HAS_BIAS:
+                y = vadd(y, vload_n(bias, c_n + v, n))
+            if flags & HAS_RES:
+                y = vadd(y, vload_n(res[m0 + r], c_n + v, n))
+            if act == 1:
+                y = vmax(zero, y)
+            elif act == 3:
+                y = vmin(vmax(y, lo), hi)
+            vstore_n(c[m0 + r], c_n + v, y, n)
+
+
+@njit(cache=True)
+def _q8_block(x, rtab, run4, nky, wrow, wq, zw, c, bias, scale, res, flags, act, a, b,
+              t_lo, t_hi, m_lo, m_hi, xo, acc):  # fmt: skip
+    n_ = c.shape[1]
+    ps = nky * run4 * K4 * PANEL  # bytes per panel
+    for t in range(t_lo, t_hi):
+        c_n = t * PANEL
+        cols = min(PANEL, n_ - c_n)
+        for m0 in range(m_lo, m_hi, MR):
+            rows = min(MR, m_hi - m0)
+            for r in range(MR):
+                xo[r] = rtab[m0 + min(r, rows - 1)]
+            q8_tile(x, xo, wq, t * ps, nky, run4, wrow, acc)
+            _epilogue(acc, zw, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, b)
+            if act != 0 and act != 1 and act != 3:  # other activations: on the stored rows
+                for r in range(rows):
+                    act_row(c[m0 + r, c_n : c_n + cols], act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def gemm_u8s8(x, rtab, run4, nky, wrow, wq, zw, c, bias, scale, res, flags, act, a, b,
+              scratch):  # fmt: skip
+    """c[M, N] = act(scale * (sum of u8 x s8 products + zw) + bias [+ res]) (module doc):
+    x the quantized image (flat bytes), rtab[M] each row's first byte in it, nky kernel
+    rows of run4 * 4 bytes wrow bytes apart, wq the weight panels (flat bytes), zw the
+    int32 zero-point terms per column (padded to whole panels), bias and scale per
+    column. scratch: one row of int64 [workers, MR + TILE / 2] per worker (its row
+    offsets and its tile's int32 sums); as many workers as it has rows. Panels are
+    split across workers when they divide evenly, else rows are."""
+    m_ = c.shape[0]
+    workers = scratch.shape[0]
+    np_ = (c.shape[1] + PANEL - 1) // PANEL
+    by_panel = np_ % workers == 0
+    per_t = np_ // workers
+    tiles = (m_ + MR - 1) // MR
+    per_m = (tiles + workers - 1) // workers * MR
+    for sl in prange(workers):
+        t_lo = sl * per_t if by_panel else 0
+        t_hi = t_lo + per_t if by_panel else np_
+        m_lo = 0 if by_panel else sl * per_m
+        m_hi = m_ if by_panel else min(m_, m_lo + per_m)
+        if m_lo < m_hi:
+            xo = scratch[sl, :MR]
+            acc = scratch[sl, MR:].view(np.int32)
+            _q8_block(x, rtab, run4, nky, wrow, wq, zw, c, bias, scale, res, flags, act, a, b,
+                      t_lo, t_hi, m_lo, m_hi, xo, acc)  # fmt: skip
+
+
+@njit(parallel=True, cache=True)
+def quantize_pad_nhwc(x, xq, hp, wp, pt, pl, s, z):
+    """x[H, W, C] float32 quantized (u8, ``clamp(rint(x / s) + z, 0, 255)``: ONNX's
+    QuantizeLinear; NaN as z) into xq, the flat [hp, wp, C] image the windows read, x at
+    row pt and column pl, the zero point z around it (a padded tap is the real 0)."""
+    h, wd, c_ = x.shape
+    zb = np.uint8(z)
+    for yy in prange(hp):
+        iy = yy - pt
+        base = yy * wp * c_
+        for xx in range(wp):
+            ix = xx - pl
+            o = base + xx * c_
+            if iy < 0 or iy >= h or ix < 0 or ix >= wd:
+                for ch in range(c_):
+                    xq[o + ch] = zb
+                continue
+            for ch in range(c_):
+                v = np.rint(x[iy, ix, ch] / s) + np.float32(z)
+                if v < 0:
+                    v = np.float32(0)
+                elif v > 255:
+                    v = np.float32(255)
+                elif v != v:
+                    v = np.float32(z)
+                xq[o + ch] = np.uint8(v)

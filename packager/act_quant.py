@@ -1,0 +1,153 @@
+"""int8 activations for convs: calibrate each conv input's range, and turn int8 convs
+into ``qconv`` nodes that multiply u8 activations by s8 weights (kernels/cpu/qgemm.py).
+
+The scheme, and why (docs/quantization.md, "int8 activations"):
+- activations u8, asymmetric, one scale and zero point per tensor, from the minimum and
+  maximum over the calibration inputs with 0 always inside the range (ONNX Runtime's
+  MinMax calibration and its QDQ default, u8 activations with s8 weights): after a ReLU
+  the range starts at 0 and all 256 codes hold values. Zero is a code exactly, so the
+  zero padding of a window is exact too;
+- weights as they are: s8 symmetric per output channel (kernels/wtypes.py's int8);
+- no ``reduce_range``: the kernels never multiply with saturating 16-bit sums (qgemm.py);
+- the output stays float32, the requantization being the next conv's quantizing of its
+  input (fused into the copy that pads it), so ops between convs (residual adds, pools,
+  concats, activations we do not fuse) need no integer forms and add no error.
+
+Only the cpu backend asks for this (kernels/registry.py's ``act_quant`` pass); a conv
+it cannot take (grouped, dilated along the width, not int8, channels-first) stays
+weight-only int8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..kernels import layout as L
+from ..kernels import registry
+from .ir import Graph, Node
+from .llm import ACT_QUANT
+
+
+def int8_activations(mode: str, op: str, dtype: str, attrs: dict, backends: Sequence[str],
+                     features: Iterable[str] | None = None) -> bool:  # fmt: skip
+    """Whether a build quantizes the activations of ``op`` nodes (weights ``dtype``) to
+    int8: ``mode`` ``int8`` or ``none`` says so; ``auto`` (the default) where the target's
+    first backend has such a kernel and the target's CPU (``features``, LLVM names; the
+    host's when None) an integer dot instruction the kernels use (VNNI, AVX2's
+    ``vpmaddwd``, aarch64's dotprod: kernels/cpu/qdot.py ``dot_isa``). Without one the
+    integer products are plain widening multiplies, which lose to float32 ones (the
+    int4 GEMV: docs/quantization.md)."""
+    if mode not in ACT_QUANT:
+        raise ValueError(f"--act-quant {mode!r}: choose from {', '.join(ACT_QUANT)}")
+    if mode != "auto":
+        return mode == "int8"
+    try:
+        k = registry.lookup(op, dtype, backends[0])
+    except (KeyError, IndexError):
+        return False
+    if not k.accepts(attrs):
+        return False
+    from ..kernels.cpu.qdot import dot_isa
+    from ..kernels.cpu.simd import host_features
+
+    feats = set(features) if features is not None else host_features()
+    return dot_isa(feats) != "generic"
+
+
+ACT_SCHEME = (
+    "u8 asymmetric per tensor (min/max over the calibration inputs) x s8 "
+    "symmetric per output channel, int32 sums, float32 outputs"
+)
+
+
+def u8_params(lo: float, hi: float) -> tuple[float, int]:
+    """(scale, zero point) of u8 codes for the range [lo, hi] widened to hold 0."""
+    lo, hi = min(0.0, float(lo)), max(0.0, float(hi))
+    if not np.isfinite(lo) or not np.isfinite(hi):
+        raise ValueError(f"activation range [{lo}, {hi}] is not finite")
+    scale = float(np.float32((hi - lo) / 255.0)) if hi > lo else 1.0
+    zero = int(np.clip(np.rint(-lo / scale), 0, 255))
+    return scale, zero
+
+
+def conv_inputs(g: Graph) -> list[str]:
+    """The activation inputs of the convs ``quantize_conv_inputs`` would turn."""
+    return sorted({n.inputs[0] for n in g.nodes if _takes(g, n)})
+
+
+def activation_ranges(
+    executor, feeds: Sequence[Mapping[str, np.ndarray]], tensors: Iterable[str] | None = None
+) -> dict[str, tuple[float, float]]:
+    """{tensor: (min, max) of its finite values} over the runs of ``executor`` (fp32) on
+    ``feeds``, for ``tensors`` (default: the inputs and every node's outputs)."""
+    want = None if tensors is None else set(tensors)
+    lo: dict[str, float] = {}
+    hi: dict[str, float] = {}
+
+    def note(t: str, a: np.ndarray) -> None:
+        if (want is None or t in want) and a.size:
+            finite = a[np.isfinite(a)]
+            if finite.size:
+                lo[t] = min(lo.get(t, np.inf), float(finite.min()))
+                hi[t] = max(hi.get(t, -np.inf), float(finite.max()))
+
+    for f in feeds:
+        for name, a in f.items():
+            note(name, np.asarray(a, np.float32))
+        executor.run_traced(f, note)
+    return {t: (lo[t], hi[t]) for t in lo}
+
+
+def _takes(g: Graph, n: Node) -> bool:
+    a = n.attrs
+    return (
+        n.op == "conv"
+        and L.is_nhwc(a)
+        and a.get("group", 1) == 1
+        and a.get("panel") == L.PANEL
+        and not L.canonical_weights(a)
+        and a["dilations"][1] == 1
+        and g.wtype(n.input("w")) == "i8"
+    )
+
+
+def quantize_conv_inputs(g: Graph, ranges: Mapping[str, tuple[float, float]]) -> int:
+    """Turn each int8 conv whose input has a calibrated range into a ``qconv`` (in
+    place); returns how many."""
+    done = 0
+    for n in g.nodes:
+        x = n.inputs[0] if n.inputs else ""
+        if not _takes(g, n) or x not in ranges:
+            continue
+        s, z = u8_params(*ranges[x])
+        w, co = n.input("w"), int(n.attrs["out_channels"])
+        hwio = L.from_panels(g.consts[w], co)
+        kh, kw, c, _ = hwio.shape
+        name = w + ".dot4"
+        if name not in g.consts:
+            g.set_const(name, L.to_dot4_panels(hwio), "i8")
+        npan = -(-co // L.PANEL)
+        zw = np.zeros(npan * L.PANEL, np.int32)  # whole panels: the kernel loads vectors
+        zw[:co] = -z * hwio.reshape(-1, co).astype(np.int64).sum(0)
+        out = n.outputs[0]
+        g.set_const(out + ".zw", zw)
+        sw = g.consts[n.input("scale")].astype(np.float64)
+        g.set_const(out + ".xscale", (np.float64(np.float32(s)) * sw).astype(np.float32))
+        bias, res = n.input("bias"), n.input("residual")
+        n.op = "qconv"
+        n.inputs = [x, name, bias, out + ".xscale", res, out + ".zw"]
+        attrs = {k: v for k, v in n.attrs.items() if k != "panel"}
+        n.attrs = attrs | {
+            "kernel": [int(kh), int(kw)],
+            "in_channels": int(c),
+            "out_channels": co,
+            "x_scale": float(np.float32(s)),
+            "x_zero": z,
+            "run4": L.dot4_run(kw, c),
+        }
+        done += 1
+    if done:
+        g.remove_dead()
+    return done
