@@ -102,12 +102,23 @@ def build_info() -> dict:
     }
 
 
-def _layouts(g: Graph, backends: Sequence[str], layout: str) -> tuple[int, int, int]:
+def _layouts(
+    g: Graph,
+    backends: Sequence[str],
+    layout: str,
+    ranges: Mapping[str, tuple[float, float]] | None = None,
+    chains: bool = True,
+) -> tuple[int, int, int, int]:
     """The layout passes, in order (each counts what it changed): channels-last
-    regions, weight panels for their convs, then banded chains."""
+    regions, weight panels for their convs, u8 inputs for the int8 convs whose input
+    has a calibrated range in ``ranges``, then banded chains (of the convs left float:
+    a chain's inner tensors are never materialized, so ``chains=False`` for the fp32
+    graph the ranges are measured on)."""
     n_last = choose_layouts(g, backends, layout)
     n_panels = pack_panels(g) if wants(backends, "panels") else 0
-    return n_last, fuse_mbconv(g, backends), n_panels
+    n_xq = quantize_conv_inputs(g, ranges) if ranges else 0
+    n_chains = fuse_mbconv(g, backends) if chains else 0
+    return n_last, n_chains, n_panels, n_xq
 
 
 def _measured(src: Graph, ref: Graph, q: Graph, log: Callable[[str], None]) -> list[str]:
@@ -185,6 +196,7 @@ def build(
 
     src = g  # the optimised graph each quantization starts from
     fp32_run: list = []  # (calibration feeds, fp32 graph with the layouts, its executor)
+    int8_acts = quant == "int8" and act_quant == "int8" and wants(backends, "act_quant")
 
     def fp32_reference() -> tuple[list, Graph, Executor]:
         """The calibration inputs and the fp32 graph with the same layouts as the
@@ -192,7 +204,7 @@ def build(
         if not fp32_run:
             feeds = load_calibration(calib, src)
             ref = copy.deepcopy(src)
-            _layouts(ref, backends, layout)
+            _layouts(ref, backends, layout, chains=not int8_acts)
             # On the host: the packager needs no GPU, and a cuda plan's recorded cpu
             # fallbacks compute the same function (checked kernel by kernel in the tests).
             ex = Executor(make_manifest(ref, plan_memory(ref)), ref.consts, device="cpu")
@@ -203,7 +215,7 @@ def build(
     # Convs take u8 activations on request only (``auto`` keeps them float32): with
     # per-tensor min/max ranges, PP-OCRv4's recogniser reached 0.989 output cosine on
     # held-out pages (0.99 wanted) and the rapidocr classifier 194/200 top-1 agreement.
-    if quant == "int8" and act_quant == "int8" and wants(backends, "act_quant"):
+    if int8_acts:
         if calib is None:
             log("      int8 activations calibrated on seeded random inputs: pass --calib "
                 "with real inputs")
@@ -222,14 +234,13 @@ def build(
         n_wino = choose_conv_algorithms(q, backends, conv_algo)
         if n_wino:
             say(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
-        n_last, n_chains, n_panels = _layouts(q, backends, layout)
+        n_last, n_chains, n_panels, n_xq = _layouts(q, backends, layout, ranges)
         if n_last:
             say(f"      {n_last} op(s) run channels-last (NHWC)")
         if n_chains:
             say(f"      {n_chains} pointwise-depthwise-pointwise chain(s) run in bands of rows")
         if n_panels:
             say(f"      {n_panels} conv(s) and linear(s) store their weights as GEMM panels")
-        n_xq = quantize_conv_inputs(q, ranges) if ranges else 0
         if n_xq:
             say(f"      {n_xq} conv(s) take u8 activations (int8 x int8 products)")
         return q, plan_memory(q, backends)

@@ -11,8 +11,11 @@ Engines, all on the same inputs in one run:
     edgepack-bf16   docs/quantization.md)
     edgepack-int8
     edgepack-int4
+    edgepack-int8x8 int8 weights and u8 activations (--act-quant int8: int8 x int8 convs,
+                    calibrated on the same inputs as ORT's QDQ)
     exe-fp32        the device executables for linux-x86_64 (`edgepack build --target`: the
     exe-int8        frozen runtime with its ahead-of-time kernels, what a user ships), each
+    exe-int8x8
                     driven through its own `bench --rounds`; the stub is built first
                     (scripts/build_stub.py, minutes) when the stub cache lacks a current one
 
@@ -62,9 +65,15 @@ REPO = SCRIPTS.parent
 DIGITS_ONNX = REPO / "tests" / "data" / "digits_cnn.onnx"
 
 MODELS = ("resnet18", "mobilenet_v2", "digits")
-QUANTS = QUANT_MODES  # every --quant mode of the weight-type table (kernels/wtypes.py)
+# Build options per bundle kind: every --quant mode of the weight-type table
+# (kernels/wtypes.py), and int8 with int8 activations.
+BUILDS = {
+    **{q: {"quant": q} for q in QUANT_MODES},
+    "int8x8": {"quant": "int8", "act_quant": "int8"},
+}
+QUANTS = tuple(BUILDS)
 ORT_FP32, ORT_QDQ = "ort-fp32", "ort-qdq-int8"
-EXE_QUANTS, EXE_TARGET = ("fp32", "int8"), "linux-x86_64"
+EXE_QUANTS, EXE_TARGET = ("fp32", "int8", "int8x8"), "linux-x86_64"
 ENGINES = (ORT_FP32, ORT_QDQ) + tuple(f"edgepack-{q}" for q in QUANTS) + tuple(
     f"exe-{q}" for q in EXE_QUANTS
 )
@@ -567,7 +576,7 @@ def prepare(
             print(f"  building {epk.name} (log {epk.with_suffix('.log').name})", flush=True)
             with epk.with_suffix(".log").open("w") as f:
                 _atomic(epk, lambda p, q=q, f=f: build(
-                    onnx_path, p, quant=q, input_shapes={name: (batch, *shape)},
+                    onnx_path, p, **BUILDS[q], input_shapes={name: (batch, *shape)},
                     calib=calib if q != "fp32" else None, log=lambda s: print(s, file=f),
                 ))
         bundles[q] = epk
@@ -583,7 +592,7 @@ def prepare(
                 print(f"  building {exe.name} (log {exe.name}.log)", flush=True)
                 with Path(f"{exe}.log").open("w") as f:
                     build_for_target(
-                        onnx_path, load_target(EXE_TARGET), exe, quant=q,
+                        onnx_path, load_target(EXE_TARGET), exe, **BUILDS[q],
                         input_shapes={name: (batch, *shape)},
                         calib=calib if q != "fp32" else None, log=lambda s: print(s, file=f),
                     )  # fmt: skip
@@ -670,8 +679,10 @@ def format_markdown(
     md += ["", "## Method", "",
            "- Engines: ORT fp32; ORT static QDQ int8 (`quant_pre_process`, then "
            "`quantize_static`, QDQ, per-channel QInt8 weights, QUInt8 activations, MinMax); "
-           f"edgepack bundles built with `--quant {'|'.join(QUANTS)}`. edgepack's quantized "
-           "modes are weight-only (activations stay fp32), while ORT QDQ computes in int8.",
+           f"edgepack bundles built with `--quant {'|'.join(QUANT_MODES)}`, and `int8x8`: "
+           "`--quant int8 --act-quant int8`. edgepack's quantized modes are weight-only "
+           "(activations stay fp32) but for int8x8, whose convs compute in int8 as ORT "
+           "QDQ does.",
            f"- Calibration: one npz of {CALIB_SAMPLES} inputs (seeded standard normal for the "
            "random-weight models, real training images for digits), given to edgepack's "
            "int8 build as `--calib` (where it only measures the error) and to ORT's "

@@ -1291,6 +1291,7 @@ CASES["qconv"] = [
     qconv_case("k3_c64_co130_res", (1, 12, 10, 64), 130, res=True, act="relu"),
     qconv_case("pw_c5_co7_hswish", (1, 5, 6, 5), 7, k=(1, 1), p=(0, 0, 0, 0),
                act="hard_swish", clip=0.0),
+    qconv_case("pw_s2x3_pads", (1, 9, 11, 24), 16, k=(1, 1), s=(2, 3), p=(1, 2, 0, 1)),
 ]
 
 # Small float32 linears on the panel GEMM: a partial panel, three panels with a partial

@@ -112,7 +112,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "global_avgpool_nhwc": ("nhwc.global_avgpool_nhwc", v(arr(f4, 2), arr(f4, 1))),
         "pad_nhwc": ("nhwc.pad_nhwc", v(arr(f4, 3), arr(f4, 3), i8, i8)),
         "quantize_pad_nhwc": ("qgemm.quantize_pad_nhwc",
-                              v(arr(f4, 3), arr(u1, 1), i8, i8, i8, i8, f4, i8)),
+                              v(arr(f4, 3), arr(u1, 1), *([i8] * 6), f4, i8)),
         "gemm_u8s8": (
             "qgemm.gemm_u8s8",
             v(arr(u1, 1, ro=True), arr(i8, 1, ro=True), i8, i8, i8, arr(i1, 1, ro=True),

@@ -339,13 +339,17 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
 
 
 def _qconv_image(x_shape: Sequence[int], out_shape: Sequence[int], attrs: dict):
-    """(rows, columns, row of x's first row, column of its first column) of the u8 image
-    a qconv's windows read: the zero-point-padded window span, or x itself when the
-    windows never leave it."""
+    """(rows, columns, x's row and column offset, row and column step) of the u8 image
+    a qconv's windows read (qgemm.quantize_pad_nhwc): for a 1x1 conv just its pixels
+    (a strided one then runs at stride 1 on them), else the zero-point-padded span its
+    windows cover, or x itself when they never leave it."""
+    (sh, sw), (pt, pl) = attrs["strides"], attrs["pads"][:2]
+    if tuple(attrs["kernel"]) == (1, 1):
+        return out_shape[1], out_shape[2], pt, pl, sh, sw
     padded = _padded_image(x_shape[1:], attrs["kernel"], out_shape[1:3], attrs)
     if padded is None:
-        return x_shape[1], x_shape[2], 0, 0
-    return padded[0], padded[1], attrs["pads"][0], attrs["pads"][1]
+        return x_shape[1], x_shape[2], 0, 0, 1, 1
+    return padded[0], padded[1], pt, pl, 1, 1
 
 
 def _qgemm_scratch_shape() -> tuple[int, int]:
@@ -353,7 +357,7 @@ def _qgemm_scratch_shape() -> tuple[int, int]:
 
 
 def _qconv_scratch(ins, outs, attrs) -> int:
-    hp, wp, _, _ = _qconv_image(ins[0][0], outs[0], attrs)
+    hp, wp = _qconv_image(ins[0][0], outs[0], attrs)[:2]
     image = up64(hp * wp * int(attrs["in_channels"]) + QGEMM_SLACK)
     return image + _nbytes(_qgemm_scratch_shape(), 8)
 
@@ -371,7 +375,9 @@ def _bind_qconv(ins, outs, scratch, attrs) -> Bound:
     (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
     if dw != 1:
         raise ValueError(f"qconv needs contiguous taps along the width; dilation {dw}")
-    hp, wp, pt, pl = _qconv_image(x.shape, y.shape, attrs)
+    hp, wp, pt, pl, step_h, step_w = _qconv_image(x.shape, y.shape, attrs)
+    if step_h > 1 or step_w > 1:  # the gathered pixels of a strided 1x1 conv
+        sh = sw = 1
     image = up64(hp * wp * c_ + QGEMM_SLACK)
     xq = scratch[: hp * wp * c_ + QGEMM_SLACK]
     nslot = max(1, min(GEMM_SLOTS, kernel_threads()))  # a row of gemm scratch a thread
@@ -388,7 +394,7 @@ def _bind_qconv(ins, outs, scratch, attrs) -> Bound:
     for n in range(n_):
         yn = y[n].reshape(oh * ow, co)
         rn = _DUMMY2 if res is None else res[n].reshape(oh * ow, co)
-        fill = (K.quantize_pad_nhwc, (x[n], xq, hp, wp, pt, pl, s, z))
+        fill = (K.quantize_pad_nhwc, (x[n], xq, hp, wp, pt, pl, step_h, step_w, s, z))
         gemm = (K.gemm_u8s8, (xr, rtab, int(attrs["run4"]), kh, dh * wp * c_, wq, zw, yn, b_,
                               scale, rn, flags, act, a, b, qs))  # fmt: skip
         calls.append((_bound(*fill), _bound(*gemm)))
