@@ -72,11 +72,6 @@ def u8_params(lo: float, hi: float) -> tuple[float, int]:
     return scale, zero
 
 
-def conv_inputs(g: Graph) -> list[str]:
-    """The activation inputs of the convs ``quantize_conv_inputs`` would turn."""
-    return sorted({n.inputs[0] for n in g.nodes if _takes(g, n)})
-
-
 def activation_ranges(
     executor, feeds: Sequence[Mapping[str, np.ndarray]], tensors: Iterable[str] | None = None
 ) -> dict[str, tuple[float, float]]:

@@ -139,7 +139,8 @@ def test_rapidocr_classifier_fp32_and_int8(tmp_path, rapidocr_cls):
 def test_rapidocr_classifier_int8_activations_with_calibration(tmp_path, rapidocr_cls):
     """int8 x int8 convs (packager/act_quant.py) with ranges from 16 calibration lines
     of another seed: top-1 agreement with fp32 on 200 lines at least weight-only int8's
-    bar (measured 194/200; issue 21 asks 198)."""
+    bar (measured 194/200; issue 21 asks 198; ONNX Runtime's QDQ model calibrated on the
+    same lines agrees on 174: the misses are near ties of the two classes)."""
     shape = {"x": (1, 3, 48, 192)}
     np.savez(tmp_path / "calib.npz", x=_text_lines(16, seed=1))
     fp = load(pack(rapidocr_cls, tmp_path / "f.epk", input_shapes=shape))
