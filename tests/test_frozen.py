@@ -513,6 +513,27 @@ def test_new_weight_types_in_the_executable_match_edgepack_run(
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_int8_activations_in_the_executable_match_edgepack_run(
+    tmp_path, stub_cache, digit_inputs
+):
+    """int8 x int8 convs (--act-quant int8): the executable's v4 build (VNNI) and v3
+    build (AVX2 pairs) and the JIT give the same bits, the integer sums being exact."""
+    exe = tmp_path / "digits-int8x8"
+    r = ep("build", DIGITS, "--target", TARGET, "--quant", "int8", "--act-quant", "int8",
+           "--quant-min-weights", "0", "-o", exe)  # fmt: skip
+    assert "take u8 activations" in r.stdout
+    got, ref = _inside_and_jit(tmp_path, exe, digit_inputs, "logits")
+    assert np.array_equal(got, ref)
+    env = dict(os.environ, EDGEPACK_CACHE_DIR=str(tmp_path / "cache"),
+               EDGEPACK_CPU_FLAGS="avx2 fma f16c sse2")  # fmt: skip
+    out = tmp_path / "v3.npz"
+    r = subprocess.run([str(exe), "run", "--input", str(digit_inputs), "--output", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    with np.load(out) as y:
+        assert np.array_equal(y["logits"], ref)
+
+
 def _word_tokenizer(folder: Path, vocab: int) -> None:
     """A word-level tokenizer.json and a chat template for a test model's folder."""
     import json

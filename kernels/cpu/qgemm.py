@@ -216,7 +216,11 @@ def _epilogue(acc, zw, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, 
             vstore_n(c[m0 + r], c_n + v, y, n)
 
 
-@njit(cache=True)
+# inline: q8_tile picks its instructions when it is compiled, from the features of the
+# build in hand (qdot.BUILD_FEATURES). As a cached function of its own, an AOT build
+# for x86-64-v3 linked the JIT's cached AVX-512 copy of it, and LLVM stopped on
+# vpdpbusd.512; inlined, it is compiled inside each kernel that calls it.
+@njit(inline="always")
 def _q8_block(x, rtab, run4, nky, wrow, wq, zw, c, bias, scale, res, flags, act, a, b,
               t_lo, t_hi, m_lo, m_hi, xo, acc):  # fmt: skip
     n_ = c.shape[1]
