@@ -182,3 +182,21 @@ def test_steady_state_loop_does_not_allocate(bundles, name):
     # free it before returning. A step makes up to 4 parallel calls (an int8 conv:
     # weight decode, im2col, GEMM, and a band more).
     assert allocs <= 110 * 2 * 4 * len(s.executor.steps), allocs
+
+
+@pytest.mark.parametrize("nbytes", [4096, (1 << 20) + 12345, 9 << 20])
+def test_arenas_are_aligned_zeroed_and_large_ones_placed_in_huge_pages(nbytes):
+    """runtime/device.py: every arena is exactly its planned size, ALIGN-aligned and
+    zeroed; from HUGE_ARENA_MIN bytes it starts ARENA_SHIFT past a 2 MB boundary (the
+    placement that keeps MobileNetV2's speed the same in every process), where the
+    system has transparent huge pages."""
+    import mmap
+
+    from edgepack.runtime import device as D
+
+    a = D.aligned_arena(nbytes)
+    assert a.nbytes == nbytes and a.ctypes.data % ALIGN == 0 and a.flags.writeable
+    assert not a.any()
+    a[-1] = 7  # writable to its last byte
+    if nbytes >= D.HUGE_ARENA_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert a.ctypes.data % D.HUGE_PAGE == D.ARENA_SHIFT
