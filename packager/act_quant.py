@@ -25,36 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from ..kernels import layout as L
-from ..kernels import registry
 from .ir import Graph, Node
-from .llm import ACT_QUANT
-
-
-def int8_activations(mode: str, op: str, dtype: str, attrs: dict, backends: Sequence[str],
-                     features: Iterable[str] | None = None) -> bool:  # fmt: skip
-    """Whether a build quantizes the activations of ``op`` nodes (weights ``dtype``) to
-    int8: ``mode`` ``int8`` or ``none`` says so; ``auto`` (the default) where the target's
-    first backend has such a kernel and the target's CPU (``features``, LLVM names; the
-    host's when None) an integer dot instruction the kernels use (VNNI, AVX2's
-    ``vpmaddwd``, aarch64's dotprod: kernels/cpu/qdot.py ``dot_isa``). Without one the
-    integer products are plain widening multiplies, which lose to float32 ones (the
-    int4 GEMV: docs/quantization.md)."""
-    if mode not in ACT_QUANT:
-        raise ValueError(f"--act-quant {mode!r}: choose from {', '.join(ACT_QUANT)}")
-    if mode != "auto":
-        return mode == "int8"
-    try:
-        k = registry.lookup(op, dtype, backends[0])
-    except (KeyError, IndexError):
-        return False
-    if not k.accepts(attrs):
-        return False
-    from ..kernels.cpu.qdot import dot_isa
-    from ..kernels.cpu.simd import host_features
-
-    feats = set(features) if features is not None else host_features()
-    return dot_isa(feats) != "generic"
-
 
 ACT_SCHEME = (
     "u8 asymmetric per tensor (min/max over the calibration inputs) x s8 "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from .conv_algo import choose_conv_algorithms
 from .fuse import optimise
 from .ir import Graph, PackError
 from .layout import choose_layouts, pack_panels
+from .llm import ACT_QUANT
 from .manifest import make_manifest
 from .mbconv import fuse_mbconv
 from .onnx_import import import_onnx
@@ -165,6 +167,8 @@ def build(
     keep them float32."""
     if quant not in MODES:
         raise PackError(f"--quant {quant!r}; choose from {', '.join(MODES)}")
+    if act_quant not in ACT_QUANT:
+        raise PackError(f"--act-quant {act_quant!r}: choose from {', '.join(ACT_QUANT)}")
     if min_cosine is None:  # seeded random inputs say little of what the data needs
         min_cosine = DEFAULT_MIN_COSINE if calib is not None else 0.0
     steps = 6
@@ -195,21 +199,19 @@ def build(
     stage(3, f"quantize weights ({quant})")
 
     src = g  # the optimised graph each quantization starts from
-    fp32_run: list = []  # (calibration feeds, fp32 graph with the layouts, its executor)
     int8_acts = quant == "int8" and act_quant == "int8" and wants(backends, "act_quant")
 
+    @functools.cache
     def fp32_reference() -> tuple[list, Graph, Executor]:
         """The calibration inputs and the fp32 graph with the same layouts as the
         quantized one (so both traces hold each tensor in the same order), made once."""
-        if not fp32_run:
-            feeds = load_calibration(calib, src)
-            ref = copy.deepcopy(src)
-            _layouts(ref, backends, layout, chains=not int8_acts)
-            # On the host: the packager needs no GPU, and a cuda plan's recorded cpu
-            # fallbacks compute the same function (checked kernel by kernel in the tests).
-            ex = Executor(make_manifest(ref, plan_memory(ref)), ref.consts, device="cpu")
-            fp32_run.extend([feeds, ref, ex])
-        return fp32_run[0], fp32_run[1], fp32_run[2]
+        feeds = load_calibration(calib, src)
+        ref = copy.deepcopy(src)
+        _layouts(ref, backends, layout, chains=not int8_acts)
+        # On the host: the packager needs no GPU, and a cuda plan's recorded cpu
+        # fallbacks compute the same function (checked kernel by kernel in the tests).
+        ex = Executor(make_manifest(ref, plan_memory(ref)), ref.consts, device="cpu")
+        return feeds, ref, ex
 
     ranges: dict[str, tuple[float, float]] = {}
     # Convs take u8 activations on request only (``auto`` keeps them float32): with

@@ -80,6 +80,7 @@ from .kernels import (
     nhwc_out_row,
     nhwc_row,
     nhwc_row_out,
+    panel_share,
     valid_cols,
 )
 from .nhwc import add_clamp_row, clamp_bounds
@@ -474,15 +475,8 @@ def gemmp{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
     Panels are split across workers when they divide evenly, else rows are."""
     m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
-    by_panel = np_ % workers == 0
-    per_t = np_ // workers
-    tiles = (m_ + MR - 1) // MR
-    per_m = (tiles + workers - 1) // workers * MR
     for sl in prange(workers):
-        t_lo = sl * per_t if by_panel else 0
-        t_hi = t_lo + per_t if by_panel else np_
-        m_lo = 0 if by_panel else sl * per_m
-        m_hi = m_ if by_panel else min(m_, m_lo + per_m)
+        t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
         if m_lo < m_hi:
             _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
                        t_lo, t_hi, m_lo, m_hi)

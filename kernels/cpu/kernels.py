@@ -419,6 +419,19 @@ def act_into(x, y, act, a, b):
 
 
 @njit(inline="always")
+def panel_share(m_, np_, workers, sl, mr):
+    """(t_lo, t_hi, m_lo, m_hi): worker sl's share of a GEMM of m_ rows by np_ weight
+    panels: whole panels when they divide evenly among the workers (each then reads
+    only its own weights), else rows in whole tiles of mr (empty when m_lo >= m_hi)."""
+    if np_ % workers == 0:
+        per_t = np_ // workers
+        return sl * per_t, sl * per_t + per_t, 0, m_
+    per_m = ((m_ + mr - 1) // mr + workers - 1) // workers * mr
+    m_lo = sl * per_m
+    return 0, np_, m_lo, min(m_, m_lo + per_m)
+
+
+@njit(inline="always")
 def valid_cols(shift, stride, width, n_out):
     """Output columns [lo, hi) whose input column ``ox * stride + shift`` is inside [0, width)."""
     if stride == 1:  # no division: a runtime-divisor idiv costs ~25 ns

@@ -48,7 +48,7 @@ from ..flags import HAS_BIAS, HAS_RES
 from ..layout import PANEL
 from .abi import QGEMM_MR, QGEMM_SLACK, qgemm_scratch_int64s
 from .jit import njit
-from .kernels import act_row
+from .kernels import act_row, panel_share
 from .qdot import _call, _consts, _features, _vec, dot_isa
 from .simd import F32, I32, F32Vec, Ops, _elem_ptr
 
@@ -247,20 +247,13 @@ def gemm_u8s8(x, rtab, run4, nky, wrow, wq, zw, c, bias, scale, res, flags, act,
     rows of run4 * 4 bytes wrow bytes apart, wq the weight panels (flat bytes), zw the
     int32 zero-point terms per column (padded to whole panels), bias and scale per
     column. scratch: one row of int64 [workers, MR + TILE / 2] per worker (its row
-    offsets and its tile's int32 sums); as many workers as it has rows. Panels are
-    split across workers when they divide evenly, else rows are."""
+    offsets and its tile's int32 sums); as many workers as it has rows, sharing the
+    work as gemmp does (kernels.panel_share)."""
     m_ = c.shape[0]
     workers = scratch.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
-    by_panel = np_ % workers == 0
-    per_t = np_ // workers
-    tiles = (m_ + MR - 1) // MR
-    per_m = (tiles + workers - 1) // workers * MR
     for sl in prange(workers):
-        t_lo = sl * per_t if by_panel else 0
-        t_hi = t_lo + per_t if by_panel else np_
-        m_lo = 0 if by_panel else sl * per_m
-        m_hi = m_ if by_panel else min(m_, m_lo + per_m)
+        t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
         if m_lo < m_hi:
             xo = scratch[sl, :MR]
             acc = scratch[sl, MR:].view(np.int32)

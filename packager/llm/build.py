@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ...kernels import registry
 from ...kernels.cpu.abi import XQ_BLOCK
 from ...kernels.ops import WEIGHT_OPS
 from ...kernels.wtypes import DEFAULT_GROUP, QUANT_MODES, bf16_to_f32, by_quant
 from ...runtime.errortable import format_error_table
 from ...runtime.text import TOKENIZER
-from ..act_quant import int8_activations
 from ..build import BuildResult, build_info
 from ..ir import Graph, PackError
 from ..manifest import make_manifest
@@ -55,6 +55,19 @@ def _quant_of(types: dict) -> str:
     weights = {t: n for t, n in types.items() if t != "F32"} or types
     top = max(weights, key=weights.get)
     return _GGUF_QUANT.get(top, "int4" if top.startswith(("Q4", "Q3", "Q2", "IQ")) else "int8")
+
+
+def _int8_activations(mode: str, backends: Sequence[str], features=None) -> bool:
+    if mode != "auto":
+        return mode == "int8"
+    k = registry.lookup("linear", "i4", backends[0])
+    if k is None or not k.accepts({"xq": XQ_BLOCK}):
+        return False
+    from ...kernels.cpu.qdot import dot_isa
+    from ...kernels.cpu.simd import host_features
+
+    feats = set(features) if features is not None else host_features()
+    return dot_isa(feats) != "generic"  # plain widening products lose to floats
 
 
 def _as_f32(weights: dict) -> Callable[[str], np.ndarray]:
@@ -153,8 +166,7 @@ def build_llm(
         for k, rows in (("prefill", chunk), ("decode", slots),
                         *((f"decode{r}", r) for r in few))
     }  # fmt: skip
-    xq = int8_activations(act_quant, "linear", "i4", {"xq": XQ_BLOCK}, backends, cpu_features)
-    xq = xq and "int4" in (quant, quant_embed)
+    xq = _int8_activations(act_quant, backends, cpu_features) and "int4" in (quant, quant_embed)
     if xq:
         for g in graphs.values():
             for n in g.nodes:
