@@ -740,6 +740,7 @@ CASES: dict[str, list[Case]] = {
         linear_case("xq_m1_k64_n10", (1, 64), 10, xq=32),
         linear_case("xq_m1_k96_n7", (1, 96), 7, xq=32),
         linear_case("xq_m5_k40_n13", (5, 40), 13, xq=32),
+        linear_case("xq_m7_k96_n5", (7, 96), 5, xq=32),  # tiles of 4 and 3 rows
         linear_case("xq_m40_k128_n9_relu", (40, 128), 9, act="relu", xq=32),
         linear_case("xq_x3d_nobias", (2, 3, 70), 6, bias=False, xq=32),
         linear_case("xq_special", (2, 64), 5, special=True, xq=32),
