@@ -5,6 +5,27 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
+
+def cache_dir():
+    """The one folder edgepack writes to outside what the user names: verified payloads
+    (runtime/verified.py) and ahead-of-time kernel builds (kernels/cpu/aot_cache.py).
+    $EDGEPACK_CACHE_DIR, else $XDG_CACHE_HOME/edgepack, else ~/.cache/edgepack, else a
+    per-user folder under the temporary directory."""
+    import tempfile
+    from pathlib import Path
+
+    base = _os.environ.get("EDGEPACK_CACHE_DIR")
+    if not base:
+        xdg = _os.environ.get("XDG_CACHE_HOME") or (
+            _os.path.join(_os.environ["HOME"], ".cache") if _os.environ.get("HOME") else None
+        )
+        base = (
+            _os.path.join(xdg, "edgepack")
+            if xdg
+            else _os.path.join(tempfile.gettempdir(), f"edgepack-{_os.getuid()}")
+        )
+    return Path(base)
+
 # How idle threads wait, set before numpy (OpenBLAS) and numba's OpenMP pool (libgomp)
 # load, since both read it then; a user's own setting of any of these wins.
 # - libgomp: with its idle workers asleep at once (OMP_WAIT_POLICY=passive, this

@@ -98,6 +98,30 @@ def cmd_keygen(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels(a: argparse.Namespace) -> int:
+    from .packager.aot import ensure_kernel_builds, host_target
+    from .targets import load_target
+
+    target = load_target(a.target) if a.target else host_target()
+    print(f"kernel builds of target {target.name} for the development install and its "
+          "executables")  # fmt: skip
+    for b, module, folder in ensure_kernel_builds(target):
+        print(f"  {b.cpu:12s} {module:20s} {folder}")
+    import os
+
+    from .kernels.cpu.native import _aot_build  # what a process starting now would take
+
+    try:
+        cpu = _aot_build()[1]
+    except ImportError as e:
+        print(f"runs the JIT kernels: {e}")
+        return 0
+    forced = os.environ.get("EDGEPACK_KERNELS") == "jit"
+    print(f"runs the aot kernels built for {cpu}" + (" (but EDGEPACK_KERNELS=jit is set "
+          "here)" if forced else ""))  # fmt: skip
+    return 0
+
+
 def cmd_targets(a: argparse.Namespace) -> int:
     import json
 
@@ -258,6 +282,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("target", nargs="*", help="a target name or a .toml file (default: all shipped)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_targets)
+    p = sub.add_parser(
+        "kernels",
+        help="compile the CPU kernels ahead of time for this install",
+        description="Compile the CPU kernels ahead of time (about 5 minutes a build, two "
+        "at a time) into the kernel cache, so that the first run of a bundle starts at "
+        "once instead of compiling with numba's JIT; stub builds take the same builds. "
+        "pip install runs this (setup.py); run it again after editing kernels/. See "
+        "docs/cpu-kernels.md.",
+    )
+    p.add_argument("--target", help="whose kernel builds (default: the shipped target "
+                   "of this machine's architecture that its CPU runs best)")
+    p.set_defaults(func=cmd_kernels)
     p = sub.add_parser("keygen", help="make an ed25519 key pair for signing bundles",
                        description="Write STEM.key (private) and STEM.pub (public).")
     p.add_argument("-o", "--output", required=True, metavar="STEM")

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from ..kernels.cpu.abi import AOT_MODULE, POOLED_SUFFIX, aot_signatures
+from .ir import PackError
 
 
 @contextlib.contextmanager
@@ -125,3 +126,115 @@ def compile_kernels(
         f"{time.perf_counter() - t:.1f}s -> {built[-1].name}"
     )
     return built[-1]
+
+
+def kernel_modules(target) -> list[tuple[object, str]]:
+    """(build, extension module name) of each of ``target``'s kernel builds, first
+    preferred; the target's own build is ``edgepack_kernels``."""
+    *extra, base = target.kernel_builds
+    return [(b, f"{AOT_MODULE}_{i}") for i, b in enumerate(extra, 1)] + [(base, AOT_MODULE)]
+
+
+def _build_key(target, build, module: str) -> tuple[str, str, str]:
+    """(folder name, GEMM tile shape, LLVM features) of one build in the cache."""
+    import hashlib
+
+    from ..kernels.cpu.native import gemm_shape
+    from ..targets import llvm_features
+
+    shape = gemm_shape(set(build.cpu_features), target.arch)
+    feats = llvm_features(target.arch, build.cpu_features)
+    tag = hashlib.sha256(f"{feats}|{shape}".encode()).hexdigest()[:8]
+    return f"{module}-{build.cpu}-{tag}", shape, feats
+
+
+def _compile_into_cache(where: str, target_arch: str, cpu: str, shape: str, feats: str,
+                        module: str, flags: list[str]) -> str:  # fmt: skip
+    """Compile one build into a fresh folder beside ``where`` and move it into place
+    (another process making the same build at once loses nothing: the first kept)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from ..kernels.cpu.aot_cache import BUILD_INFO
+
+    dest = Path(where)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        t = time.perf_counter()
+        built = compile_kernels(tmp, cpu, shape, feats, module)
+        info = {"module": module, "cpu": cpu, "arch": target_arch, "flags": flags,
+                "gemm_shape": shape, "features": feats, "file": built.name,
+                "seconds": round(time.perf_counter() - t, 1)}  # fmt: skip
+        (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from the install's other users
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # made meanwhile by another process
+            if not (dest / BUILD_INFO).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)
+
+
+def ensure_kernel_builds(target, log=print) -> list[tuple[object, str, Path]]:
+    """(build, module, folder) of every kernel build of ``target``, first preferred,
+    compiled into the kernel cache (kernels/cpu/aot_cache.py) where missing, two at a
+    time (pycc compiles on one core, ~5 minutes a build). Only for this machine's
+    architecture: pycc does not cross-compile."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ..kernels.cpu.aot_cache import BUILD_INFO, builds_dir
+    from ..targets import cpuinfo_flags
+
+    root = builds_dir()
+    out, todo = [], []
+    for b, module in kernel_modules(target):
+        name, shape, feats = _build_key(target, b, module)
+        dest = root / name
+        out.append((b, module, dest))
+        if not (dest / BUILD_INFO).is_file():
+            flags = cpuinfo_flags(target.arch, b.cpu_features)
+            todo.append((str(dest), target.arch, b.cpu, shape, feats, module, flags))
+    if not todo:
+        log(f"      kernels for {', '.join(b.cpu for b, _, _ in out)}: cached in {root}")
+        return out
+    t = time.perf_counter()
+    log(f"      compiling {len(todo)} kernel build(s) ({', '.join(j[2] for j in todo)}) "
+        f"into {root}: ~5 minutes each, two at a time")  # fmt: skip
+    if len(todo) == 1:
+        _compile_into_cache(*todo[0])
+    else:
+        ctx = multiprocessing.get_context("spawn")  # numba's state is not fork-safe
+        with ProcessPoolExecutor(max_workers=min(2, len(todo)), mp_context=ctx) as pool:
+            for f in [pool.submit(_compile_into_cache, *j) for j in todo]:
+                f.result()
+    log(f"      kernel builds done in {time.perf_counter() - t:.0f}s")
+    return out
+
+
+def host_target():
+    """The shipped target whose kernel builds suit this machine best: of this
+    architecture's, the one whose own build this CPU runs and whose builds use the most
+    features it has (linux-x86_64 on x86-64)."""
+    from ..kernels.cpu.native import host_cpu_flags
+    from ..targets import cpuinfo_flags, list_targets
+    from .stub import host_arch
+
+    arch, have = host_arch(), host_cpu_flags()
+    fits = []
+    for t in list_targets():
+        if t.arch != arch:
+            continue
+        need = set(cpuinfo_flags(t.arch, t.cpu_features))
+        if have is None or need <= have:
+            usable = max(len(set(cpuinfo_flags(t.arch, b.cpu_features)) & (have or set()))
+                         for b in t.kernel_builds)  # fmt: skip
+            fits.append((usable, t.name, t))
+    if not fits:
+        raise PackError(f"no shipped target runs on this {arch} CPU; pass --target")
+    return max(fits, key=lambda f: f[:2])[2]

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import __version__
-from ..kernels.cpu.abi import AOT_MODULE
-from ..targets import KernelBuild, Target, cpuinfo_flags, llvm_features
+from ..kernels.cpu.aot_cache import BUILD_INFO
+from ..targets import Target, cpuinfo_flags
+from .aot import ensure_kernel_builds, kernel_modules
 from .ir import PackError
 
 STUB_FORMAT = 1
@@ -134,37 +135,6 @@ def cuda_packages(target: Target) -> list[str]:
             f"(known: {', '.join(f'CUDA {k}.x: {v}' for k, v in CUPY_WHEELS.items())})"
         )
     return [CUPY_WHEELS[major], *CUDA_NEEDS]
-
-
-def kernel_modules(target: Target) -> list[tuple[KernelBuild, str]]:
-    """(build, extension module name) of each of ``target``'s kernel builds, first
-    preferred; the target's own build is ``edgepack_kernels``."""
-    *extra, base = target.kernel_builds
-    return [(b, f"{AOT_MODULE}_{i}") for i, b in enumerate(extra, 1)] + [(base, AOT_MODULE)]
-
-
-def _compile_builds(target: Target, builds, out: Path) -> None:
-    """Compile every kernel build into ``out``, two at a time (each is one process's
-    work for ~5 minutes: pycc compiles on one core)."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    from ..kernels.cpu.native import gemm_shape
-    from .aot import compile_kernels
-
-    jobs = [
-        (out, b.cpu, gemm_shape(set(b.cpu_features), target.arch),
-         llvm_features(target.arch, b.cpu_features), module)
-        for b, module in builds
-    ]  # fmt: skip
-    if len(jobs) == 1:
-        compile_kernels(*jobs[0])
-        return
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")  # numba's state is not fork-safe
-    with ProcessPoolExecutor(max_workers=min(2, len(jobs)), mp_context=ctx) as pool:
-        for f in [pool.submit(compile_kernels, *j) for j in jobs]:
-            f.result()
 
 
 def stub_modules(target: Target) -> tuple[list[str], list[str]]:
@@ -454,10 +424,13 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
     with tempfile.TemporaryDirectory(prefix="edgepack-stub-") as tmp:
         work = Path(tmp)
         aot = work / "aot"
-        builds = kernel_modules(target)
-        cpus = ", ".join(b.cpu for b, _ in builds)
-        log(f"[1/4] compile kernels for {cpus} ({target.arch})")
-        _compile_builds(target, builds, aot)
+        aot.mkdir()
+        log(f"[1/4] kernels for {', '.join(b.cpu for b in target.kernel_builds)} ({target.arch})")
+        builds = []
+        for b, m, folder in ensure_kernel_builds(target, log):
+            info = json.loads((folder / BUILD_INFO).read_text())
+            shutil.copy(folder / info["file"], aot / info["file"])
+            builds.append((b, m))
         info = {
             "target": target.name,
             "arch": target.arch,

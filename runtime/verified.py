@@ -11,23 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    """The one folder a device executable writes to (the user may choose it)."""
-    base = os.environ.get("EDGEPACK_CACHE_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or (
-            os.path.join(os.environ["HOME"], ".cache") if os.environ.get("HOME") else None
-        )
-        base = (
-            os.path.join(xdg, "edgepack")
-            if xdg
-            else os.path.join(tempfile.gettempdir(), f"edgepack-{os.getuid()}")
-        )
-    return Path(base)
+from .. import cache_dir
 
 
 def _marker(path: str, header: bytes) -> Path:

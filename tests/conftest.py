@@ -16,6 +16,12 @@ import pytest
 # otherwise: scripts/gpu_check.sh sets NUMBA_ENABLE_CUDASIM=0 to run them on a real GPU.
 # numba reads the variable when first imported, which is after this file.
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# The suite runs numba's JIT kernels, as it did before installs compiled them ahead of
+# time: the kernel tests compile each one against the reference, and the numba-specific
+# paths (serial builds, dispatchers, the instruction families) are what they check. The
+# ahead-of-time builds a fresh install runs give the same bits: tests/test_first_run.py
+# and the frozen executables check them.
+os.environ.setdefault("EDGEPACK_KERNELS", "jit")
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

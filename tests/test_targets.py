@@ -360,7 +360,7 @@ def test_cli_reports_bad_target(tmp_path):
 def test_extra_builds_come_first_and_round_trip(tmp_path):
     """A target's extra kernel builds are preferred in their order, its own build last;
     the stub names their modules after the plain one."""
-    from edgepack.packager.stub import kernel_modules
+    from edgepack.packager.aot import kernel_modules
 
     d = valid()
     d["extra_builds"] = [

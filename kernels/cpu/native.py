@@ -1,7 +1,8 @@
 """Which build of the CPU kernels runs: ahead-of-time compiled, or numba JIT.
 
-``EDGEPACK_KERNELS`` = ``auto`` (default: the AOT module when it can be imported,
-as in frozen device executables, else JIT), ``aot`` (require it) or ``jit``.
+``EDGEPACK_KERNELS`` = ``auto`` (default: the AOT kernels when there are some, as in
+frozen device executables and in a development install whose kernel builds were made
+at install or by ``edgepack kernels``, else JIT), ``aot`` (require them) or ``jit``.
 Both builds come from the same source (kernels/cpu/kernels.py) and give bit-identical results.
 """
 
@@ -66,12 +67,13 @@ def load_kernels() -> SimpleNamespace:
     mode = os.environ.get("EDGEPACK_KERNELS", "auto")
     if mode not in ("auto", "aot", "jit"):
         raise ValueError(f"EDGEPACK_KERNELS={mode!r}; use auto, aot or jit")
+    if stub_info():  # an executable has no JIT (no numba): its own builds, whatever asked
+        mode = "aot"
     if mode in ("auto", "aot"):
         try:
-            builds = _stub_builds()
-            name = aot_module(builds)
-            ns = _aot_namespace(importlib.import_module(name))
-            ns.cpu = next((b.get("cpu") for b in builds if b["module"] == name), None) or "host"
+            mod, cpu = _aot_build()
+            ns = _aot_namespace(mod)
+            ns.cpu = cpu
         except ImportError:
             if mode == "aot":
                 raise
@@ -101,6 +103,29 @@ def load_kernels() -> SimpleNamespace:
 
 class UnsupportedCPU(ValueError):
     """This CPU lacks features every kernel build of the executable needs."""
+
+
+def _aot_build():
+    """(module, cpu) of the AOT kernels to run: a frozen stub's own builds, else an
+    ``edgepack_kernels`` module on the path, else the development install's cached
+    build (kernels/cpu/aot_cache.py) for these kernel sources with the most features
+    this CPU has. ImportError when there is none."""
+    if stub_info():
+        builds = _stub_builds()
+        name = aot_module(builds)
+        cpu = next((b.get("cpu") for b in builds if b["module"] == name), None)
+        return importlib.import_module(name), cpu or "host"
+    try:
+        return importlib.import_module(AOT_MODULE), "host"
+    except ImportError:
+        pass
+    from .aot_cache import cached_builds, import_build
+
+    flags = host_cpu_flags()
+    usable = [b for b in cached_builds() if flags is not None and set(b["flags"]) <= flags]
+    if not usable:
+        raise ImportError("no ahead-of-time kernel build for these sources and this CPU")
+    return import_build(usable[0]), usable[0]["cpu"]
 
 
 def _stub_builds() -> list[dict]:
