@@ -128,6 +128,14 @@ def compile_kernels(
     return built[-1]
 
 
+def host_arch() -> str:
+    """This machine's architecture as targets name it (x86_64, aarch64)."""
+    import platform
+
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
 def kernel_modules(target) -> list[tuple[object, str]]:
     """(build, extension module name) of each of ``target``'s kernel builds, first
     preferred; the target's own build is ``edgepack_kernels``."""
@@ -223,8 +231,6 @@ def host_target():
     features it has (linux-x86_64 on x86-64)."""
     from ..kernels.cpu.native import host_cpu_flags
     from ..targets import cpuinfo_flags, list_targets
-    from .stub import host_arch
-
     arch, have = host_arch(), host_cpu_flags()
     fits = []
     for t in list_targets():

@@ -31,7 +31,7 @@ from pathlib import Path
 from .. import __version__
 from ..kernels.cpu.aot_cache import BUILD_INFO
 from ..targets import Target, cpuinfo_flags
-from .aot import ensure_kernel_builds, kernel_modules
+from .aot import ensure_kernel_builds, host_arch, kernel_modules
 from .ir import PackError
 
 STUB_FORMAT = 1
@@ -172,11 +172,6 @@ def check_cuda_packages(target: Target) -> None:
                 f"`pip install {dist}` on this build machine (the board itself for a "
                 "Jetson, see docs/targets.md) and build again"
             ) from None
-
-
-def host_arch() -> str:
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
 def stub_cache_dir() -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import signal
+import threading
 import time
 from types import SimpleNamespace
 
@@ -316,7 +317,11 @@ def test_full_queue_is_429_and_sigterm_drains(env):
     again = [c.completions.create(**(kw | {"max_tokens": 2})) for _ in range(2)]
     assert [r.usage.prompt_tokens_details.cached_tokens for r in again] == [0, 0]
 
+    start = threading.Barrier(4)  # all four at once: sent one by one, a fast machine
+    # finished each before the next arrived and refused none (CI rehearsal, stop 36)
+
     def one(_):
+        start.wait(timeout=60)
         try:
             return c.completions.create(**kw).choices[0].finish_reason
         except openai.RateLimitError as e:

@@ -38,19 +38,17 @@ AOT_CACHE_FORMAT = 1
 BUILD_INFO = "build.json"
 
 
-# Kernel folders the CPU build never imports: editing them keeps the builds.
-NOT_COMPILED = ("cuda", "ref")
-
-
 def kernel_sources_digest(root: Path | None = None) -> str:
-    """sha256 (16 hex digits) of the kernel sources a CPU build is made from (kernels/
-    and its subpackages but NOT_COMPILED) and the cache format: the key of the builds
-    made from them. ~2 ms for 0.8 MB."""
-    root = root or Path(__file__).resolve().parents[1]
+    """sha256 (16 hex digits) of the kernel sources a CPU build is made from (the files
+    directly in kernels/ and this package's, kernels/cpu/; the other backends' folders
+    are never imported by it, and editing them keeps the builds) and the cache format:
+    the key of the builds made from them. ~2 ms for 0.8 MB."""
+    here = Path(__file__).resolve().parent
+    root = root or here.parent
     h = hashlib.sha256(f"aot-cache {AOT_CACHE_FORMAT}\0".encode())
     for f in sorted(root.rglob("*.py")):
         rel = f.relative_to(root).parts
-        if "__pycache__" not in rel and rel[0] not in NOT_COMPILED:
+        if "__pycache__" not in rel and (len(rel) == 1 or rel[0] == here.name):
             h.update(f"{f.relative_to(root).as_posix()}\0".encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
