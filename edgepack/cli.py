@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import __version__
 from .kernels.wtypes import DEFAULT_GROUP, GROUP_SIZES, QUANT_MODES
@@ -122,6 +123,14 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stub(a: argparse.Namespace) -> int:
+    from .packager.stub import build_stub
+    from .targets import load_target
+
+    build_stub(load_target(a.target), a.out)
+    return 0
+
+
 def cmd_targets(a: argparse.Namespace) -> int:
     import json
 
@@ -185,8 +194,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", help="make a device executable for this target (name or "
                    ".toml; see `edgepack targets`)")
-    p.add_argument("--stub", help="runtime stub to use (default: the stub cache; see "
-                   "scripts/build_stub.py)")
+    p.add_argument("--stub", help="runtime stub to use (default: the stub cache, frozen "
+                   "there first when it has none: `edgepack stub`)")
     p.add_argument("--sign", metavar="KEY", help="sign with this private key (edgepack keygen)")
     p.add_argument("--embed-pubkey", metavar="PUBKEY", help="with --target: the executable "
                    "refuses any bundle not signed by this key")
@@ -294,6 +303,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="whose kernel builds (default: the shipped target "
                    "of this machine's architecture that its CPU runs best)")
     p.set_defaults(func=cmd_kernels)
+    p = sub.add_parser(
+        "stub",
+        help="freeze the device runtime for a target (what executables are made from)",
+        description="Freeze the device runtime for a target into its runtime stub "
+        "(PyInstaller, the `stub` extra; the kernels from `edgepack kernels`' cache). "
+        "`edgepack build --target` appends bundles to it, and freezes one itself when the "
+        "cache has none; this command makes one ahead of time or into --out. Only for "
+        "this machine's architecture. See docs/executable.md.",
+    )
+    p.add_argument("--target", required=True, help="target name or .toml file")
+    p.add_argument("--out", type=Path, help="where to write the stub (default: the stub cache, "
+                   "~/.cache/edgepack/stubs/ or $EDGEPACK_STUB_CACHE)")
+    p.set_defaults(func=cmd_stub)
     p = sub.add_parser("keygen", help="make an ed25519 key pair for signing bundles",
                        description="Write STEM.key (private) and STEM.pub (public).")
     p.add_argument("-o", "--output", required=True, metavar="STEM")

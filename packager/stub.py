@@ -194,7 +194,7 @@ def how_to_build(target: Target) -> str:
         "(the board itself or an arm64 CI runner: .github/workflows/stubs.yml)"
     )
     return (
-        f"build it on {where} with `python scripts/build_stub.py --target {target.name}` "
+        f"build it on {where} with `edgepack stub --target {target.name}` "
         f"(it lands in {cached_stub(target).parent}), or pass one with --stub PATH"
     )
 
@@ -409,11 +409,15 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
     """Freeze the device runtime for ``target`` on this machine; returns the stub path."""
     if host_arch() != target.arch:
         raise PackError(
-            f"cannot build a {target.arch} stub on {host_arch()}: PyInstaller "
+            f"cannot build an {target.arch} stub on {host_arch()}: PyInstaller "
             f"and the kernel compiler only build for the machine they run on; "
             f"{how_to_build(target)}"
         )
     check_cuda_packages(target)
+    import importlib.util
+
+    if importlib.util.find_spec("PyInstaller") is None:
+        raise PackError("freezing a runtime stub needs PyInstaller: pip install 'edgepack[stub]'")
     out = out or cached_stub(target)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgepack-stub-") as tmp:

@@ -13,24 +13,44 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..targets import Target
+from .aot import host_arch
 from .build import BuildResult, build
 from .executable import assemble
 from .ir import PackError
-from .stub import cached_stub, check_stub, how_to_build
+from .stub import (
+    build_stub,
+    cached_stub,
+    check_stub,
+    how_to_build,
+    read_stub,
+    runtime_sources_digest,
+)
 
 
-def find_stub(target: Target, stub: str | Path | None) -> Path:
+def find_stub(
+    target: Target, stub: str | Path | None, log: Callable[[str], None] = print
+) -> Path:
+    """The stub named by --stub, else the cached one for ``target``. A cache without a
+    stub made from these runtime sources gets one, frozen here when this machine has the
+    target's architecture (about a minute when the install made the kernel builds);
+    otherwise the error says where to build it."""
     if stub is not None:
         p = Path(stub)
         if not p.is_file():
             raise PackError(f"--stub {p}: no such file")
         return p
     p = cached_stub(target)
-    if not p.is_file():
+    why = "none" if not p.is_file() else None
+    if why is None and read_stub(p)[0].get("sources") != runtime_sources_digest():
+        why = "one frozen from other edgepack runtime sources"
+    if why is None:
+        return p
+    if host_arch() != target.arch:
         raise PackError(
             f"no runtime stub for target {target.name} in the stub cache; {how_to_build(target)}"
         )
-    return p
+    log(f"      the stub cache has {why} for target {target.name}: freezing one ({p.parent})")
+    return build_stub(target, log=log)
 
 
 def memory_parts(result: BuildResult, target: Target) -> dict[str, int]:
@@ -79,7 +99,7 @@ def build_for_target(
 ) -> Path:
     """``builder``: ``build`` (ONNX models) or ``llm.build.build_llm`` (language models:
     the same stub runs their bundle; the KV cache counts in the arena's budget)."""
-    stub_path = find_stub(target, stub)
+    stub_path = find_stub(target, stub, log)
     meta = check_stub(stub_path, target)
     out = Path(out) if out else Path("dist") / f"{Path(model).stem}-{target.name}"
     with tempfile.TemporaryDirectory(prefix="edgepack-") as tmp:

@@ -9,6 +9,7 @@ refused with a message that says what to do.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import DATA, bench_rounds
-from edgepack.packager.stub import _deterministic_targz, _launcher, host_arch
+from edgepack.packager.stub import __version__, _deterministic_targz, _launcher, host_arch
 
 pytestmark = [
     pytest.mark.frozen,
@@ -44,18 +45,19 @@ def ep(*args, ok=True, env=None, cwd=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def stub_cache(tmp_path_factory):
-    """A private stub cache holding a freshly frozen host stub."""
+    """A private stub cache holding a freshly frozen host stub: the first executable
+    built into the empty cache freezes it (what a user's first `edgepack build --target`
+    does), with its progress and the stub's size and time printed."""
     cache = tmp_path_factory.mktemp("stubs")
     old = os.environ.get("EDGEPACK_STUB_CACHE")
     os.environ["EDGEPACK_STUB_CACHE"] = str(cache)
-    r = subprocess.run(
-        [sys.executable, "scripts/build_stub.py", "--target", TARGET],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = tmp_path_factory.mktemp("first") / "digits-first"
+    r = ep("build", DIGITS, "--target", TARGET, "-o", out)
+    assert f"the stub cache has none for target {TARGET}: freezing one" in r.stdout, r.stdout
+    for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]"):
+        assert step in r.stdout
+    assert re.search(r"MB unpacked\), needs glibc [\d.]+; \d+s", r.stdout), r.stdout
+    assert (cache / f"{TARGET}-{__version__}").is_dir() and out.is_file()
     yield cache
     if old is None:
         os.environ.pop("EDGEPACK_STUB_CACHE", None)
@@ -232,7 +234,7 @@ def test_wrong_architecture_stub_is_refused(tmp_path, stub_cache):
     assert not (tmp_path / "x").exists()
     # and the host stub for an arm board: no stub cached -> how to build one
     r = ep("build", DIGITS, "--target", "rpi5", "-o", tmp_path / "y", ok=False)
-    assert "python scripts/build_stub.py --target rpi5" in r.stderr
+    assert "edgepack stub --target rpi5" in r.stderr
     assert "aarch64 machine" in r.stderr
 
 
@@ -243,7 +245,7 @@ def test_stub_from_other_runtime_sources_is_refused(tmp_path):
     r = ep("build", DIGITS, "--target", TARGET, "--stub", fake, "-o", tmp_path / "x", ok=False)
     assert r.returncode == 1
     assert "frozen from other edgepack runtime sources (not recorded" in r.stderr
-    assert "python scripts/build_stub.py --target linux-x86_64" in r.stderr
+    assert "edgepack stub --target linux-x86_64" in r.stderr
     assert not (tmp_path / "x").exists()
 
 
