@@ -231,6 +231,7 @@ def host_target():
     features it has (linux-x86_64 on x86-64)."""
     from ..kernels.cpu.native import host_cpu_flags
     from ..targets import cpuinfo_flags, list_targets
+
     arch, have = host_arch(), host_cpu_flags()
     fits = []
     for t in list_targets():

@@ -152,21 +152,21 @@ def _aot_build():
     build (kernels/cpu/aot_cache.py) for these kernel sources with the most features
     this CPU has. ImportError when there is none."""
     if stub_info():
-        builds = _stub_builds()
-        name = aot_module(builds)
-        cpu = next((b.get("cpu") for b in builds if b["module"] == name), None)
-        return importlib.import_module(name), cpu or "host"
+        b = pick_build(_stub_builds())
+        return importlib.import_module(b["module"]), b.get("cpu") or "host"
     try:
         return importlib.import_module(AOT_MODULE), "host"
     except ImportError:
         pass
     from .aot_cache import cached_builds, import_build
 
-    flags = host_cpu_flags()
-    usable = [b for b in cached_builds() if flags is not None and set(b["flags"]) <= flags]
-    if not usable:
-        raise ImportError("no ahead-of-time kernel build for these sources and this CPU")
-    return import_build(usable[0]), usable[0]["cpu"]
+    try:  # most features first: the same choice as among an executable's builds
+        b = pick_build(cached_builds())
+    except UnsupportedCPU as e:  # none this CPU runs: the JIT
+        raise ImportError(
+            f"no ahead-of-time kernel build for these sources and this CPU ({e})"
+        ) from None
+    return import_build(b), b["cpu"]
 
 
 def _stub_builds() -> list[dict]:
@@ -193,7 +193,12 @@ def host_cpu_flags() -> set[str] | None:
 
 
 def aot_module(builds: list[dict], flags: set[str] | None = None) -> str:
-    """The module of the first kernel build whose features this CPU has.
+    """The module of ``pick_build``'s build."""
+    return pick_build(builds, flags)["module"]
+
+
+def pick_build(builds: list[dict], flags: set[str] | None = None) -> dict:
+    """The first kernel build whose features this CPU has.
 
     As ONNX Runtime's MLAS picks its kernels from the CPU it starts on: an AVX-512 CPU
     runs the x86-64-v4 build, an AVX2 one the x86-64-v3 build. ``EDGEPACK_KERNEL_CPU``
@@ -208,11 +213,13 @@ def aot_module(builds: list[dict], flags: set[str] | None = None) -> str:
             raise UnsupportedCPU(f"EDGEPACK_KERNEL_CPU={forced}: this executable has kernels "
                                  f"for {have}")  # fmt: skip
         builds = named
+    if not builds:
+        raise UnsupportedCPU("there are no kernel builds")
     if flags is None:  # /proc/cpuinfo unreadable: the target's own build, its floor
-        return builds[-1]["module"]
+        return builds[-1]
     for b in builds:
         if set(b.get("flags", ())) <= flags:
-            return b["module"]
+            return b
     last = builds[-1]
     lacking = sorted(set(last.get("flags", ())) - flags)
     raise UnsupportedCPU(
