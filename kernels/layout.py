@@ -23,6 +23,11 @@ dominates it may store its weights as panels too (``linear_panels``): ``[ceil(N/
 K, 64]``, the transposed ``[K, N]`` matrix in blocks of 64 columns, with attributes
 ``panel`` = 64 and ``out_features`` = N (packager/layout.py pack_panels).
 
+An int4 ``linear`` with int8 activations (``xq``) and N a multiple of 16 may store its
+packed weights and scales interleaved by 16 output rows (attribute ``interleave`` = 16,
+``q4_interleave``; the kernel is kernels/cpu/q4x16.py): the same shapes and bytes as
+canonical int4 (kernels/wtypes.py), reordered.
+
 Only the cpu backend asks for the pass (kernels/registry.py ``BACKEND_TABLE``) and
 binds these nodes; the reference computes them channels-first on transposed copies
 (kernels/ref/reference.py), as the oracle the cpu kernels are tested against. The cuda
@@ -51,6 +56,33 @@ LAYOUT_OPS = ("conv", "dwconv", "conv_wino", "maxpool", "global_avgpool")
 WEIGHT_IN_HWIO = ("conv", "dwconv")
 # Ops whose nodes the cpu backend's passes may lay out for it alone (``cpu_planned``).
 CPU_PLANNED_OPS = (*LAYOUT_OPS, "linear")
+
+
+Q4_INTERLEAVE = 16  # output rows an interleaved int4 linear keeps side by side
+
+
+def q4_interleave(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Canonical int4 weights ``[N, Kp/2]`` and scales ``[N, Kp/G]`` (N a multiple of
+    16) -> the same shapes interleaved: per group of 16 rows, per block of 32 weights,
+    256 bytes ``[d][row][4]`` (bytes 4d..4d+3 of each row's block: weights 4d..4d+3 in
+    the low nibbles, 16+4d.. in the high ones), and per group and scale group the 16
+    rows' scales side by side."""
+    n, half = packed.shape
+    if n % Q4_INTERLEAVE:
+        raise ValueError(f"interleaving int4 weights needs N % {Q4_INTERLEAVE} == 0, got {n}")
+    r = Q4_INTERLEAVE
+    p = packed.reshape(n // r, r, half // 16, 4, 4).transpose(0, 2, 3, 1, 4)
+    s = scale.reshape(n // r, r, scale.shape[1]).transpose(0, 2, 1)
+    return np.ascontiguousarray(p).reshape(n, half), np.ascontiguousarray(s).reshape(scale.shape)
+
+
+def q4_deinterleave(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``q4_interleave`` undone (copies)."""
+    n, half = packed.shape
+    r = Q4_INTERLEAVE
+    p = packed.reshape(n // r, half // 16, 4, r, 4).transpose(0, 3, 1, 2, 4)
+    s = scale.reshape(n // r, scale.shape[1], r).transpose(0, 2, 1)
+    return np.ascontiguousarray(p).reshape(n, half), np.ascontiguousarray(s).reshape(scale.shape)
 
 
 def is_nhwc(attrs: dict) -> bool:
@@ -109,8 +141,8 @@ def linear_weights(w, attrs: dict):
 
 def cpu_planned(attrs: dict) -> bool:
     """True for a node the packager laid out for the cpu backend alone (channels-last,
-    or weights in panels); other backends decline it."""
-    return is_nhwc(attrs) or bool(attrs.get("panel"))
+    weights in panels or interleaved); other backends decline it."""
+    return is_nhwc(attrs) or bool(attrs.get("panel")) or bool(attrs.get("interleave"))
 
 
 def from_panels(p, co: int):

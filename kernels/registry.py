@@ -38,7 +38,8 @@ class Backend:
     # Graph passes the packager runs when this backend is a target's first choice
     # (each pass's module says why, with its measurement): Winograd convs, channels-
     # last regions, GEMM weight panels, banded pointwise-depthwise-pointwise chains,
-    # int8 activations for int8 convs (packager/act_quant.py).
+    # int8 activations for int8 convs (packager/act_quant.py), int4 weights interleaved
+    # by rows for the int8-activation linears (packager/layout.py interleave_q4).
     passes: tuple[str, ...] = ()
 
 
@@ -46,14 +47,16 @@ class Backend:
 # registry imports no backend and no backend knows another.
 BACKEND_TABLE: dict[str, Backend] = {
     "cpu": Backend(
-        ".cpu.backend", True, ("winograd", "channels_last", "panels", "chains", "act_quant")
+        ".cpu.backend",
+        True,
+        ("winograd", "channels_last", "panels", "chains", "act_quant", "interleave"),
     ),
     "ref": Backend(".ref.backend", True),
     "cuda": Backend(".cuda.backend", False),
 }
 BACKENDS = tuple(BACKEND_TABLE)
 HOST_BACKENDS = tuple(b for b, row in BACKEND_TABLE.items() if row.host)
-PASSES = ("winograd", "channels_last", "panels", "chains", "act_quant")
+PASSES = ("winograd", "channels_last", "panels", "chains", "act_quant", "interleave")
 # The ops a pass creates: only a backend that asks for the pass meets them, so only such
 # a backend needs kernels for them (the cuda backend has no conv_wino or mbconv).
 PASS_OPS = {"winograd": ("conv_wino",), "chains": ("mbconv",), "act_quant": ("qconv",)}

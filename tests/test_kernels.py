@@ -313,9 +313,11 @@ def linear_case(
     act: str = "none",
     special: bool = False,
     xq: int = 0,
+    interleave: bool = False,
 ) -> Case:
     """``xq``: int8 activations in blocks of xq (int4 weights only: the kernels with
-    integer products; the others decline the attribute)."""
+    integer products; the others decline the attribute); ``interleave``: the int4
+    weights stored interleaved by 16 rows as packager/layout.py interleave_q4 does."""
 
     def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
         k = xshape[-1]
@@ -327,6 +329,9 @@ def linear_case(
         wq, scale = _store_weight(_with_specials(w) if special else w, dt)
         b = _randn(rng, n, scale=0.5) if bias else None
         attrs = {"act": act, "act_args": list(ACT_ARGS[act]), **_wshape(w, dt)}
+        if interleave and dt == "i4":
+            wq, scale = layout.q4_interleave(wq, scale)
+            attrs["interleave"] = layout.Q4_INTERLEAVE
         return [x, wq, b, scale], attrs | ({"xq": xq} if xq else {})
 
     only = {"dtypes": ("i4",), "backends": ("cpu",)} if xq else {}
@@ -744,6 +749,15 @@ CASES: dict[str, list[Case]] = {
         linear_case("xq_m40_k128_n9_relu", (40, 128), 9, act="relu", xq=32),
         linear_case("xq_x3d_nobias", (2, 3, 70), 6, bias=False, xq=32),
         linear_case("xq_special", (2, 64), 5, special=True, xq=32),
+        # the same on weights interleaved by 16 rows (q4x16.gemm_q4x16_q8): tiles of 4,
+        # 3, 2 and 1 rows, one block, K inside a block, rows past the float GEMV's
+        linear_case("xq16_m1_k64_n16", (1, 64), 16, xq=32, interleave=True),
+        linear_case("xq16_m7_k96_n32", (7, 96), 32, xq=32, interleave=True),
+        linear_case("xq16_m6_k20_n16", (6, 20), 16, xq=32, interleave=True),
+        linear_case("xq16_m40_k128_n48_relu", (40, 128), 48, act="relu", xq=32,
+                    interleave=True),  # fmt: skip
+        linear_case("xq16_x3d_nobias", (2, 3, 70), 16, bias=False, xq=32, interleave=True),
+        linear_case("xq16_special", (2, 64), 16, special=True, xq=32, interleave=True),
     ],
     "matmul": [
         matmul_case("2d", (3, 4), (4, 5)),

@@ -375,12 +375,18 @@ def test_quantized_bundles_stay_close_to_fp32(wide_llama, mode, act, kl_bound, a
     want = {"fp16": "f16", "bf16": "bf16", "int8": "i8", "int4": "i4"}[mode]
     assert want in types
     m = r.manifest
+    interleaved = 0
     for graph in (m["graph"], m["llm"]["prefill"]["graph"]):
         for n in graph["nodes"]:  # xq exactly on the int4 linears, and their kernel has it
             i4 = n["op"] == "linear" and m["weights"][n["inputs"][1]]["dtype"] == "i4"
             assert n["attrs"].get("xq") == (32 if i4 and act == "int8" else None), n["name"]
-            if n["attrs"].get("xq"):
-                assert n["kernel"]["variant"] == "gemv_q4_q8", n["kernel"]
+            if n["attrs"].get("xq"):  # rows interleaved by 16 where N allows it
+                rows16 = m["weights"][n["inputs"][1]]["shape"][0] % 16 == 0
+                assert n["attrs"].get("interleave") == (16 if rows16 else None), n["name"]
+                want = "gemm_q4x16_q8" if rows16 else "gemv_q4_q8"
+                assert n["kernel"]["variant"] == want, n["kernel"]
+                interleaved += rows16
+    assert (interleaved > 0) == (mode == "int4" and act == "int8")
     assert m["quantization"]["activations"] == ("int8" if act == "int8" else "fp32")
     # the pack-time table: every node, and the next-token figures on the same footing as
     # this test's (the table reads seeded ids: the test model has no tokenizer)

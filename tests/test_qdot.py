@@ -1,4 +1,5 @@
-"""The int8-activation int4 GEMV (kernels/cpu/qdot.py) in every instruction family the
+"""The int8-activation int4 kernels (kernels/cpu/qdot.py on canonical weights,
+kernels/cpu/q4x16.py on weights interleaved by 16 rows) in every instruction family the
 host can run: the same bits from each, and the reference's values.
 
 The family is chosen when the kernel is compiled, from the CPU features (an AOT
@@ -16,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from edgepack.kernels import wtypes
+from edgepack.kernels import layout, wtypes
 from edgepack.kernels.cpu.qdot import dot_isa
 from edgepack.kernels.cpu.simd import host_features
 from edgepack.kernels.ref.reference import REFERENCE, node_weights
@@ -34,16 +35,17 @@ FAMILIES = {
 
 RUN = r"""
 import sys, numpy as np
-from edgepack.kernels.cpu import qdot
+from edgepack.kernels.cpu import q4x16, qdot
 from edgepack.kernels.cpu.abi import xq_scratch_layout, xq_scratch_views
-x, w, s, b = (np.load(sys.argv[1] + f"/{n}.npy") for n in ("x", "w", "s", "b"))
-for a in (x, w, s, b):
-    a.flags.writeable = False
-y = np.empty((x.shape[0], w.shape[0]), np.float32)
-xq, nc, sx = xq_scratch_views(np.zeros(xq_scratch_layout(x.shape[0], w.shape[1] * 2)[1],
-                                       np.uint8), x.shape[0], w.shape[1] * 2)
-qdot.gemv_q4_q8(x, w, s, b, y, xq, nc, sx, 1, 1, 0.0, 0.0)  # bias, relu
-np.save(sys.argv[1] + "/y.npy", y)
+for kern, tag in ((qdot.gemv_q4_q8, ""), (q4x16.gemm_q4x16_q8, "16")):
+    x, w, s, b = (np.load(sys.argv[1] + f"/{n}{tag}.npy") for n in ("x", "w", "s", "b"))
+    for a in (x, w, s, b):
+        a.flags.writeable = False
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    xq, nc, sx = xq_scratch_views(np.zeros(xq_scratch_layout(x.shape[0], w.shape[1] * 2)[1],
+                                           np.uint8), x.shape[0], w.shape[1] * 2)
+    kern(x, w, s, b, y, xq, nc, sx, 1, 1, 0.0, 0.0)  # bias, relu
+    np.save(sys.argv[1] + f"/y{tag}.npy", y)
 """
 
 
@@ -69,15 +71,28 @@ def test_every_family_gives_the_same_bits_and_the_reference(tmp_path):
         np.save(tmp_path / f"{name}.npy", a)
     attrs = {"act": "relu", "act_args": [0.0, 0.0], "wshape": [n, k], "xq": 32}
     want = REFERENCE["linear"](node_weights("i4", [x, w, b, scale], "linear", attrs), attrs)
+    # interleaved: 3 groups of 16 rows, groups of 64 weights (a scale for two blocks),
+    # 5 rows of x (a tile of 4 and one of 1), K ending inside a block
+    n16, k16, m16 = 48, 200, 5
+    wf16 = (rng.standard_normal((n16, k16)) / np.sqrt(k16)).astype(np.float32)
+    w16, s16 = layout.q4_interleave(*wtypes.QUANTIZE["i4"](wf16, 64))
+    x16 = rng.standard_normal((m16, k16)).astype(np.float32)
+    b16 = rng.standard_normal(n16).astype(np.float32)
+    for name, a in {"x16": x16, "w16": w16, "s16": s16.view(np.uint16), "b16": b16}.items():
+        np.save(tmp_path / f"{name}.npy", a)
+    a16 = {**attrs, "wshape": [n16, k16], "interleave": layout.Q4_INTERLEAVE}
+    want16 = REFERENCE["linear"](node_weights("i4", [x16, w16, b16, s16], "linear", a16), a16)
     got = {}
     for fam in _runnable():
         env = dict(os.environ, EDGEPACK_DOT_FEATURES=FAMILIES[fam],
                    NUMBA_CACHE_DIR=str(tmp_path / f"cache-{fam}"))  # fmt: skip
         subprocess.run([sys.executable, "-c", RUN, str(tmp_path)], env=env, check=True,
                        timeout=600)  # fmt: skip
-        got[fam] = np.load(tmp_path / "y.npy")
-        np.testing.assert_allclose(got[fam], want, rtol=1e-4, atol=1e-5, err_msg=fam)
+        got[fam] = np.load(tmp_path / "y.npy"), np.load(tmp_path / "y16.npy")
+        np.testing.assert_allclose(got[fam][0], want, rtol=1e-4, atol=1e-5, err_msg=fam)
+        np.testing.assert_allclose(got[fam][1], want16, rtol=1e-4, atol=1e-5, err_msg=fam)
     assert "generic" in got and len(got) >= 2, got.keys()
     first = next(iter(got.values()))
-    for fam, y in got.items():
-        assert np.array_equal(y, first), f"{fam} differs from {next(iter(got))}"
+    for fam, (y, y16) in got.items():
+        assert np.array_equal(y, first[0]), f"{fam} differs from {next(iter(got))}"
+        assert np.array_equal(y16, first[1]), f"{fam} differs from {next(iter(got))} (x16)"

@@ -100,11 +100,15 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             )
             for name, wdt in (("i8", i1), ("f16", u2), ("bf16", T.int16))
         },
-        "gemv_q4_q8": (
-            "qdot.gemv_q4_q8",
-            v(arr(f4, 2, ro=True), arr(u1, 2, ro=True), arr(u2, 2, ro=True), w1, arr(f4, 2),
-              arr(i1, 2), arr(T.int32, 2), arr(f4, 2), i8, i8, f4, f4),
-        ),  # fmt: skip
+        **{
+            name: (  # int4 x int8: canonical weights (qdot.py), rows interleaved (q4x16.py)
+                src,
+                v(arr(f4, 2, ro=True), arr(u1, 2, ro=True), arr(u2, 2, ro=True), w1,
+                  arr(f4, 2), arr(i1, 2), arr(T.int32, 2), arr(f4, 2), i8, i8, f4, f4),
+            )
+            for name, src in (("gemv_q4_q8", "qdot.gemv_q4_q8"),
+                              ("gemm_q4x16_q8", "q4x16.gemm_q4x16_q8"))
+        },  # fmt: skip
         "maxpool": ("maxpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "avgpool": ("avgpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 9))),
         "global_avgpool": ("global_avgpool", v(arr(f4, 2), arr(f4, 1))),

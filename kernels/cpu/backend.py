@@ -1382,8 +1382,9 @@ def _q4_rows(x_shape: Sequence[int]) -> int:
 
 
 def _q4_linear_variant(ins, outs, attrs) -> str:
-    if attrs.get("xq"):  # int8 activations: integer dot products at any row count
-        return "gemv_q4_q8"
+    if attrs.get("xq"):  # int8 activations: integer dot products at any row count, on
+        # weights interleaved by 16 rows where the packager stored them so (q4x16.py)
+        return "gemm_q4x16_q8" if attrs.get("interleave") else "gemv_q4_q8"
     if _q4_rows(ins[0][0]) <= Q4_GEMV_MAX_ROWS:
         return "gemv_q4"
     return _q4_linear_decoded.variant(ins, outs, attrs)
@@ -1391,7 +1392,7 @@ def _q4_linear_variant(ins, outs, attrs) -> str:
 
 def _q4_linear_scratch(ins, outs, attrs) -> int:
     variant = _q4_linear_variant(ins, outs, attrs)
-    if variant == "gemv_q4_q8":
+    if variant in ("gemv_q4_q8", "gemm_q4x16_q8"):  # the same quantized rows' scratch
         return xq_scratch_layout(_q4_rows(ins[0][0]), ins[1][0][1] * 2)[1]
     if variant == "gemv_q4":
         return 0
@@ -1423,7 +1424,7 @@ def _bind_q4_q8_linear(x, w, bias, scale, y, scratch, attrs) -> Bound:
     b_ = bias if bias is not None else _DUMMY1
     flags = _flags(bias, None, None)
     args = (x2, w, _readonly(scale.view(np.uint16)), b_, y2, xq, nc, sx, flags, *_act(attrs))
-    kern, args = _bound(K.gemv_q4_q8, args)
+    kern, args = _bound(K.gemm_q4x16_q8 if attrs.get("interleave") else K.gemv_q4_q8, args)
     return lambda: kern(*args)
 
 

@@ -38,6 +38,8 @@ def dequantize(w: Array, scale: Array | None) -> Array:
 
 def _i4_in_node_layout(w: Array, scale: Array | None, op: str, attrs: dict):
     wshape = attrs["wshape"]
+    if attrs.get("interleave"):  # rows side by side for the cpu kernel: canonical again
+        w, scale = layout.q4_deinterleave(np.asarray(w), np.asarray(scale))
     flat = DEQUANTIZE["i4"](w, scale)  # [N, Kp], canonical
     k = int(np.prod(wshape[1:], dtype=np.int64))
     out = np.zeros(layout.node_weight_shape(op, wshape, attrs), np.float32)

@@ -27,6 +27,7 @@ from ...runtime.errortable import format_error_table
 from ...runtime.text import TOKENIZER
 from ..build import BuildResult, build_info
 from ..ir import Graph, PackError
+from ..layout import interleave_q4
 from ..manifest import make_manifest
 from ..plan import plan_memory, tensor_bytes
 from ..quantize import quantize_graph
@@ -172,6 +173,8 @@ def build_llm(
             for n in g.nodes:
                 if n.op == "linear" and g.wtype(n.input("w")) == "i4":
                     n.attrs["xq"] = XQ_BLOCK
+            if registry.wants(backends, "interleave"):
+                interleave_q4(g)
     g0 = graphs["decode"]
     if tokenizer is not None:  # no node reads it; mapped and checksummed with the weights
         g0.consts[TOKENIZER] = np.frombuffer(tokenizer, np.uint8)
