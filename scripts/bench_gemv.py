@@ -9,8 +9,9 @@ storage: ``MatMul`` for fp32, ``MatMulNBits`` (4 bits, block 32, fp32 scales, th
 default zero point 8: its Q4_0-like path) for int4. edgepack runs its registry's CPU
 ``linear`` kernels bound the way the runtime binds them (kernels/registry.py): fp32
 BLAS, int8/fp16/bf16 the explicit-SIMD ``gemv`` (weights widened in registers), int4 the
-fused ``gemv_q4`` (i4q8: the integer ``gemv_q4_q8``), fp16/bf16 above 8 rows a decode into scratch
-then BLAS.
+fused ``gemv_q4`` (i4q8: the integer ``gemv_q4_q8``; i4x16: the same products on weights
+interleaved by 16 rows, ``gemm_q4x16_q8``, what packed int4 language models run),
+fp16/bf16 above 8 rows a decode into scratch then BLAS.
 
     python scripts/bench_gemv.py                       # writes docs/benchmarks/gemv.md + png
     python scripts/bench_gemv.py --rounds 5 --shapes 576x1536
@@ -34,21 +35,24 @@ REPO = Path(__file__).resolve().parent.parent
 # (N, K): SmolLM2-135M's projections (576 wide, MLP 1536, vocab 49152) and a 7B-class
 # 4096 x 4096 (bigger than any cache)
 SHAPES = [(1536, 576), (576, 1536), (49152, 576), (4096, 4096)]
-# i4q8: int4 weights with int8 activations (a linear node's xq, kernels/cpu/qdot.py)
-EDGEPACK = ("f32", "bf16", "f16", "i8", "i4", "i4q8")
+# i4q8: int4 weights with int8 activations (a linear node's xq, kernels/cpu/qdot.py);
+# i4x16: the same with the weights interleaved by 16 rows (kernels/cpu/q4x16.py)
+EDGEPACK = ("f32", "bf16", "f16", "i8", "i4", "i4q8", "i4x16")
 # the ORT kernel each is compared with; ort-int4-q8 is MatMulNBits at accuracy_level 4
 # (its int8-activation path, as llama.cpp's Q4_0 x Q8_0)
-PEER = {"f32": "ort-fp32", "i4": "ort-int4", "i4q8": "ort-int4-q8"}
+PEER = {"f32": "ort-fp32", "i4": "ort-int4", "i4q8": "ort-int4-q8", "i4x16": "ort-int4-q8"}
 
 
 def _edgepack_linear(dtype: str, w: np.ndarray, x: np.ndarray, group: int):
-    from edgepack.kernels import wtypes
+    from edgepack.kernels import layout, wtypes
     from edgepack.kernels.registry import lookup
     from edgepack.runtime.executor import aligned_arena
 
-    xq = dtype == "i4q8"
+    xq, rows16 = dtype in ("i4q8", "i4x16"), dtype == "i4x16"
     dtype = "i4" if xq else dtype
     stored, scale = wtypes.QUANTIZE[dtype](w, group)
+    if rows16:
+        stored, scale = layout.q4_interleave(stored, scale)
     for a in (stored, scale):
         if a is not None:
             a.flags.writeable = False
@@ -58,6 +62,8 @@ def _edgepack_linear(dtype: str, w: np.ndarray, x: np.ndarray, group: int):
         attrs["wshape"] = list(w.shape)
     if xq:
         attrs["xq"] = 32
+    if rows16:
+        attrs["interleave"] = layout.Q4_INTERLEAVE
     ins = [x, stored, None, scale]
     specs = [
         (x.shape, "f32"),
