@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..kernels.cpu.native import jit_for_threaded_llm
 from .bundle import Bundle
 from .executor import Executor
 from .session import open_located
@@ -36,7 +35,6 @@ class LLMSession:
         require_signature: bytes | None = None,
     ) -> None:
         set_threads(threads)
-        jit_for_threaded_llm()  # before anything binds a kernel (kernels/cpu/native.py)
         # an already opened bundle (the CLI's, after a look at its manifest) or a path
         self.bundle = path if isinstance(path, Bundle) else open_located(path, require_signature)
         m = self.bundle.manifest

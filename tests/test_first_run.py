@@ -101,29 +101,3 @@ def test_a_first_run_takes_the_install_kernels_and_compiles_nothing(tmp_path, di
     assert list(numba_cache.rglob("*")) == [], "the first run compiled kernels"
     for name, y in out["jit"].items():
         np.testing.assert_array_equal(out["aot"][name], y)
-
-
-SWITCH = """
-from edgepack.kernels.cpu import native
-from edgepack.runtime.threads import set_threads
-set_threads({threads})
-before = native.K.build
-print(before, native.jit_for_threaded_llm(), native.K.build)
-"""
-
-
-@pytest.mark.xdist_group("frozen")
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to run two threads")
-def test_a_language_model_on_threads_switches_to_the_jit_kernels():
-    """The AOT int4 GEMV runs on one thread (kernels/cpu/native.py), so an LLM session
-    on more threads takes the JIT kernels before it binds any; on one thread, and in
-    any process that asked for a build by name, the AOT kernels stay."""
-    env = {k: v for k, v in os.environ.items() if k != "EDGEPACK_KERNELS"}
-    _run(["kernels"], env)  # the builds (cached: instant)
-    for threads, extra, want in [(2, {}, "aot True jit"), (1, {}, "aot False aot"),
-                                 (2, {"EDGEPACK_KERNELS": "aot"}, "aot False aot")]:  # fmt: skip
-        r = subprocess.run([sys.executable, "-c", SWITCH.format(threads=threads)],
-                           env=dict(env, **extra), capture_output=True, text=True,
-                           timeout=600, cwd=REPO)  # fmt: skip
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.split()[-3:] == want.split(), (threads, extra, r.stdout)

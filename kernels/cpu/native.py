@@ -45,14 +45,6 @@ def _aot_namespace(mod) -> SimpleNamespace:
     ns["gemv"] = _by_dtype(lambda a: by_w[a[1].dtype])
     f32, f16 = ns.pop("attention_rows_f32"), ns.pop("attention_rows_f16")
     ns["attention_rows"] = _by_dtype(lambda a: f16 if a[4].dtype == np.uint16 else f32)  # caches
-    # The int4 x int8 GEMV runs whole on the caller: a pool state without helpers makes
-    # its launcher take one part. On the pool it ran 3-9x slower with two threads than
-    # with one (SmolLM2-135M int4 decode, 2-core EPYC: 46.8 ms a step against 7.9 at one
-    # thread; numba's parallel loop 4.1), while every other pooled kernel scales
-    # (ResNet-18 23.6 -> 12.9 ms) and the same SPMD parts on two plain threads take half
-    # the time. Not understood yet (docs/cpu-kernels.md, "Threads in the executable").
-    solo = np.zeros_like(state)
-    ns["gemv_q4_q8"] = functools.partial(getattr(mod, "gemv_q4_q8" + POOLED_SUFFIX), solo)
     return SimpleNamespace(build="aot", **ns)
 
 
@@ -112,35 +104,6 @@ def _jit_namespace() -> SimpleNamespace:
         if getattr(f, "targetoptions", {}).get("parallel"):
             names[k] = _by_thread_count(f)
     return SimpleNamespace(build="jit", gemm_shape=shape, **names)
-
-
-def jit_for_threaded_llm() -> bool:
-    """Switch this process to the JIT kernels when it runs a language model on more
-    than one thread with the development install's AOT builds (``auto``; never in an
-    executable, which has no numba). The AOT int4 x int8 GEMV runs whole on one thread
-    (``_aot_namespace``), and numba's loop beside the AOT pool's spinning helpers was no
-    better (SmolLM2-135M int4, 2 threads, one decode step: 23.8 ms, bimodal): served
-    over HTTP at 2 threads, 95 tok/s with the AOT kernels against 201 with the JIT (one
-    stream), 216 against 405 (eight). The switch happens before the session binds its
-    kernels; the JIT compiles what it has not cached (the first run of an LLM as
-    before the install built kernels). Returns whether it switched."""
-    if K.build == "jit" or stub_info() or os.environ.get("EDGEPACK_KERNELS", "auto") != "auto":
-        return False
-    from .pool import POOL
-
-    threads = POOL[0].threads
-    if threads <= 1:
-        return False
-    try:
-        import numba
-    except ImportError:
-        return False
-    jit = _jit_namespace()
-    vars(K).clear()
-    vars(K).update(vars(jit))
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    note_threads(numba.get_num_threads())
-    return True
 
 
 class UnsupportedCPU(ValueError):
