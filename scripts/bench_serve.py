@@ -17,6 +17,10 @@ sent -> first content chunk) P50 and P99, and inter-token latency (between conte
 chunks) P99; then the ratios edgepack / llama-server. The tensor path: the digits CNN
 over KServe v2 (tritonclient) and over MQTT (edgepack.client), one request at a time:
 requests per second and latency P50/P99. Writes docs/benchmarks/serve.md and a chart.
+
+The packed bundle is kept in --work and reused; after a change to the packager or the
+bundle layout, pass --rebuild to pack it again (a kept bundle still runs, in the layout
+it was packed with).
 """
 
 from __future__ import annotations
@@ -256,13 +260,14 @@ def main(argv: list[str] | None = None) -> int:
                     default=Path.home() / ".cache" / "edgepack" / "llama.cpp")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path("/tmp/edgepack-bench-serve"))
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "serve.md")
+    ap.add_argument("--rebuild", action="store_true", help="pack the bundle again")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     from bench_llm import gguf_files
 
     gguf = gguf_files(a.llama_cpp, a.work)["int4"]
     bundle = a.work / "smol-int4.epk"
-    if not bundle.exists():
+    if a.rebuild or not bundle.exists():
         subprocess.run([sys.executable, "-m", "edgepack.cli", "build", str(gguf), "-o",
                         str(bundle), "--quant", "int4", "--slots", str(SLOTS), "--ctx",
                         str(CTX)], check=True, capture_output=True)  # fmt: skip
