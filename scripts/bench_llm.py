@@ -118,6 +118,10 @@ def _edgepack_worker(bundle: str, threads: int, reps: int) -> None:
         if r.p99_ms is not None:
             out[f"{key}_p99_ms"] = r.p99_ms
     out["peak_rss_mb_after_runs"] = _vm_hwm_mb()  # the KV cache touched to depth 2048
+    from edgepack.kernels.cpu.native import K
+
+    # which kernels ran: a development install takes its cached AOT builds by default
+    out["kernels"] = f"AOT ({K.cpu})" if K.build == "aot" else "numba JIT"
     print(json.dumps(out))
 
 
@@ -297,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "llama.cpp": (a.llama / "commit").read_text().strip()
         or "vendored in llama-cpp-python 0.3.36",
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "edgepack kernels": f"AOT ({a.aot.name})" if a.aot else "numba JIT",
+        "edgepack kernels": ", ".join(sorted({r["kernels"] for r in rows if "kernels" in r}))
+        + (f" from {a.aot.name}" if a.aot else ""),
     }
     write_report(rows, a.out, machine)
     print(f"wrote {a.out}")
