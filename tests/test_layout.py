@@ -198,3 +198,26 @@ def test_panels_hold_the_hwio_weights_zero_past_co(co):
         cols = m[:, 64 * t : 64 * (t + 1)]
         assert np.array_equal(block[:, : cols.shape[1]], cols)
         assert not block[:, cols.shape[1] :].any()
+
+
+def test_int4_rows_interleaved_by_16_hold_the_canonical_bytes():
+    """kernels/layout.py q4_interleave: one 64-byte load per run d holds bytes 4d..4d+3 of
+    each of 16 rows' block; the scales of the 16 rows lie side by side; undone exactly."""
+    from edgepack.kernels import wtypes
+
+    rng = np.random.default_rng(3)
+    for group in wtypes.GROUP_SIZES:
+        w = rng.standard_normal((48, 200)).astype(np.float32)
+        packed, scale = wtypes.QUANTIZE["i4"](w, group)
+        pi, si = L.q4_interleave(packed, scale)
+        assert pi.shape == packed.shape and si.shape == scale.shape
+        assert sorted(pi.ravel()) == sorted(packed.ravel())
+        g, b, d, r = 2, 3, 1, 5  # group of rows, block, run, row in the group
+        at = (g * (packed.shape[1] // 16) + b) * 256 + d * 64 + r * 4
+        assert bytes(pi.reshape(-1)[at : at + 4]) == bytes(packed[16 * g + r, 16 * b + 4 * d :][:4])
+        s = 1 if scale.shape[1] > 1 else 0
+        assert si.reshape(-1)[(g * scale.shape[1] + s) * 16 + r] == scale[16 * g + r, s]
+        back_w, back_s = L.q4_deinterleave(pi, si)
+        assert np.array_equal(back_w, packed) and np.array_equal(back_s, scale)
+    with pytest.raises(ValueError, match="N % 16"):
+        L.q4_interleave(packed[:40], scale[:40])
