@@ -110,12 +110,16 @@ fi
 
 # --- arm64 .debs -----------------------------------------------------------------------
 
+# the package lists must be read again after the architecture is added, even when an
+# update already ran for qemu above (on a fresh machine it had, and no arm64 package
+# was known)
 if ! dpkg --print-foreign-architectures | grep -qx arm64; then
   log "dpkg --add-architecture arm64"
   $SUDO dpkg --add-architecture arm64
-  apt_update
+  apt_updated=0
 fi
 if ! apt-cache show libc6:arm64 >/dev/null 2>&1; then
+  apt_updated=0
   apt_update
 fi
 
