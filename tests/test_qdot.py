@@ -96,3 +96,22 @@ def test_every_family_gives_the_same_bits_and_the_reference(tmp_path):
     for fam, (y, y16) in got.items():
         assert np.array_equal(y, first[0]), f"{fam} differs from {next(iter(got))}"
         assert np.array_equal(y16, first[1]), f"{fam} differs from {next(iter(got))} (x16)"
+
+
+def test_join_concatenates_two_and_four_parts():
+    """aarch64's sdot path of the interleaved kernel joins four 4-lane quarters (q4x16.py);
+    joining them one after another made a shuffle of an 8- and a 4-lane vector, which
+    llvmlite refused (found under qemu on a cortex-a76, where no host test reaches)."""
+    import llvmlite.binding as llvm
+    from edgepack.kernels.cpu.qdot import _join, _vec
+    from llvmlite import ir
+
+    i32 = ir.IntType(32)
+    for count in (2, 4):
+        mod = ir.Module(name=f"join{count}")
+        fn = ir.Function(mod, ir.FunctionType(_vec(i32, 4 * count), [_vec(i32, 4)] * count), "f")
+        b = ir.IRBuilder(fn.append_basic_block())
+        out = _join(b, list(fn.args))
+        assert out.type == _vec(i32, 4 * count)
+        b.ret(out)
+        llvm.parse_assembly(str(mod)).verify()

@@ -115,10 +115,12 @@ def _part(builder, v, lo, n):
 
 
 def _join(builder, parts):
+    """Equal-width vectors concatenated in order (2, 4, ... of them: joined pairwise,
+    level by level, so both halves of every shuffle have one type)."""
     while len(parts) > 1:
-        a, b = parts[0], parts[1]
-        n = a.type.count
-        parts = [builder.shuffle_vector(a, b, _consts(I32, range(2 * n)))] + parts[2:]
+        n = parts[0].type.count
+        parts = [builder.shuffle_vector(a, b, _consts(I32, range(2 * n)))
+                 for a, b in zip(parts[0::2], parts[1::2])]  # fmt: skip
     return parts[0]
 
 
