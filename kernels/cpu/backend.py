@@ -1381,10 +1381,15 @@ def _q4_rows(x_shape: Sequence[int]) -> int:
     return int(np.prod(x_shape[:-1], dtype=np.int64))
 
 
+def _xq_kernel(attrs: dict) -> str:
+    """int8 activations: integer dot products at any row count, on weights interleaved
+    by 16 rows where the packager stored them so (q4x16.py)."""
+    return "gemm_q4x16_q8" if attrs.get("interleave") else "gemv_q4_q8"
+
+
 def _q4_linear_variant(ins, outs, attrs) -> str:
-    if attrs.get("xq"):  # int8 activations: integer dot products at any row count, on
-        # weights interleaved by 16 rows where the packager stored them so (q4x16.py)
-        return "gemm_q4x16_q8" if attrs.get("interleave") else "gemv_q4_q8"
+    if attrs.get("xq"):
+        return _xq_kernel(attrs)
     if _q4_rows(ins[0][0]) <= Q4_GEMV_MAX_ROWS:
         return "gemv_q4"
     return _q4_linear_decoded.variant(ins, outs, attrs)
@@ -1424,7 +1429,7 @@ def _bind_q4_q8_linear(x, w, bias, scale, y, scratch, attrs) -> Bound:
     b_ = bias if bias is not None else _DUMMY1
     flags = _flags(bias, None, None)
     args = (x2, w, _readonly(scale.view(np.uint16)), b_, y2, xq, nc, sx, flags, *_act(attrs))
-    kern, args = _bound(K.gemm_q4x16_q8 if attrs.get("interleave") else K.gemv_q4_q8, args)
+    kern, args = _bound(getattr(K, _xq_kernel(attrs)), args)
     return lambda: kern(*args)
 
 
