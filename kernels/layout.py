@@ -26,7 +26,10 @@ K, 64]``, the transposed ``[K, N]`` matrix in blocks of 64 columns, with attribu
 An int4 ``linear`` with int8 activations (``xq``) and N a multiple of 16 may store its
 packed weights and scales interleaved by 16 output rows (attribute ``interleave`` = 16,
 ``q4_interleave``; the kernel is kernels/cpu/q4x16.py): the same shapes and bytes as
-canonical int4 (kernels/wtypes.py), reordered.
+canonical int4 (kernels/wtypes.py), reordered. An int8 ``linear`` (N a multiple of 16,
+K of 32) may do the same with its int8 weights (``q8_interleave``; kernels/cpu/q8x16.py),
+and so then does an ``embed`` reading the same table (a tied output projection): its
+per-row scales stay as they are.
 
 Only the cpu backend asks for the pass (kernels/registry.py ``BACKEND_TABLE``) and
 binds these nodes; the reference computes them channels-first on transposed copies
@@ -58,7 +61,26 @@ WEIGHT_IN_HWIO = ("conv", "dwconv")
 CPU_PLANNED_OPS = (*LAYOUT_OPS, "linear")
 
 
-Q4_INTERLEAVE = 16  # output rows an interleaved int4 linear keeps side by side
+Q4_INTERLEAVE = 16  # output rows an interleaved int4 or int8 linear keeps side by side
+
+
+def _rows16(a: np.ndarray, block_bytes: int) -> np.ndarray:
+    """[N, cols] bytes, blocks of ``block_bytes`` a row -> per group of 16 rows and
+    block, ``[d][row][4]``: run d holds bytes 4d..4d+3 of each row's block."""
+    n, cols = a.shape
+    r = Q4_INTERLEAVE
+    if n % r or cols % block_bytes:
+        raise ValueError(f"interleaving rows needs N % {r} == 0 and whole blocks of "
+                         f"{block_bytes} bytes, got {n} x {cols}")  # fmt: skip
+    p = a.reshape(n // r, r, cols // block_bytes, block_bytes // 4, 4).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(p).reshape(n, cols)
+
+
+def _rows16_undone(a: np.ndarray, block_bytes: int) -> np.ndarray:
+    n, cols = a.shape
+    r = Q4_INTERLEAVE
+    p = a.reshape(n // r, cols // block_bytes, block_bytes // 4, r, 4).transpose(0, 3, 1, 2, 4)
+    return np.ascontiguousarray(p).reshape(n, cols)
 
 
 def q4_interleave(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,22 +89,29 @@ def q4_interleave(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np
     256 bytes ``[d][row][4]`` (bytes 4d..4d+3 of each row's block: weights 4d..4d+3 in
     the low nibbles, 16+4d.. in the high ones), and per group and scale group the 16
     rows' scales side by side."""
-    n, half = packed.shape
-    if n % Q4_INTERLEAVE:
-        raise ValueError(f"interleaving int4 weights needs N % {Q4_INTERLEAVE} == 0, got {n}")
+    out = _rows16(packed, 16)  # raises first when N is not a multiple of 16
     r = Q4_INTERLEAVE
-    p = packed.reshape(n // r, r, half // 16, 4, 4).transpose(0, 2, 3, 1, 4)
-    s = scale.reshape(n // r, r, scale.shape[1]).transpose(0, 2, 1)
-    return np.ascontiguousarray(p).reshape(n, half), np.ascontiguousarray(s).reshape(scale.shape)
+    s = scale.reshape(-1, r, scale.shape[1]).transpose(0, 2, 1)
+    return out, np.ascontiguousarray(s).reshape(scale.shape)
 
 
 def q4_deinterleave(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``q4_interleave`` undone (copies)."""
-    n, half = packed.shape
     r = Q4_INTERLEAVE
-    p = packed.reshape(n // r, half // 16, 4, r, 4).transpose(0, 3, 1, 2, 4)
-    s = scale.reshape(n // r, scale.shape[1], r).transpose(0, 2, 1)
-    return np.ascontiguousarray(p).reshape(n, half), np.ascontiguousarray(s).reshape(scale.shape)
+    s = scale.reshape(-1, scale.shape[1], r).transpose(0, 2, 1)
+    return _rows16_undone(packed, 16), np.ascontiguousarray(s).reshape(scale.shape)
+
+
+def q8_interleave(w: np.ndarray) -> np.ndarray:
+    """int8 weights ``[N, K]`` (N a multiple of 16, K of 32) -> the same shape
+    interleaved: per group of 16 rows, per block of 32 weights, 512 bytes
+    ``[d][row][4]`` (weights 4d..4d+3 of each row's block)."""
+    return _rows16(w, 32)
+
+
+def q8_deinterleave(w: np.ndarray) -> np.ndarray:
+    """``q8_interleave`` undone (a copy)."""
+    return _rows16_undone(w, 32)
 
 
 def is_nhwc(attrs: dict) -> bool:

@@ -38,8 +38,8 @@ class Backend:
     # Graph passes the packager runs when this backend is a target's first choice
     # (each pass's module says why, with its measurement): Winograd convs, channels-
     # last regions, GEMM weight panels, banded pointwise-depthwise-pointwise chains,
-    # int8 activations for int8 convs (packager/act_quant.py), int4 weights interleaved
-    # by rows for the int8-activation linears (packager/layout.py interleave_q4).
+    # int8 activations for int8 convs (packager/act_quant.py), int4 and int8 weights
+    # interleaved by rows for the int8-activation linears (packager/layout.py interleave_rows).
     passes: tuple[str, ...] = ()
 
 

@@ -172,35 +172,60 @@ def pack_panels(g: Graph) -> int:
     return changed
 
 
-def interleave_q4(g: Graph) -> int:
-    """Store the int4 weights and scales of each linear with int8 activations (``xq``)
-    and N a multiple of 16 interleaved by 16 output rows (kernels/layout.py
-    q4_interleave; attribute ``interleave``); returns how many nodes changed.
+def rows16_fit(g: Graph, node: Node) -> bool:
+    """Whether a linear's constant int4 or int8 weights can be interleaved by 16 rows:
+    N a multiple of 16 (and K of 32 for int8, whose blocks are not padded)."""
+    w = node.input("w")
+    if w not in g.consts or g.wtype(w) not in ("i4", "i8"):
+        return False
+    n, k = g.consts[w].shape[:2]
+    return n % L.Q4_INTERLEAVE == 0 and (g.wtype(w) == "i4" or k % 32 == 0)
+
+
+def interleave_rows(g: Graph) -> int:
+    """Store the int4 and int8 weights of each linear with int8 activations (``xq``)
+    that ``rows16_fit`` interleaved by 16 output rows (kernels/layout.py q4_interleave,
+    q8_interleave; attribute ``interleave``), and point an ``embed`` reading the same
+    int8 table (a tied output projection) at the interleaved copy; returns how many
+    linears changed.
 
     Why: with each output row in a vector lane of its own, the integer dot products of
     16 rows take one instruction per 4 weights and their float part one multiply-add
-    per block for the 16 rows (kernels/cpu/q4x16.py). SmolLM2-135M's int4 linears, 2
-    threads on a 2-core Zen 4, 8 rows of x: 3072x576 159 -> 57 us, 576x1536 99 -> 44,
-    576x576 55 -> 23; one row 34 -> 13, 18 -> 10, 11 -> 7 (against qdot.py's GEMV on
-    canonical weights). The new constants keep their shapes and bytes, reordered, under
-    new names, so a graph built from the same weights gets the same ones."""
-    changed, replaced = 0, set()
+    per block for the 16 rows (kernels/cpu/q4x16.py, q8x16.py). SmolLM2-135M's int4
+    linears, 2 threads on a 2-core Zen 4, 8 rows of x: 3072x576 159 -> 57 us, 576x1536
+    99 -> 44, 576x576 55 -> 23; one row 34 -> 13, 18 -> 10, 11 -> 7 (against qdot.py's
+    GEMV on canonical weights); its int8 output projection (49152x576), 8 rows: 2.69 ->
+    0.96 ms (against gemv.py's, weights widened to float). The new constants keep their
+    shapes and bytes, reordered, under new names, so a graph built from the same
+    weights gets the same ones; int8 scales are per row and stay."""
+    changed, replaced, tables = 0, set(), {}
     for node in g.nodes:
         if node.op != "linear" or not node.attrs.get("xq") or node.attrs.get("interleave"):
             continue
-        w, s = node.input("w"), node.input("scale")
-        if g.wtype(w) != "i4" or w not in g.consts or g.consts[w].shape[0] % L.Q4_INTERLEAVE:
+        if not rows16_fit(g, node):
             continue
-        wi, si = w + ".x16", s + ".x16"
-        if wi not in g.consts:
-            packed, scale = L.q4_interleave(g.consts[w], g.consts[s])
-            g.set_const(wi, packed, "i4")
-            g.set_const(si, scale, g.wtype(s))
+        w, s = node.input("w"), node.input("scale")
+        wi = w + ".x16"
+        if g.wtype(w) == "i4":
+            si = s + ".x16"
+            if wi not in g.consts:
+                packed, scale = L.q4_interleave(g.consts[w], g.consts[s])
+                g.set_const(wi, packed, "i4")
+                g.set_const(si, scale, g.wtype(s))
+            node.set_input("scale", si)
+            replaced.add(s)
+        else:
+            if wi not in g.consts:
+                g.set_const(wi, L.q8_interleave(g.consts[w]), "i8")
+            tables[w] = wi
         node.set_input("w", wi)
-        node.set_input("scale", si)
         node.attrs = {**node.attrs, "interleave": L.Q4_INTERLEAVE}
-        replaced |= {w, s}
+        replaced.add(w)
         changed += 1
+    for node in g.nodes:  # a tied table: the embed reads the interleaved copy
+        if node.op == "embed" and node.input("w") in tables:
+            node.set_input("w", tables[node.input("w")])
+            node.attrs = {**node.attrs, "interleave": L.Q4_INTERLEAVE}
     # the canonical copies nothing reads now go (not remove_dead: a decoder graph's
     # KV-cache stores are nobody's inputs)
     for old in replaced - {i for n in g.nodes for i in n.inputs}:

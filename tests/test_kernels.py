@@ -315,9 +315,10 @@ def linear_case(
     xq: int = 0,
     interleave: bool = False,
 ) -> Case:
-    """``xq``: int8 activations in blocks of xq (int4 weights only: the kernels with
-    integer products; the others decline the attribute); ``interleave``: the int4
-    weights stored interleaved by 16 rows as packager/layout.py interleave_q4 does."""
+    """``xq``: int8 activations in blocks of xq (int4 weights, and int8 ones interleaved:
+    the kernels with integer products; the others decline the attribute);
+    ``interleave``: the weights stored interleaved by 16 rows as packager/layout.py
+    interleave_rows does (int8 too where K is a multiple of 32)."""
 
     def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
         k = xshape[-1]
@@ -332,9 +333,13 @@ def linear_case(
         if interleave and dt == "i4":
             wq, scale = layout.q4_interleave(wq, scale)
             attrs["interleave"] = layout.Q4_INTERLEAVE
+        elif interleave and dt == "i8" and k % 32 == 0:  # whole blocks only
+            wq = layout.q8_interleave(wq)
+            attrs["interleave"] = layout.Q4_INTERLEAVE
         return [x, wq, b, scale], attrs | ({"xq": xq} if xq else {})
 
-    only = {"dtypes": ("i4",), "backends": ("cpu",)} if xq else {}
+    i8 = ("i8",) if interleave and xshape[-1] % 32 == 0 else ()
+    only = {"dtypes": ("i4", *i8), "backends": ("cpu",)} if xq else {}
     return Case(name, make, const=(1, 2, 3), **only)
 
 
@@ -749,8 +754,9 @@ CASES: dict[str, list[Case]] = {
         linear_case("xq_m40_k128_n9_relu", (40, 128), 9, act="relu", xq=32),
         linear_case("xq_x3d_nobias", (2, 3, 70), 6, bias=False, xq=32),
         linear_case("xq_special", (2, 64), 5, special=True, xq=32),
-        # the same on weights interleaved by 16 rows (q4x16.gemm_q4x16_q8): tiles of 4,
-        # 3, 2 and 1 rows, one block, K inside a block, rows past the float GEMV's
+        # the same on weights interleaved by 16 rows (q4x16.gemm_q4x16_q8; int8 where K
+        # is whole blocks, q8x16.gemm_q8x16_q8): tiles of 4, 3, 2 and 1 rows, one block,
+        # K inside a block, rows past the float GEMV's
         linear_case("xq16_m1_k64_n16", (1, 64), 16, xq=32, interleave=True),
         linear_case("xq16_m7_k96_n32", (7, 96), 32, xq=32, interleave=True),
         linear_case("xq16_m6_k20_n16", (6, 20), 16, xq=32, interleave=True),
@@ -1160,14 +1166,22 @@ def rope_case(name: str, t: int, heads: int, extra: int, hd: int, half: int,
     return Case(name, make, const=(2, 3), inplace=inplace)
 
 
-def embed_case(name: str, v: int, d: int, ids_shape, mul: float | None = None) -> Case:
+def embed_case(name: str, v: int, d: int, ids_shape, mul: float | None = None,
+               interleave: bool = False) -> Case:  # fmt: skip
+    """``interleave``: an int8 table stored interleaved by 16 rows, as a tied output
+    projection with int8 activations has it (packager/layout.py interleave_rows)."""
+
     def make(rng, dt):
         w, scale = _store_weight(_randn(rng, v, d), dt)
         ids = rng.integers(0, v, ids_shape).astype(np.int32)
         ids.reshape(-1)[:2] = (0, v - 1)  # the first and last rows
-        return [ids, w, scale], ({} if mul is None else {"mul": mul})
+        attrs = {} if mul is None else {"mul": mul}
+        if interleave:
+            w, attrs["interleave"] = layout.q8_interleave(w), layout.Q4_INTERLEAVE
+        return [ids, w, scale], attrs
 
-    return Case(name, make, const=(1, 2))
+    only = {"dtypes": ("i8",), "backends": ("cpu",)} if interleave else {}
+    return Case(name, make, const=(1, 2), **only)
 
 
 def attention_case(name: str, rows, cache=F32, h=6, hkv=2, d=16, ctx=24, window=0,
@@ -1214,6 +1228,7 @@ CASES.update({
     "embed": [
         embed_case("rows", 50, 24, (7,)),
         embed_case("rows_2d_mul", 30, 16, (2, 3), mul=4.0),
+        embed_case("rows_x16", 48, 64, (9,), interleave=True),
     ],
     "attention": [
         attention_case("prefill_chunk", _CHUNK),

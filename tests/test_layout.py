@@ -221,3 +221,19 @@ def test_int4_rows_interleaved_by_16_hold_the_canonical_bytes():
         assert np.array_equal(back_w, packed) and np.array_equal(back_s, scale)
     with pytest.raises(ValueError, match="N % 16"):
         L.q4_interleave(packed[:40], scale[:40])
+
+
+def test_int8_rows_interleaved_by_16_hold_the_canonical_bytes():
+    """kernels/layout.py q8_interleave: per group of 16 rows and block of 32 weights, run
+    d's 64 bytes hold weights 4d..4d+3 of each row (8 runs a block); undone exactly;
+    K must be whole blocks (int8 rows are not padded)."""
+    rng = np.random.default_rng(4)
+    w = rng.integers(-127, 128, (48, 96)).astype(np.int8)
+    wi = L.q8_interleave(w)
+    assert wi.shape == w.shape and wi.dtype == np.int8
+    g, b, d, r = 1, 2, 6, 11
+    at = ((g * 3 + b) * 8 + d) * 64 + r * 4
+    assert bytes(wi.reshape(-1)[at : at + 4]) == bytes(w[16 * g + r, 32 * b + 4 * d :][:4])
+    assert np.array_equal(L.q8_deinterleave(wi), w)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        L.q8_interleave(w[:, :40])

@@ -1,6 +1,7 @@
-"""The int8-activation int4 kernels (kernels/cpu/qdot.py on canonical weights,
-kernels/cpu/q4x16.py on weights interleaved by 16 rows) in every instruction family the
-host can run: the same bits from each, and the reference's values.
+"""The int8-activation kernels (int4: kernels/cpu/qdot.py on canonical weights,
+kernels/cpu/q4x16.py on weights interleaved by 16 rows; int8: kernels/cpu/q8x16.py) in
+every instruction family the host can run: the same bits from each, and the
+reference's values.
 
 The family is chosen when the kernel is compiled, from the CPU features (an AOT
 target's, or the JIT host's); EDGEPACK_DOT_FEATURES names a subset of the host's so
@@ -35,15 +36,16 @@ FAMILIES = {
 
 RUN = r"""
 import sys, numpy as np
-from edgepack.kernels.cpu import q4x16, qdot
+from edgepack.kernels.cpu import q4x16, q8x16, qdot
 from edgepack.kernels.cpu.abi import xq_scratch_layout, xq_scratch_views
-for kern, tag in ((qdot.gemv_q4_q8, ""), (q4x16.gemm_q4x16_q8, "16")):
+for kern, tag in ((qdot.gemv_q4_q8, ""), (q4x16.gemm_q4x16_q8, "16"), (q8x16.gemm_q8x16_q8, "8")):
     x, w, s, b = (np.load(sys.argv[1] + f"/{n}{tag}.npy") for n in ("x", "w", "s", "b"))
     for a in (x, w, s, b):
         a.flags.writeable = False
     y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    xq, nc, sx = xq_scratch_views(np.zeros(xq_scratch_layout(x.shape[0], w.shape[1] * 2)[1],
-                                           np.uint8), x.shape[0], w.shape[1] * 2)
+    k = w.shape[1] * (1 if w.dtype == np.int8 else 2)
+    xq, nc, sx = xq_scratch_views(np.zeros(xq_scratch_layout(x.shape[0], k)[1], np.uint8),
+                                  x.shape[0], k)
     kern(x, w, s, b, y, xq, nc, sx, 1, 1, 0.0, 0.0)  # bias, relu
     np.save(sys.argv[1] + f"/y{tag}.npy", y)
 """
@@ -82,20 +84,35 @@ def test_every_family_gives_the_same_bits_and_the_reference(tmp_path):
         np.save(tmp_path / f"{name}.npy", a)
     a16 = {**attrs, "wshape": [n16, k16], "interleave": layout.Q4_INTERLEAVE}
     want16 = REFERENCE["linear"](node_weights("i4", [x16, w16, b16, s16], "linear", a16), a16)
+    # int8 x int8 on rows interleaved by 16 (q8x16.py): 2 groups, 7 rows of x (tiles of
+    # 4 and 3), extreme codes (-127 and 127: the VNNI path's w + 128 reaches 255)
+    n8, k8, m8 = 32, 160, 7
+    wf8 = (rng.standard_normal((n8, k8)) / np.sqrt(k8)).astype(np.float32)
+    wf8[0, :40] = np.float32(10)
+    wf8[1, :40] = np.float32(-10)
+    w8, s8 = wtypes.QUANTIZE["i8"](wf8, 32)
+    x8 = rng.standard_normal((m8, k8)).astype(np.float32)
+    x8[2, 32:64] = 0
+    b8 = rng.standard_normal(n8).astype(np.float32)
+    for name, a in {"x8": x8, "w8": layout.q8_interleave(w8), "s8": s8, "b8": b8}.items():
+        np.save(tmp_path / f"{name}.npy", a)
+    a8 = {**attrs, "wshape": [n8, k8], "interleave": layout.Q4_INTERLEAVE}
+    want8 = REFERENCE["linear"](node_weights("i8", [x8, layout.q8_interleave(w8), b8, s8],
+                                             "linear", a8), a8)  # fmt: skip
     got = {}
     for fam in _runnable():
         env = dict(os.environ, EDGEPACK_DOT_FEATURES=FAMILIES[fam],
                    NUMBA_CACHE_DIR=str(tmp_path / f"cache-{fam}"))  # fmt: skip
         subprocess.run([sys.executable, "-c", RUN, str(tmp_path)], env=env, check=True,
                        timeout=600)  # fmt: skip
-        got[fam] = np.load(tmp_path / "y.npy"), np.load(tmp_path / "y16.npy")
-        np.testing.assert_allclose(got[fam][0], want, rtol=1e-4, atol=1e-5, err_msg=fam)
-        np.testing.assert_allclose(got[fam][1], want16, rtol=1e-4, atol=1e-5, err_msg=fam)
+        got[fam] = tuple(np.load(tmp_path / f"y{tag}.npy") for tag in ("", "16", "8"))
+        for y, w_ in zip(got[fam], (want, want16, want8)):
+            np.testing.assert_allclose(y, w_, rtol=1e-4, atol=1e-5, err_msg=fam)
     assert "generic" in got and len(got) >= 2, got.keys()
     first = next(iter(got.values()))
-    for fam, (y, y16) in got.items():
-        assert np.array_equal(y, first[0]), f"{fam} differs from {next(iter(got))}"
-        assert np.array_equal(y16, first[1]), f"{fam} differs from {next(iter(got))} (x16)"
+    for fam, ys in got.items():
+        for y, y0, what in zip(ys, first, ("qdot", "q4x16", "q8x16")):
+            assert np.array_equal(y, y0), f"{fam} differs from {next(iter(got))} ({what})"
 
 
 def test_join_concatenates_two_and_four_parts():

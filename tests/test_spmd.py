@@ -32,9 +32,9 @@ def _pool(threads: int) -> KernelPool:
 
 
 def _parallel_kernels():
-    from edgepack.kernels.cpu import gemm_tiles, gemv, nhwc, q4x16, qdot
+    from edgepack.kernels.cpu import gemm_tiles, gemv, nhwc, q4x16, q8x16, qdot
 
-    for mod in (cpu_kernels, nhwc, cpu_llm, qdot, q4x16, gemv, gemm_tiles):
+    for mod in (cpu_kernels, nhwc, cpu_llm, qdot, q4x16, q8x16, gemv, gemm_tiles):
         for name in dir(mod):
             f = getattr(mod, name)
             parallel = getattr(f, "targetoptions", {}).get("parallel")

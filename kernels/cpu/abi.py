@@ -109,6 +109,11 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             for name, src in (("gemv_q4_q8", "qdot.gemv_q4_q8"),
                               ("gemm_q4x16_q8", "q4x16.gemm_q4x16_q8"))
         },  # fmt: skip
+        "gemm_q8x16_q8": (  # int8 x int8, rows interleaved (q8x16.py)
+            "q8x16.gemm_q8x16_q8",
+            v(arr(f4, 2, ro=True), arr(i1, 2, ro=True), arr(f4, 1, ro=True), w1, arr(f4, 2),
+              arr(i1, 2), arr(T.int32, 2), arr(f4, 2), i8, i8, f4, f4),
+        ),
         "maxpool": ("maxpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "avgpool": ("avgpool", v(arr(f4, 3), arr(f4, 3), *([i8] * 9))),
         "global_avgpool": ("global_avgpool", v(arr(f4, 2), arr(f4, 1))),
@@ -168,7 +173,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
     })  # fmt: skip
     for name, wdt in (("f32", f4), ("i8", i1)):
         sigs[f"embed_rows_{name}"] = (
-            "llm.embed_rows", v(ids, arr(wdt, 2, ro=True), w1, f2w, f8, b1)
+            "llm.embed_rows", v(ids, arr(wdt, 2, ro=True), w1, f2w, f8, b1, b1)
         )
     sigs["embed_rows_half"] = (  # fp16 / bfloat16 tables: their bits
         "llm.embed_rows_half", v(ids, arr(u2, 2, ro=True), f2w, arr(u4, 2), f8, b1)

@@ -1314,8 +1314,43 @@ _cpu("qconv", _bind_qconv, ("i8",), _qconv_scratch)
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
 _cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
 # float activations only: a node with xq (int8 activations) falls to a kernel that has them
-_cpu("linear", _bind_linear, _ALL_W, _linear_scratch, lambda a: not a.get("xq"),
-     _linear_variant)  # fmt: skip
+_cpu("linear", _bind_linear, tuple(t for t in _ALL_W if t != "i8"), _linear_scratch,
+     lambda a: not a.get("xq"), _linear_variant)  # fmt: skip
+
+
+# int8 weights: as the others, or with int8 activations (xq) on weights the packager
+# interleaved by 16 rows (q8x16.py; packager/layout.py interleave_rows)
+def _i8_linear_variant(ins, outs, attrs) -> str:
+    return "gemm_q8x16_q8" if attrs.get("xq") else _linear_variant(ins, outs, attrs)
+
+
+def _i8_linear_scratch(ins, outs, attrs) -> int:
+    if attrs.get("xq"):
+        return xq_scratch_layout(_q4_rows(ins[0][0]), ins[1][0][1])[1]
+    return _linear_scratch(ins, outs, attrs)
+
+
+def _bind_i8_linear(ins, outs, scratch, attrs) -> Bound:
+    if not attrs.get("xq"):
+        return _bind_linear(ins, outs, scratch, attrs)
+    io = _args("linear", ins)
+    x2 = _readonly(io.x.reshape(-1, io.x.shape[-1]))
+    y2 = outs[0].reshape(-1, io.w.shape[0])
+    xq, nc, sx = xq_scratch_views(scratch, x2.shape[0], io.w.shape[1])
+    b_ = io.bias if io.bias is not None else _DUMMY1
+    args = (x2, io.w, io.scale, b_, y2, xq, nc, sx, _flags(io.bias, None, None), *_act(attrs))
+    kern, args = _bound(K.gemm_q8x16_q8, args)
+    return lambda: kern(*args)
+
+
+def _i8_linear_takes(attrs: dict) -> bool:
+    return not attrs.get("xq") or (
+        attrs["xq"] == XQ_BLOCK and attrs.get("interleave") == layout.Q4_INTERLEAVE
+    )
+
+
+_cpu("linear", _bind_i8_linear, ("i8",), _i8_linear_scratch, _i8_linear_takes,
+     _i8_linear_variant)  # fmt: skip
 _cpu("matmul", _bind_matmul)
 _cpu("binary", _bind_binary)
 _cpu("unary", _bind_unary)
@@ -1481,7 +1516,8 @@ def _bind_embed(ins, outs, scratch, attrs) -> Bound:
         kern, args = _bound(K.embed_rows_half, call)
         return lambda: kern(*args)
     scale = io.scale if io.scale is not None else _DUMMY1
-    kern, args = _bound(K.embed_rows, (ids, io.w, scale, y, mul, io.scale is not None))
+    x16 = bool(attrs.get("interleave"))  # a tied int8 table the output projection reads
+    kern, args = _bound(K.embed_rows, (ids, io.w, scale, y, mul, io.scale is not None, x16))
     return lambda: kern(*args)
 
 

@@ -168,15 +168,25 @@ def glu_rows(x, y, act):
 
 
 @njit(cache=True)
-def embed_rows(ids, w, scale, y, mul, has_scale):
-    """y[t] = w[ids[t]] (* scale[ids[t]]) * mul, float32 or int8 tables."""
+def embed_rows(ids, w, scale, y, mul, has_scale, x16):
+    """y[t] = w[ids[t]] (* scale[ids[t]]) * mul, float32 or int8 tables; ``x16``: the
+    int8 table interleaved by 16 rows (kernels/layout.py q8_interleave: row r's weights
+    4d..4d+3 of block b at ((r // 16 * blocks + b) * 8 + d) * 64 + r % 16 * 4)."""
+    d_ = w.shape[1]
+    flat = w.reshape(-1)
     for t in range(ids.shape[0]):
         r = ids[t]
         if r < 0 or r >= w.shape[0]:
             raise IndexError("embed: a token id outside the embedding table")
         s = np.float64(scale[r]) if has_scale else 1.0
-        for i in range(w.shape[1]):
-            y[t, i] = np.float64(np.float32(np.float32(w[r, i]) * np.float32(s))) * mul
+        if x16:
+            base = r // 16 * 16 * d_ + r % 16 * 4
+            for i in range(d_):
+                o = base + (i >> 2) * 64 + (i & 3)  # block b, run d: i >> 2 = 8b + d
+                y[t, i] = np.float64(np.float32(np.float32(flat[o]) * np.float32(s))) * mul
+        else:
+            for i in range(d_):
+                y[t, i] = np.float64(np.float32(np.float32(w[r, i]) * np.float32(s))) * mul
 
 
 

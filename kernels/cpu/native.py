@@ -86,7 +86,7 @@ def load_kernels() -> SimpleNamespace:
 def _jit_namespace() -> SimpleNamespace:
     # How idle OpenMP and OpenBLAS threads wait is set in edgepack/__init__.py (both
     # read it when they load).
-    from . import gemm_tiles, gemv, q4x16, qdot, qgemm
+    from . import gemm_tiles, gemv, q4x16, q8x16, qdot, qgemm
     from . import kernels as cpu_numba
     from . import llm as cpu_llm
     from . import nhwc as cpu_nhwc
@@ -95,7 +95,7 @@ def _jit_namespace() -> SimpleNamespace:
     names.update({k: getattr(cpu_nhwc, k) for k in dir(cpu_nhwc) if k.endswith("_nhwc")})
     names.update({k: getattr(cpu_llm, k) for k in cpu_llm.KERNELS})
     names["gemv"], names["gemv_q4_q8"] = gemv.gemv, qdot.gemv_q4_q8
-    names["gemm_q4x16_q8"] = q4x16.gemm_q4x16_q8
+    names["gemm_q4x16_q8"], names["gemm_q8x16_q8"] = q4x16.gemm_q4x16_q8, q8x16.gemm_q8x16_q8
     names["gemm_u8s8"], names["quantize_pad_nhwc"] = qgemm.gemm_u8s8, qgemm.quantize_pad_nhwc
     shape = gemm_shape()
     for name in GEMM_TILE_KERNELS:

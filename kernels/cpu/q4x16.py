@@ -1,7 +1,7 @@
 """Int4 weights interleaved by 16 output rows against int8-quantized activations.
 
 The weights of a linear node with ``interleave = 16`` (packager/layout.py
-``interleave_q4``; the layout is kernels/layout.py ``q4_interleave``) are stored so
+``interleave_rows``; the layout is kernels/layout.py ``q4_interleave``) are stored so
 that one 64-byte load holds 4 bytes of each of 16 output rows: per group of 16 rows
 and block of 32 weights, 256 bytes ``[d][row][4]``, where a row's 4 bytes of run d
 hold its weights 4d..4d+3 (low nibbles) and 16+4d..16+4d+3 (high nibbles); the fp16
@@ -93,18 +93,19 @@ def _nibbles(high: bool):
 q4lo, q4hi = _nibbles(False), _nibbles(True)
 
 
+def isplat_ir(context, builder, sig, args):
+    """arr[idx] (int32, args of an (arr, idx) intrinsic) in every lane: the IR."""
+    p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+    v = builder.insert_element(ir.Constant(_vec(I32, LANES), ir.Undefined),
+                               builder.load(p), ir.Constant(I32, 0))  # fmt: skip
+    return builder.shuffle_vector(v, ir.Constant(_vec(I32, LANES), ir.Undefined),
+                                  _consts(I32, [0] * LANES))  # fmt: skip
+
+
 @intrinsic
 def isplat(typingctx, arr, idx):
     """arr[idx] (int32) in every lane."""
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        v = builder.insert_element(ir.Constant(_vec(I32, LANES), ir.Undefined),
-                                   builder.load(p), ir.Constant(I32, 0))  # fmt: skip
-        return builder.shuffle_vector(v, ir.Constant(_vec(I32, LANES), ir.Undefined),
-                                      _consts(I32, [0] * LANES))  # fmt: skip
-
-    return _SUMS(arr, idx), codegen
+    return _SUMS(arr, idx), isplat_ir
 
 
 @intrinsic
@@ -247,9 +248,10 @@ def _tile(w, wo, scale, so, xq, qo, kp2, nc, sx, co, cs, nb, gsh, rows):
 
 
 @njit(inline="always")
-def _quantize_row(x, xo, k_, xq, qo, nb, nc, sx, co):
+def _quantize_row(x, xo, k_, xq, qo, nb, nc, sx, co, off):
     """x's row at flat offset xo (k_ values) into nb int8 blocks of 32 at xq's offset qo
-    (zeros past k_), each block's -8 * code sum at nc[co + b] and scale at sx[co + b]."""
+    (zeros past k_), each block's ``off`` * code sum at nc[co + b] (off = minus the
+    weight codes' offset) and scale at sx[co + b]."""
     for b in range(nb):
         k0 = b * BLOCK
         kn = min(BLOCK, k_ - k0)
@@ -264,7 +266,7 @@ def _quantize_row(x, xo, k_, xq, qo, nb, nc, sx, co):
             q = min(max(q, np.float32(-127)), np.float32(127))
             sstore(xq, qo + k0 + j, np.int8(q))
             total += np.int32(q)
-        sstore(nc, co + b, np.int32(-8) * total)
+        sstore(nc, co + b, np.int32(off) * total)
         sstore(sx, co + b, d)
 
 
@@ -285,7 +287,7 @@ def gemm_q4x16_q8(x, w, scale, bias, y, xq, nc, sx, flags, act, a, b):
     kp2 = xq.shape[1]
     cs = nc.shape[1]
     for m in range(m_):
-        _quantize_row(x, m * k_, k_, xq, m * kp2, nb, nc, sx, m * cs)
+        _quantize_row(x, m * k_, k_, xq, m * kp2, nb, nc, sx, m * cs, -8)
     gsh = 0  # block b's scale is group b >> gsh (group sizes are 32 * 2**gsh)
     while BLOCK << gsh < kp // gs:
         gsh += 1

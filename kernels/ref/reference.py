@@ -54,12 +54,17 @@ def _i4_in_node_layout(w: Array, scale: Array | None, op: str, attrs: dict):
 _TO_NODE_WEIGHTS = {
     "bf16": lambda w, s, op, attrs: (bf16_to_f32(w), s),
     "i4": _i4_in_node_layout,
+    # rows side by side for the cpu kernel (a linear with int8 activations, and the embed
+    # reading the same table): canonical again, still int8
+    "i8": lambda w, s, op, attrs: (
+        layout.q8_deinterleave(np.asarray(w)) if attrs.get("interleave") else w, s
+    ),
 }
 
 
 def node_weights(dt: str, inputs: Sequence[Array | None], op: str, attrs: dict) -> list:
     """``inputs`` of a weight op whose weight is of type ``dt``, with the weight in a form
-    the reference reads (float32 for bf16 and int4)."""
+    the reference reads (float32 for bf16 and int4; canonical int8 rows)."""
     io = args(op, inputs)
     out = list(io)
     if dt in _TO_NODE_WEIGHTS:

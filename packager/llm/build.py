@@ -27,7 +27,7 @@ from ...runtime.errortable import format_error_table
 from ...runtime.text import TOKENIZER
 from ..build import BuildResult, build_info
 from ..ir import Graph, PackError
-from ..layout import interleave_q4
+from ..layout import interleave_rows, rows16_fit
 from ..manifest import make_manifest
 from ..plan import plan_memory, tensor_bytes
 from ..quantize import quantize_graph
@@ -167,14 +167,20 @@ def build_llm(
         for k, rows in (("prefill", chunk), ("decode", slots),
                         *((f"decode{r}", r) for r in few))
     }  # fmt: skip
-    xq = _int8_activations(act_quant, backends, cpu_features) and "int4" in (quant, quant_embed)
+    integer = {"int4", "int8"} & {quant, quant_embed or quant}
+    xq = bool(integer) and _int8_activations(act_quant, backends, cpu_features)
+    rows16 = xq and registry.wants(backends, "interleave")
     if xq:
+        # int8 activations on the int4 linears, and on the int8 ones where their
+        # kernel (q8x16.py) takes them: weights interleaved by 16 rows, so only where
+        # the backend interleaves and the shapes allow it
         for g in graphs.values():
             for n in g.nodes:
-                if n.op == "linear" and g.wtype(n.input("w")) == "i4":
+                wt = g.wtype(n.input("w")) if n.op == "linear" else None
+                if wt == "i4" or (wt == "i8" and rows16 and rows16_fit(g, n)):
                     n.attrs["xq"] = XQ_BLOCK
-            if registry.wants(backends, "interleave"):
-                interleave_q4(g)
+            if rows16:
+                interleave_rows(g)
     g0 = graphs["decode"]
     if tokenizer is not None:  # no node reads it; mapped and checksummed with the weights
         g0.consts[TOKENIZER] = np.frombuffer(tokenizer, np.uint8)
