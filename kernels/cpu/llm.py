@@ -1,15 +1,12 @@
 """CPU kernels of the decoder-LLM ops (references: kernels/ref/llm.py).
 
 Plain numba loops in a fixed order (no fastmath), so the JIT and AOT builds and every
-CPU give the same bits. Attention scores accumulate in float64, as the references do;
-norm rows sum in 8-lane float32 vectors, in a fixed order too (``norm_rows``). fp16
-KV caches are held as their uint16 bits (numba has no CPU float16): keys and values
-are rounded to half on the way in (``f32_bits_to_half``, round to nearest even, as
-NumPy's cast) and widened exactly on the way out (``half_to_f32``).
-
-Not yet fast: the attention's dot products over a head are scalar chains (a float
-reduction does not vectorise without reassociation); the explicit-SIMD layer is the
-next step (issue 17's decode budget).
+CPU give the same bits. Norm rows sum in 8-lane float32 vectors, in a fixed order
+(``norm_rows``). The attention runs on 8 fixed lanes too (``simd.Ops(8)``: float32
+scores and sums, the same on every CPU; how it spends its time is in
+docs/cpu-kernels.md). fp16 KV caches are held as their uint16 bits (numba has no CPU
+float16): keys and values are rounded to half on the way in (round to nearest even, as
+NumPy's cast) and widened exactly on the way out.
 """
 
 from __future__ import annotations
@@ -26,9 +23,11 @@ from .simd import Ops, prefetch
 
 _V8 = Ops(8)  # eight lanes on every CPU (AVX-512 uses ymm, NEON two q registers)
 vload, vloadh, vstore, vfma, vsum = _V8.vload, _V8.vloadh, _V8.vstore, _V8.vfma, _V8.vsum
+vstoreh = _V8.vstoreh
 vzero, vsplat, vadd, vsub = _V8.vzero, _V8.vsplat, _V8.vadd, _V8.vsub
 vmul, vmax = _V8.vmul, _V8.vmax
 vrint, vpow2i, vkeep_n, vsum_tree = _V8.vrint, _V8.vpow2i, _V8.vkeep_n, _V8.vsum_tree
+vsum_trees = _V8.vsum_trees
 vload_n, vstore_n = _V8.vload_n, _V8.vstore_n
 
 # exp on vectors (attention's softmax), as kernels/activations.py EXP_* describe. The
@@ -259,6 +258,85 @@ def _score_out(a, sc, i, scale, cap, top):
 
 
 @njit(inline="always")
+def _scores(qkv, qo, hd, kc, row, step, lo, p, sc, so, c, scale, cap, half, nh):
+    """Scores of ``nh`` (1 to 3, a constant) query heads at qkv's offsets qo, qo + hd,
+    qo + 2 hd against the cached keys of positions lo .. p into sc (head h's run at so +
+    h * c); each key row is widened once for the heads (vcvtph2ps had bound the loop:
+    8 a position and head). Four positions at a time: 4 x nh independent fma chains.
+    Each score is the sum of its own chain, as alone. Returns the heads' maxima."""
+    m0 = m1 = m2 = np.float32(-np.inf)
+    j = lo
+    while j + 3 <= p:
+        ko = (row + j * kc.shape[2]) * hd
+        for r in range(4):
+            prefetch(kc, ko + (PREFETCH_ROWS + r) * step)  # past the cache: dropped
+        a00, a01, a02, a03 = vzero(), vzero(), vzero(), vzero()
+        a10, a11, a12, a13 = vzero(), vzero(), vzero(), vzero()
+        a20, a21, a22, a23 = vzero(), vzero(), vzero(), vzero()
+        for i0 in range(0, hd, 8):
+            k0, k1 = _kv8(kc, ko + i0, half), _kv8(kc, ko + step + i0, half)
+            k2, k3 = _kv8(kc, ko + 2 * step + i0, half), _kv8(kc, ko + 3 * step + i0, half)
+            q = vload(qkv, qo + i0)
+            a00, a01 = vfma(q, k0, a00), vfma(q, k1, a01)
+            a02, a03 = vfma(q, k2, a02), vfma(q, k3, a03)
+            if nh > 1:
+                q = vload(qkv, qo + hd + i0)
+                a10, a11 = vfma(q, k0, a10), vfma(q, k1, a11)
+                a12, a13 = vfma(q, k2, a12), vfma(q, k3, a13)
+            if nh > 2:
+                q = vload(qkv, qo + 2 * hd + i0)
+                a20, a21 = vfma(q, k0, a20), vfma(q, k1, a21)
+                a22, a23 = vfma(q, k2, a22), vfma(q, k3, a23)
+        m0 = _score_out(a00, sc, so + j, scale, cap, m0)
+        m0 = _score_out(a01, sc, so + j + 1, scale, cap, m0)
+        m0 = _score_out(a02, sc, so + j + 2, scale, cap, m0)
+        m0 = _score_out(a03, sc, so + j + 3, scale, cap, m0)
+        if nh > 1:
+            m1 = _score_out(a10, sc, so + c + j, scale, cap, m1)
+            m1 = _score_out(a11, sc, so + c + j + 1, scale, cap, m1)
+            m1 = _score_out(a12, sc, so + c + j + 2, scale, cap, m1)
+            m1 = _score_out(a13, sc, so + c + j + 3, scale, cap, m1)
+        if nh > 2:
+            m2 = _score_out(a20, sc, so + 2 * c + j, scale, cap, m2)
+            m2 = _score_out(a21, sc, so + 2 * c + j + 1, scale, cap, m2)
+            m2 = _score_out(a22, sc, so + 2 * c + j + 2, scale, cap, m2)
+            m2 = _score_out(a23, sc, so + 2 * c + j + 3, scale, cap, m2)
+        j += 4
+    while j <= p:
+        ko = (row + j * kc.shape[2]) * hd
+        prefetch(kc, ko + PREFETCH_ROWS * step)
+        a00, a10, a20 = vzero(), vzero(), vzero()
+        for i0 in range(0, hd, 8):
+            k0 = _kv8(kc, ko + i0, half)
+            a00 = vfma(vload(qkv, qo + i0), k0, a00)
+            if nh > 1:
+                a10 = vfma(vload(qkv, qo + hd + i0), k0, a10)
+            if nh > 2:
+                a20 = vfma(vload(qkv, qo + 2 * hd + i0), k0, a20)
+        m0 = _score_out(a00, sc, so + j, scale, cap, m0)
+        if nh > 1:
+            m1 = _score_out(a10, sc, so + c + j, scale, cap, m1)
+        if nh > 2:
+            m2 = _score_out(a20, sc, so + 2 * c + j, scale, cap, m2)
+        j += 1
+    return m0, m1, m2
+
+
+@njit(inline="always")
+def _softmax(sc, base, n, top):
+    """sc[base .. base + n - 1] = softmax of the scores there (their maximum: top)."""
+    tops = vsplat(top)
+    tot = vzero()
+    for j0 in range(0, n, 8):
+        e = vkeep_n(vexp(vsub(vload_n(sc, base + j0, n - j0), tops)), n - j0)
+        vstore_n(sc, base + j0, e, n - j0)
+        tot = vadd(tot, e)
+    inv = vsplat(np.float32(1.0) / vsum_tree(tot))
+    for j0 in range(0, n, 8):  # 8 at a time: the scalar loop had been a third of it
+        vstore_n(sc, base + j0, vmul(vload_n(sc, base + j0, n - j0), inv), n - j0)
+
+
+@njit(inline="always")
 def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, scale, cap, half):
     """Row t's query heads kh * group .. kh * group + group - 1 (the ones kv head kh
     serves) over positions lo .. p of slot s, on 8-lane vectors: scores into sc (float32,
@@ -268,57 +346,39 @@ def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, sca
     c = kc.shape[1]
     row = (s * c) * kc.shape[2] + kh
     step = kc.shape[2] * hd  # flat distance between positions
-    for g in range(group):
-        qo = t * qkv.shape[1] + (kh * group + g) * hd
-        top = np.float32(-np.inf)
-        so = g * c - lo
-        j = lo
-        # four positions at a time: four independent fma chains (one was latency-bound,
-        # 8 dependent fmas a position); each position's sums are the same as alone
-        while j + 3 <= p:
-            ko = (row + j * kc.shape[2]) * hd
-            for r in range(4):
-                prefetch(kc, ko + (PREFETCH_ROWS + r) * step)  # past the cache: dropped
-            a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-            for i0 in range(0, hd, 8):
-                qv = vload(qkv, qo + i0)
-                a0 = vfma(qv, _kv8(kc, ko + i0, half), a0)
-                a1 = vfma(qv, _kv8(kc, ko + step + i0, half), a1)
-                a2 = vfma(qv, _kv8(kc, ko + 2 * step + i0, half), a2)
-                a3 = vfma(qv, _kv8(kc, ko + 3 * step + i0, half), a3)
-            top = _score_out(a0, sc, so + j, scale, cap, top)
-            top = _score_out(a1, sc, so + j + 1, scale, cap, top)
-            top = _score_out(a2, sc, so + j + 2, scale, cap, top)
-            top = _score_out(a3, sc, so + j + 3, scale, cap, top)
-            j += 4
-        while j <= p:
-            ko = (row + j * kc.shape[2]) * hd
-            prefetch(kc, ko + PREFETCH_ROWS * step)
-            a = vzero()
-            for i0 in range(0, hd, 8):
-                a = vfma(vload(qkv, qo + i0), _kv8(kc, ko + i0, half), a)
-            top = _score_out(a, sc, so + j, scale, cap, top)
-            j += 1
-        tops = vsplat(top)
-        tot = vzero()
-        base = g * c
-        for j0 in range(0, n, 8):
-            e = vkeep_n(vexp(vsub(vload_n(sc, base + j0, n - j0), tops)), n - j0)
-            vstore_n(sc, base + j0, e, n - j0)
-            tot = vadd(tot, e)
-        inv = np.float32(1.0) / vsum_tree(tot)
-        for j in range(n):
-            sc[base + j] *= inv
-        for i in range(hd):
-            acc[g * hd + i] = 0.0
-    if hd % 64 == 0:  # a head's 64-wide slices held in 8 registers over every position
-        # (8 independent chains; the sums in acc were a load and a store per fma), the
-        # group's heads one after the other: the same sums in the same order
-        for g in range(group):
-            oo = t * out.shape[1] + (kh * group + g) * hd
-            for i0 in range(0, hd, 64):
-                _weighted_sum64(vc, row, step, lo, p, sc, g * c - lo, out, oo + i0, i0, hd,
-                                half)  # fmt: skip
+    for g0 in range(0, group, 3):  # scores of up to 3 heads per pass over the keys
+        nh = min(3, group - g0)
+        qo = t * qkv.shape[1] + (kh * group + g0) * hd
+        if nh == 3:
+            t0, t1, t2 = _scores(qkv, qo, hd, kc, row, step, lo, p, sc, g0 * c - lo, c,
+                                 scale, cap, half, 3)  # fmt: skip
+        elif nh == 2:
+            t0, t1, t2 = _scores(qkv, qo, hd, kc, row, step, lo, p, sc, g0 * c - lo, c,
+                                 scale, cap, half, 2)  # fmt: skip
+        else:
+            t0, t1, t2 = _scores(qkv, qo, hd, kc, row, step, lo, p, sc, g0 * c - lo, c,
+                                 scale, cap, half, 1)  # fmt: skip
+        for g in range(g0, g0 + nh):
+            _softmax(sc, g * c, n, t0 if g == g0 else (t1 if g == g0 + 1 else t2))
+            for i in range(hd):
+                acc[g * hd + i] = 0.0
+    if hd % 32 == 0:  # 32-wide slices of up to 3 heads held in 12 registers over every
+        # position: each value slice widened once for the heads (8 vcvtph2ps a position
+        # and head had bound the loop) in 12 independent chains (the sums in acc were a
+        # load and a store per fma): the same sums in the same order
+        for g0 in range(0, group, 3):
+            nh = min(3, group - g0)
+            oo = t * out.shape[1] + (kh * group + g0) * hd
+            for i0 in range(0, hd, 32):
+                if nh == 3:
+                    _weighted_sums(vc, row, step, lo, p, sc, g0 * c - lo, c, out, oo + i0, i0,
+                                   hd, half, 3)  # fmt: skip
+                elif nh == 2:
+                    _weighted_sums(vc, row, step, lo, p, sc, g0 * c - lo, c, out, oo + i0, i0,
+                                   hd, half, 2)  # fmt: skip
+                else:
+                    _weighted_sums(vc, row, step, lo, p, sc, g0 * c - lo, c, out, oo + i0, i0,
+                                   hd, half, 1)  # fmt: skip
         return
     for j in range(lo, p + 1):
         vo_ = (row + j * vc.shape[2]) * hd
@@ -334,31 +394,34 @@ def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, sca
 
 
 @njit(inline="always")
-def _weighted_sum64(vc, row, step, lo, p, sc, so, out, oo, i0, hd, half):
-    """out[oo .. oo + 63] = sum over positions j = lo .. p of sc[so + j] times the cached
-    value row's slice i0 .. i0 + 63, in position order from zero (as the acc loop)."""
+def _weighted_sums(vc, row, step, lo, p, sc, so, c, out, oo, i0, hd, half, nh):
+    """For ``nh`` (1 to 3, a constant) heads h: out[oo + h * hd .. + 31] = the sum over
+    positions j = lo .. p of sc[so + h * c + j] times the cached value row's slice i0 ..
+    i0 + 31, in position order from zero (as the acc loop)."""
     a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-    a4, a5, a6, a7 = vzero(), vzero(), vzero(), vzero()
+    b0, b1, b2, b3 = vzero(), vzero(), vzero(), vzero()
+    d0, d1, d2, d3 = vzero(), vzero(), vzero(), vzero()
     for j in range(lo, p + 1):
         vo_ = (row + j * vc.shape[2]) * hd + i0
         prefetch(vc, vo_ + PREFETCH_ROWS * step)
-        w8 = vsplat(sc[so + j])
-        a0 = vfma(w8, _kv8(vc, vo_, half), a0)
-        a1 = vfma(w8, _kv8(vc, vo_ + 8, half), a1)
-        a2 = vfma(w8, _kv8(vc, vo_ + 16, half), a2)
-        a3 = vfma(w8, _kv8(vc, vo_ + 24, half), a3)
-        a4 = vfma(w8, _kv8(vc, vo_ + 32, half), a4)
-        a5 = vfma(w8, _kv8(vc, vo_ + 40, half), a5)
-        a6 = vfma(w8, _kv8(vc, vo_ + 48, half), a6)
-        a7 = vfma(w8, _kv8(vc, vo_ + 56, half), a7)
-    vstore(out, oo, a0)
-    vstore(out, oo + 8, a1)
-    vstore(out, oo + 16, a2)
-    vstore(out, oo + 24, a3)
-    vstore(out, oo + 32, a4)
-    vstore(out, oo + 40, a5)
-    vstore(out, oo + 48, a6)
-    vstore(out, oo + 56, a7)
+        v0, v1 = _kv8(vc, vo_, half), _kv8(vc, vo_ + 8, half)
+        v2, v3 = _kv8(vc, vo_ + 16, half), _kv8(vc, vo_ + 24, half)
+        w = vsplat(sc[so + j])
+        a0, a1, a2, a3 = vfma(w, v0, a0), vfma(w, v1, a1), vfma(w, v2, a2), vfma(w, v3, a3)
+        if nh > 1:
+            w = vsplat(sc[so + c + j])
+            b0, b1, b2, b3 = vfma(w, v0, b0), vfma(w, v1, b1), vfma(w, v2, b2), vfma(w, v3, b3)
+        if nh > 2:
+            w = vsplat(sc[so + 2 * c + j])
+            d0, d1, d2, d3 = vfma(w, v0, d0), vfma(w, v1, d1), vfma(w, v2, d2), vfma(w, v3, d3)
+    for h, (x0, x1, x2, x3) in enumerate(((a0, a1, a2, a3), (b0, b1, b2, b3),
+                                          (d0, d1, d2, d3))):  # fmt: skip
+        if h < nh:
+            o = oo + h * hd
+            vstore(out, o, x0)
+            vstore(out, o + 8, x1)
+            vstore(out, o + 16, x2)
+            vstore(out, o + 24, x3)
 
 
 @njit(inline="always")
@@ -406,12 +469,20 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
     for t in range(t_rows):  # every row checked before anything is stored
         if slot[t] >= kc.shape[0] or (slot[t] >= 0 and not 0 <= pos[t] < kc.shape[1]):
             raise IndexError("attention: a slot or position outside the KV cache")
+    w_ = kvh * hd  # a position's keys (values): one contiguous run of the cache
     for t in range(t_rows):
         s = slot[t]
         if s < 0:
             continue
         p = pos[t]
-        for j in range(kvh * hd):
+        co = (s * kc.shape[1] + p) * w_
+        if half and w_ % 8 == 0:  # 8 at a time in hardware: the scalar rounding had been
+            # 11 of 64 us of an 8-row SmolLM2 layer
+            for j in range(0, w_, 8):
+                vstoreh(kc, co + j, vload(qkv, t * qkv.shape[1] + ko + j))
+                vstoreh(vc, co + j, vload(qkv, t * qkv.shape[1] + vo + j))
+            continue
+        for j in range(w_):
             kh, i = j // hd, j % hd
             if half:
                 kc[s, p, kh, i] = f32_bits_to_half(qkv_bits[t, ko + j])
