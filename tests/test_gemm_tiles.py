@@ -210,25 +210,15 @@ def test_masked_vectors_touch_only_their_lanes(lanes):
 
 
 @pytest.mark.cpu
-def test_eight_lane_sums_and_halves_match_their_scalar_forms():
-    """simd.vsum_trees gives each vector's vsum_tree (the same adds, the same bits: the
-    attention's scores rely on it); simd.vstoreh rounds as the portable
-    f32_bits_to_half for every non-NaN value (the attention's fp16 KV cache)."""
+def test_vector_halves_round_as_the_portable_form():
+    """simd.vstoreh rounds as the portable f32_bits_to_half (and NumPy's cast) for every
+    non-NaN value: the attention's fp16 KV cache."""
     from edgepack.kernels import portable
     from edgepack.kernels.cpu.simd import Ops
     from numba import njit
 
     ops = Ops(8)
-    vload, vstore, vsum_trees, vsum_tree, vstoreh = (ops.vload, ops.vstore, ops.vsum_trees,
-                                                    ops.vsum_tree, ops.vstoreh)  # fmt: skip
-
-    @njit
-    def sums(a, out, one_by_one):
-        v0, v1, v2, v3 = vload(a, 0), vload(a, 8), vload(a, 16), vload(a, 24)
-        v4, v5, v6, v7 = vload(a, 32), vload(a, 40), vload(a, 48), vload(a, 56)
-        vstore(out, 0, vsum_trees(v0, v1, v2, v3, v4, v5, v6, v7))
-        for i in range(8):
-            one_by_one[i] = vsum_tree(vload(a, 8 * i))
+    vload, vstoreh = ops.vload, ops.vstoreh
 
     @njit
     def halves(x, h):
@@ -236,11 +226,6 @@ def test_eight_lane_sums_and_halves_match_their_scalar_forms():
             vstoreh(h, i, vload(x, i))
 
     rng = np.random.default_rng(5)
-    for _ in range(50):
-        a = (rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6, 64)).astype(np.float32)
-        out, one = np.empty(8, np.float32), np.empty(8, np.float32)
-        sums(a, out, one)
-        assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
     special = [0.0, -0.0, np.inf, -np.inf, 65504.0, 65520.0, 65519.99, 6.1e-5, 6e-8, 3e-8,
                2.98e-8, -1e-9, 1e-45, 3.4e38, 0.33325195, 1.00048828125, 2049.0, 2051.0]
     x = np.concatenate([np.array(special, np.float32),

@@ -27,7 +27,6 @@ vstoreh = _V8.vstoreh
 vzero, vsplat, vadd, vsub = _V8.vzero, _V8.vsplat, _V8.vadd, _V8.vsub
 vmul, vmax = _V8.vmul, _V8.vmax
 vrint, vpow2i, vkeep_n, vsum_tree = _V8.vrint, _V8.vpow2i, _V8.vkeep_n, _V8.vsum_tree
-vsum_trees = _V8.vsum_trees
 vload_n, vstore_n = _V8.vload_n, _V8.vstore_n
 
 # exp on vectors (attention's softmax), as kernels/activations.py EXP_* describe. The

@@ -249,35 +249,8 @@ class Ops:
 
             return types.float32(vt), codegen
 
-        @intrinsic
-        def vsum_trees(typingctx, v0, v1, v2, v3, v4, v5, v6, v7):
-            """Eight 8-lane vectors -> one whose lane i is vsum_tree(v_i): the same adds in
-            the same order, done on whole vectors (each level pairs the vectors and adds
-            the lower halves of their parts to the upper ones), so 8 sums cost 7 adds and
-            14 shuffles where 8 vsum_trees took 24 of each."""
-            if lanes != 8:
-                return None  # no typing: eight vectors of eight lanes only
-            vs = (v0, v1, v2, v3, v4, v5, v6, v7)
-
-            def codegen(context, builder, sig, args):
-                parts, w = list(args), lanes  # each vector holds lanes // w parts of w
-                while w > 1:
-                    h = w // 2
-                    lo = [p * w + i for p in range(2 * lanes // w) for i in range(h)]
-                    hi = [p * w + h + i for p in range(2 * lanes // w) for i in range(h)]
-                    nxt = []
-                    for a, b in zip(parts[0::2], parts[1::2]):
-                        idx = ir.VectorType(I32, lanes)
-                        la = builder.shuffle_vector(a, b, ir.Constant(idx, lo))
-                        ha = builder.shuffle_vector(a, b, ir.Constant(idx, hi))
-                        nxt.append(builder.fadd(la, ha))
-                    parts, w = nxt, h
-                return parts[0]
-
-            return vt(*vs), codegen
-
         self.vnib_lo, self.vnib_hi, self.vsum = nibbles(False), nibbles(True), vsum
-        self.vsum_tree, self.vsum_trees = vsum_tree, vsum_trees
+        self.vsum_tree = vsum_tree
 
         @intrinsic
         def vbload(typingctx, arr, idx):
