@@ -257,10 +257,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--act-quant", choices=ACT_QUANT, default="auto",
                    help="int8 activations: with --quant int8, convs quantize their inputs "
                    "to u8 (per tensor, ranges from --calib) and multiply int8 by int8; a "
-                   "language model's int4 linears quantize theirs in blocks of 32 (as "
-                   "llama.cpp's Q4_0); none: float32 activations; auto (default): int8 "
-                   "for int4 linears where the target's CPU has an integer dot "
-                   "instruction, float32 for convs")
+                   "language model's int4 and int8 linears quantize theirs in blocks of "
+                   "32 (as llama.cpp's Q4_0 and Q8_0; int8 ones on cpu targets where N is "
+                   "a multiple of 16 and K of 32); none: float32 activations; auto "
+                   "(default): int8 for those linears where the target's CPU has an "
+                   "integer dot instruction, float32 for convs")
     enc = p.add_argument_group("text encoders (ONNX; serve answers /v1/embeddings, docs/http.md)")
     enc.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
                      help="carry this Hugging Face tokenizer.json: inputs named input_ids, "
