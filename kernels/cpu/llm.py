@@ -359,8 +359,6 @@ def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, sca
                                  scale, cap, half, 1)  # fmt: skip
         for g in range(g0, g0 + nh):
             _softmax(sc, g * c, n, t0 if g == g0 else (t1 if g == g0 + 1 else t2))
-            for i in range(hd):
-                acc[g * hd + i] = 0.0
     if hd % 32 == 0:  # 32-wide slices of up to 3 heads held in 12 registers over every
         # position: each value slice widened once for the heads (8 vcvtph2ps a position
         # and head had bound the loop) in 12 independent chains (the sums in acc were a
@@ -379,6 +377,8 @@ def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, sca
                     _weighted_sums(vc, row, step, lo, p, sc, g0 * c - lo, c, out, oo + i0, i0,
                                    hd, half, 1)  # fmt: skip
         return
+    for i in range(group * hd):  # head sizes that are not a multiple of 32: sums in acc
+        acc[i] = 0.0
     for j in range(lo, p + 1):
         vo_ = (row + j * vc.shape[2]) * hd
         prefetch(vc, vo_ + PREFETCH_ROWS * step)

@@ -148,9 +148,11 @@ def _bcast4(builder, xv, j):
     return builder.bitcast(rep, _vec(_I8, 64))
 
 
-def _dot4x4(builder, isa: str, acc, codes, xs):
-    """acc[l] + sum over the 4 code vectors c of sum_{i<4} c[4l+i] * x_c[4l+i]: codes
-    unsigned, xs the matching signed activation bytes broadcast (``_bcast4``)."""
+def _dot4x4(builder, isa: str, acc, codes, xs, signed: bool):
+    """acc[l] + sum over the 4 code vectors c of sum_{i<4} c[4l+i] * x_c[4l+i], exact: xs
+    the signed activation bytes broadcast (``_bcast4``); codes unsigned (int4's 0..15),
+    or ``signed`` int8 weights (q8x16.py), which VNNI takes as w + 128 (the caller's
+    flip and start) and AVX2 as |x| against w with x's sign."""
     if isa == "vnni512":
         v16 = _vec(I32, 16)
         for c, x in zip(codes, xs):
@@ -168,18 +170,30 @@ def _dot4x4(builder, isa: str, acc, codes, xs):
                            builder.bitcast(_part(builder, x, 32 * h, 32), v8)])  # fmt: skip
             out.append(a)
         return _join(builder, out)
-    if isa == "avx2":  # i16 pair sums of the 4 vectors added before one widening
-        # multiply-add: |4 * 2 * 15 * 127| = 15240 < 32767, no saturation anywhere
+    if isa == "avx2":
         out = []
         ones = _consts(_I16, [1] * 16)
+        v32 = _vec(_I8, 32)
         for h in range(2):
-            s = None
+            a, s = _part(builder, acc, 8 * h, 8), None
             for c, x in zip(codes, xs):
-                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16),
-                          [_part(builder, c, 32 * h, 32), _part(builder, x, 32 * h, 32)])
+                ch, xh = _part(builder, c, 32 * h, 32), _part(builder, x, 32 * h, 32)
+                if signed:  # |x| by w with x's sign, widened per vector: |2 x 127 x 127|
+                    # fits int16, w + 128 would saturate (2 x 255 x 127)
+                    ax = _call(builder, "llvm.abs.v32i8", v32, [xh, ir.Constant(ir.IntType(1), 0)])
+                    sw = _call(builder, "llvm.x86.avx2.psign.b", v32, [ch, xh])
+                    p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [ax, sw])
+                    a = builder.add(a, _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8),
+                                             [p, ones]))  # fmt: skip
+                    continue
+                # codes: i16 pair sums of the 4 vectors added before one widening
+                # multiply-add: |4 * 2 * 15 * 127| = 15240 < 32767, no saturation anywhere
+                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [ch, xh])
                 s = p if s is None else builder.add(s, p)
-            w = _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [s, ones])
-            out.append(builder.add(_part(builder, acc, 8 * h, 8), w))
+            if s is not None:
+                a = builder.add(a, _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8),
+                                         [s, ones]))  # fmt: skip
+            out.append(a)
         return _join(builder, out)
     if isa == "sdot":  # four quarters of 4 rows (codes 0..15 are the same signed)
         out = []
@@ -191,8 +205,9 @@ def _dot4x4(builder, isa: str, acc, codes, xs):
             out.append(a)
         return _join(builder, out)
     wide = _vec(I32, 64)
+    widen = builder.sext if signed else builder.zext
     for c, x in zip(codes, xs):
-        p = builder.mul(builder.zext(c, wide), builder.sext(x, wide))
+        p = builder.mul(widen(c, wide), builder.sext(x, wide))
         for i in range(4):
             lanes = _consts(I32, [4 * lane + i for lane in range(LANES)])
             acc = builder.add(acc, builder.shuffle_vector(p, ir.Constant(wide, ir.Undefined),
@@ -200,18 +215,26 @@ def _dot4x4(builder, isa: str, acc, codes, xs):
     return acc
 
 
-@intrinsic
-def dot4x4(typingctx, acc, c0, c1, c2, c3, xq, xo):
-    """acc plus, per row lane, the products of code vectors c0..c3 with the 16
-    activation bytes at xq's flat offset xo (c_j against bytes 4j..4j+3)."""
+def dot_intrinsic(signed: bool):
+    """The intrinsic (acc, c0, c1, c2, c3, xq, xo): acc plus, per row lane, the products
+    of code vectors c0..c3 with the 16 activation bytes at xq's flat offset xo (c_j
+    against bytes 4j..4j+3); ``signed``: int8 weights (``_dot4x4``)."""
 
-    def codegen(context, builder, sig, args):
-        px = _elem_ptr(context, builder, sig.args[5], args[5], args[6], sig.args[6])
-        xv = builder.load(builder.bitcast(px, _vec(_I8, 16).as_pointer()), align=1)
-        xs = [_bcast4(builder, xv, j) for j in range(4)]
-        return _dot4x4(builder, dot_isa(_features(context)), args[0], args[1:5], xs)
+    @intrinsic
+    def dot(typingctx, acc, c0, c1, c2, c3, xq, xo):
+        def codegen(context, builder, sig, args):
+            px = _elem_ptr(context, builder, sig.args[5], args[5], args[6], sig.args[6])
+            xv = builder.load(builder.bitcast(px, _vec(_I8, 16).as_pointer()), align=1)
+            xs = [_bcast4(builder, xv, j) for j in range(4)]
+            isa = dot_isa(_features(context))
+            return _dot4x4(builder, isa, args[0], args[1:5], xs, signed)
 
-    return _SUMS(acc, c0, c1, c2, c3, xq, xo), codegen
+        return _SUMS(acc, c0, c1, c2, c3, xq, xo), codegen
+
+    return dot
+
+
+dot4x4 = dot_intrinsic(False)  # int4 codes (0..15)
 
 
 @njit(inline="always")

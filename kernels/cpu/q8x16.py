@@ -45,8 +45,8 @@ from .q4x16 import (
     BLOCK,
     LANES,
     MR,
-    _bcast4,
     _quantize_row,
+    dot_intrinsic,
     ifloat,
     isplat_ir,
     vfma,
@@ -55,7 +55,7 @@ from .q4x16 import (
     vstore,
     vzero,
 )
-from .qdot import _call, _consts, _features, _join, _part, _vec, dot_isa
+from .qdot import _consts, _features, _vec, dot_isa
 from .simd import I32, Ops, _elem_ptr, prefetch
 
 GROUP_BYTES = LANES * BLOCK  # one block of a group of rows: 512 bytes
@@ -69,7 +69,6 @@ _V = Ops(LANES)
 vload, sload = _V.vload, _V.sload
 
 _I8 = ir.IntType(8)
-_I16 = ir.IntType(16)
 
 
 def _vnni(context) -> bool:
@@ -104,72 +103,7 @@ def q8start(typingctx, nc, co):
     return _SUMS(nc, co), codegen
 
 
-def _dot_s8(builder, isa: str, acc, ws, xs):
-    """acc[l] + sum over the 4 weight vectors c of sum_{i<4} w_c[4l+i] * x_c[4l+i], exact:
-    ws from ``q8w`` (as the family takes them), xs the signed activation bytes broadcast."""
-    if isa == "vnni512":
-        v16 = _vec(I32, 16)
-        for w, x in zip(ws, xs):
-            acc = _call(builder, "llvm.x86.avx512.vpdpbusd.512", v16,
-                        [acc, builder.bitcast(w, v16), builder.bitcast(x, v16)])  # fmt: skip
-        return acc
-    if isa == "vnni256":
-        v8 = _vec(I32, 8)
-        out = []
-        for h in range(2):
-            a = _part(builder, acc, 8 * h, 8)
-            for w, x in zip(ws, xs):
-                a = _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8,
-                          [a, builder.bitcast(_part(builder, w, 32 * h, 32), v8),
-                           builder.bitcast(_part(builder, x, 32 * h, 32), v8)])  # fmt: skip
-            out.append(a)
-        return _join(builder, out)
-    if isa == "avx2":  # |x| (unsigned) times w with x's sign, one vpmaddwd per vector
-        ones = _consts(_I16, [1] * 16)
-        v32 = _vec(_I8, 32)
-        out = []
-        for h in range(2):
-            a = _part(builder, acc, 8 * h, 8)
-            for w, x in zip(ws, xs):
-                xh, wh = _part(builder, x, 32 * h, 32), _part(builder, w, 32 * h, 32)
-                ax = _call(builder, "llvm.abs.v32i8", v32, [xh, ir.Constant(ir.IntType(1), 0)])
-                sw = _call(builder, "llvm.x86.avx2.psign.b", v32, [wh, xh])
-                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [ax, sw])
-                a = builder.add(a, _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8),
-                                         [p, ones]))  # fmt: skip
-            out.append(a)
-        return _join(builder, out)
-    if isa == "sdot":
-        out = []
-        for q in range(4):
-            a = _part(builder, acc, 4 * q, 4)
-            for w, x in zip(ws, xs):
-                a = _call(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", _vec(I32, 4),
-                          [a, _part(builder, w, 16 * q, 16), _part(builder, x, 16 * q, 16)])
-            out.append(a)
-        return _join(builder, out)
-    wide = _vec(I32, 64)
-    for w, x in zip(ws, xs):
-        p = builder.mul(builder.sext(w, wide), builder.sext(x, wide))
-        for i in range(4):
-            lanes = _consts(I32, [4 * lane + i for lane in range(LANES)])
-            acc = builder.add(acc, builder.shuffle_vector(p, ir.Constant(wide, ir.Undefined),
-                                                          lanes))  # fmt: skip
-    return acc
-
-
-@intrinsic
-def dot8x4(typingctx, acc, c0, c1, c2, c3, xq, xo):
-    """acc plus, per row lane, the products of weight vectors c0..c3 (``q8w``) with the
-    16 activation bytes at xq's flat offset xo (c_j against bytes 4j..4j+3)."""
-
-    def codegen(context, builder, sig, args):
-        px = _elem_ptr(context, builder, sig.args[5], args[5], args[6], sig.args[6])
-        xv = builder.load(builder.bitcast(px, _vec(_I8, 16).as_pointer()), align=1)
-        xs = [_bcast4(builder, xv, j) for j in range(4)]
-        return _dot_s8(builder, dot_isa(_features(context)), args[0], args[1:5], xs)
-
-    return _SUMS(acc, c0, c1, c2, c3, xq, xo), codegen
+dot8x4 = dot_intrinsic(True)  # int8 weights as ``q8w`` gives them
 
 
 @njit(inline="always")
