@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
+import weakref
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
@@ -108,6 +110,31 @@ _ANSWER = {
 }  # fmt: skip
 
 
+class _Mailbox:
+    """Events from the engine thread to the event loop's queues: one wake-up of the loop
+    for all the events posted before it runs, not one a token of each stream (the
+    engine hands a turn's events over together, runtime/serve/generation.py)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.lock, self.pending = loop, threading.Lock(), []
+
+    def post(self, q: asyncio.Queue, item: tuple) -> None:
+        with self.lock:
+            self.pending.append((q, item))
+            if len(self.pending) > 1:
+                return  # a wake-up is on its way and takes this one too
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for q, item in items:
+            q.put_nowait(item)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
     """The /v1 routes of ``service`` (an LLMService) on ``app``."""
     engine, name = service.engine, service.model
@@ -119,10 +146,11 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
     async def run(r: _Req, prompt: list[int], max_tokens: int, kind: str, request: Request):
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         loop = asyncio.get_running_loop()
+        box = _MAILBOXES.get(loop) or _MAILBOXES.setdefault(loop, _Mailbox(loop))
         q: asyncio.Queue = asyncio.Queue()
 
         def emit(ev: str, data: dict) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, (ev, data))
+            box.post(q, (ev, data))
 
         try:
             seq = GenSequence(rid, prompt, max_tokens, sampler(service, r), emit, stops(r),
@@ -297,13 +325,16 @@ async def _sse(seq: GenSequence, q: asyncio.Queue, engine, rid: str, name: str,
             body["usage"] = None
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
+    # a text chunk is the same JSON but for its piece: cut once around a marker piece
+    mark = json.dumps("\x00piece\x00")
+    head, tail = chunk(json.loads(mark)).split(mark)
     try:
         if kind == "chat":
             yield chunk(None, role=True)
         while True:
             ev, data = await q.get()
             if ev == "text":
-                yield chunk(data["text"])
+                yield head + json.dumps(data["text"]) + tail
             elif ev == "error":
                 err = {"error": {"message": data["message"], "type": "server_error",
                                  "code": data["code"]}}  # fmt: skip
