@@ -116,7 +116,7 @@ class Engine:
         self._step_s = 0.02  # moving average of a loop turn (retry hints)
         # A turn's events, handed to the fronts after its sampling: emitting wakes a
         # front's thread, which then takes the GIL from this one; once a turn, not once
-        # a sequence (8 streams: 1.4 -> X ms a turn in _next).
+        # a sequence (8 streams: sampling and emitting 1.3 -> 0.2 ms a turn).
         self._outbox: list[tuple[Callable[[str, dict], None], str, dict]] = []
         self._thread = threading.Thread(target=self._loop, name="edgepack-generate", daemon=True)
         self._thread.start()
