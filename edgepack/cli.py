@@ -100,14 +100,18 @@ def cmd_keygen(a: argparse.Namespace) -> int:
 
 
 def cmd_kernels(a: argparse.Namespace) -> int:
-    from .packager.aot import ensure_kernel_builds, host_target
+    from .packager.aot import ensure_kernel_builds, host_arch, host_target
     from .targets import load_target
 
     target = load_target(a.target) if a.target else host_target()
-    print(f"kernel builds of target {target.name} for the development install and its "
-          "executables")  # fmt: skip
+    cross = target.arch != host_arch()
+    print(f"kernel builds of target {target.name} for "
+          + (f"its executables (cross-compiled for {target.arch})" if cross
+             else "the development install and its executables"))  # fmt: skip
     for b, module, folder in ensure_kernel_builds(target):
         print(f"  {b.cpu:12s} {module:20s} {folder}")
+    if cross:
+        return 0
     import os
 
     from .kernels.cpu.native import _aot_build  # what a process starting now would take

@@ -172,7 +172,12 @@ def _compile_into_cache(where: str, target_arch: str, cpu: str, shape: str, feat
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         t = time.perf_counter()
-        built = compile_kernels(tmp, cpu, shape, feats, module)
+        if target_arch == host_arch():
+            built = compile_kernels(tmp, cpu, shape, feats, module)
+        else:  # in a process of its own that targets the other architecture throughout
+            from .aot_cross import compile_kernels_cross
+
+            built = compile_kernels_cross(tmp, target_arch, cpu, shape, feats, module)
         info = {"module": module, "cpu": cpu, "arch": target_arch, "flags": flags,
                 "gemm_shape": shape, "features": feats, "file": built.name,
                 "seconds": round(time.perf_counter() - t, 1)}  # fmt: skip
@@ -191,15 +196,19 @@ def _compile_into_cache(where: str, target_arch: str, cpu: str, shape: str, feat
 def ensure_kernel_builds(target, log=print) -> list[tuple[object, str, Path]]:
     """(build, module, folder) of every kernel build of ``target``, first preferred,
     compiled into the kernel cache (kernels/cpu/aot_cache.py) where missing, two at a
-    time (pycc compiles on one core, ~5 minutes a build). Only for this machine's
-    architecture: pycc does not cross-compile."""
+    time (pycc compiles on one core, ~5 minutes a build). Another architecture's
+    builds (aarch64 on x86_64) are cross-compiled (packager/aot_cross.py)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     from ..kernels.cpu.aot_cache import BUILD_INFO, builds_dir
     from ..targets import cpuinfo_flags
 
-    root = builds_dir()
+    if target.arch != host_arch():
+        from .aot_cross import toolchain
+
+        toolchain(target.arch)  # what a cross build needs, before anything starts
+    root = builds_dir(machine=target.arch)
     out, todo = [], []
     for b, module in kernel_modules(target):
         name, shape, feats = _build_key(target, b, module)

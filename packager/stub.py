@@ -378,15 +378,24 @@ def _launcher(meta: dict, archive: bytes) -> bytes:
         meta["archive_start"] = start
 
 
-def _strip(root: Path, log: Callable[[str], None]) -> None:
+def _strip(root: Path, log: Callable[[str], None], arch: str | None = None) -> None:
     """strip --strip-unneeded the Python extension modules and libpython (safe), but not
-    the vendored OpenBLAS/gfortran libraries, which stop loading when stripped."""
-    if shutil.which("strip") is None:
+    the vendored OpenBLAS/gfortran libraries, which stop loading when stripped. Another
+    architecture's files take its cross strip."""
+    env = None
+    if arch is None or arch == host_arch():
+        tool = ["strip"] if shutil.which("strip") else None
+    else:
+        from .stub_cross import strip_env, strip_tool
+
+        tool, env = strip_tool(arch), strip_env(arch)
+    if tool is None:
         log("      strip not found: skipping")
         return
     for f in root.rglob("*.so*"):
         if f.is_file() and "scipy_openblas" not in f.name and "gfortran" not in f.name:
-            subprocess.run(["strip", "--strip-unneeded", str(f)], check=False, capture_output=True)
+            subprocess.run([*tool, "--strip-unneeded", str(f)], check=False,
+                           capture_output=True, env=env)  # fmt: skip
 
 
 def _stage_runtime_sources(dst: Path) -> Path:
@@ -406,18 +415,27 @@ def _stage_runtime_sources(dst: Path) -> Path:
 
 
 def build_stub(target: Target, out: Path | None = None, log: Callable[[str], None] = print) -> Path:
-    """Freeze the device runtime for ``target`` on this machine; returns the stub path."""
-    if host_arch() != target.arch:
-        raise PackError(
-            f"cannot build an {target.arch} stub on {host_arch()}: PyInstaller "
-            f"and the kernel compiler only build for the machine they run on; "
-            f"{how_to_build(target)}"
-        )
-    check_cuda_packages(target)
-    import importlib.util
+    """Freeze the device runtime for ``target`` on this machine; returns the stub path.
+    For another architecture (aarch64 on x86_64) the runtime is assembled from that
+    architecture's Python and wheels instead (packager/stub_cross.py)."""
+    cross = host_arch() != target.arch
+    if cross:
+        from .aot_cross import toolchain
 
-    if importlib.util.find_spec("PyInstaller") is None:
-        raise PackError("freezing a runtime stub needs PyInstaller: pip install 'edgepack[stub]'")
+        if cuda_packages(target):
+            raise PackError(
+                f"target {target.name} runs cuda kernels: its stub (with cupy) is not "
+                f"cross-built yet; build it on the board: {how_to_build(target)}"
+            )
+        toolchain(target.arch)  # what the cross build needs, named before anything starts
+    else:
+        check_cuda_packages(target)
+        import importlib.util
+
+        if importlib.util.find_spec("PyInstaller") is None:
+            raise PackError(
+                "freezing a runtime stub needs PyInstaller: pip install 'edgepack[stub]'"
+            )
     out = out or cached_stub(target)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgepack-stub-") as tmp:
@@ -444,60 +462,22 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
             ],
         }
         (aot / "edgepack_stub_info.py").write_text(f"INFO = {info!r}\n")
-        src = _stage_runtime_sources(work / "src")
-        entry = work / "entry.py"
-        entry.write_text(
-            "import sys\nfrom edgepack.runtime.stub_main import main\nsys.exit(main())\n"
-        )
-        log("[2/4] freeze the runtime with PyInstaller (onedir)")
-        cmd = [
-            sys.executable,
-            "-m",
-            "PyInstaller",
-            "--onedir",
-            "--noconfirm",
-            "--clean",
-            "--log-level",
-            "WARN",
-            "--name",
-            RUNTIME_NAME,
-            "--distpath",
-            str(work / "dist"),
-            "--workpath",
-            str(work / "build"),
-            "--specpath",
-            str(work),
-            "--paths",
-            str(src),
-            "--paths",
-            str(aot),
-        ]
-        hidden, excludes = stub_modules(target)
-        for mod in hidden:
-            cmd += ["--hidden-import", mod]
-        # nacl's C binding loads through cffi's backend, which the import scan misses;
-        # tokenizers and jinja2 are imported lazily by generate (runtime/text.py), the
-        # HTTP stack by serve --http, and uvicorn picks its loop and protocol by name
-        optional = ("nacl.signing", "_cffi_backend", "paho.mqtt.client", "threadpoolctl",
-                    "tokenizers", "jinja2", "jinja2.sandbox", "edgepack.runtime.serve.http",
-                    "fastapi", "uvicorn", *UVICORN_BY_NAME)  # fmt: skip
-        for mod in optional:
-            try:
-                __import__(mod)
-                cmd += ["--hidden-import", mod]
-            except ImportError:
-                log(f"      {mod} not installed: the stub will lack it")
-        for mod in excludes:
-            cmd += ["--exclude-module", mod]
-        r = subprocess.run(cmd + [str(entry)], capture_output=True, text=True)
-        if r.returncode:
-            raise PackError(f"PyInstaller failed:\n{r.stderr[-4000:]}")
         root = work / "dist" / RUNTIME_NAME
+        python = platform.python_version()
+        if cross:
+            log(f"[2/4] assemble the {target.arch} runtime (Debian's python3.11, aarch64 wheels)")
+            from .stub_cross import runtime_tree
+
+            kernels = [f for f in aot.iterdir() if f.suffix == ".so"]
+            python = runtime_tree(root, target, kernels, f"INFO = {info!r}\n",
+                                  _stage_runtime_sources, log)["python"]  # fmt: skip
+        else:
+            _freeze(work, aot, target, log)
         log("[3/4] shrink and inspect")
         for lib in SYSTEM_LIBS:
             for f in root.rglob(lib):
                 f.unlink()
-        _strip(root, log)
+        _strip(root, log, target.arch)
         files = {
             str(p.relative_to(root)): p.read_bytes()
             for p in root.rglob("*")
@@ -512,7 +492,7 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
             "arch": target.arch,
             "cpu": target.cpu,
             "edgepack": __version__,
-            "python": platform.python_version(),
+            "python": python,
             "glibc": facts["glibc"],
             "glibc_file": facts["glibc_file"],
             "unpacked_bytes": unpacked,
@@ -531,3 +511,55 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
         f"needs glibc {facts['glibc']}; {time.perf_counter() - t0:.0f}s"
     )
     return out
+
+
+def _freeze(work: Path, aot: Path, target: Target, log: Callable[[str], None]) -> None:
+    """PyInstaller's onedir build of the runtime into work/dist/edgepack-rt."""
+    src = _stage_runtime_sources(work / "src")
+    entry = work / "entry.py"
+    entry.write_text(
+        "import sys\nfrom edgepack.runtime.stub_main import main\nsys.exit(main())\n"
+    )
+    log("[2/4] freeze the runtime with PyInstaller (onedir)")
+    cmd = [
+        sys.executable,
+        "-m",
+        "PyInstaller",
+        "--onedir",
+        "--noconfirm",
+        "--clean",
+        "--log-level",
+        "WARN",
+        "--name",
+        RUNTIME_NAME,
+        "--distpath",
+        str(work / "dist"),
+        "--workpath",
+        str(work / "build"),
+        "--specpath",
+        str(work),
+        "--paths",
+        str(src),
+        "--paths",
+        str(aot),
+    ]
+    hidden, excludes = stub_modules(target)
+    for mod in hidden:
+        cmd += ["--hidden-import", mod]
+    # nacl's C binding loads through cffi's backend, which the import scan misses;
+    # tokenizers and jinja2 are imported lazily by generate (runtime/text.py), the
+    # HTTP stack by serve --http, and uvicorn picks its loop and protocol by name
+    optional = ("nacl.signing", "_cffi_backend", "paho.mqtt.client", "threadpoolctl",
+                "tokenizers", "jinja2", "jinja2.sandbox", "edgepack.runtime.serve.http",
+                "fastapi", "uvicorn", *UVICORN_BY_NAME)  # fmt: skip
+    for mod in optional:
+        try:
+            __import__(mod)
+            cmd += ["--hidden-import", mod]
+        except ImportError:
+            log(f"      {mod} not installed: the stub will lack it")
+    for mod in excludes:
+        cmd += ["--exclude-module", mod]
+    r = subprocess.run(cmd + [str(entry)], capture_output=True, text=True)
+    if r.returncode:
+        raise PackError(f"PyInstaller failed:\n{r.stderr[-4000:]}")

@@ -6,6 +6,12 @@
 #     qemu-aarch64-static -L SYSROOT SYSROOT/usr/bin/python3.11 -c 'import numba'
 #
 # SYSROOT defaults to ${EDGEPACK_AARCH64_ROOT:-$HOME/.cache/edgepack/aarch64-sysroot}.
+# Beside it, SYSROOT.cross gets Debian's x86_64 -> aarch64 cross compiler (gcc and g++
+# 12, binutils, the arm64 glibc and libstdc++ headers), unpacked the same way: the
+# packager cross-compiles the kernels for aarch64 stubs with it (packager/aot_cross.py).
+# And SYSROOT.board holds only what an aarch64 stub takes from the board's OS (glibc,
+# libgcc_s, libstdc++, libexpat: packager/stub_cross.py): qemu runs stubs on it
+# (QEMU_LD_PREFIX), so a library the stub should carry and does not fails here too.
 #
 # No debootstrap: the arm64 .debs of python3.11 and the shared libraries it and the
 # numpy / numba / llvmlite wheels load are fetched with `apt-get download` and unpacked
@@ -45,7 +51,20 @@ DEBS=(
   libnsl2 libtirpc3 libgssapi-krb5-2 libkrb5-3 libk5crypto3
   libkrb5support0 libcom-err2 libkeyutils1
   libpython3.11-minimal python3.11-minimal libpython3.11-stdlib python3.11
+  libpython3.11 libpython3.11-dev
 )
+# The cross compiler (host packages; the -arm64-cross ones are Architecture: all): pycc
+# compiles its C helpers and numba's runtime (C++) and links the kernels' extension.
+CROSS_DEBS=(
+  binutils-aarch64-linux-gnu cpp-12-aarch64-linux-gnu gcc-12-aarch64-linux-gnu-base
+  gcc-12-aarch64-linux-gnu g++-12-aarch64-linux-gnu
+  libc6-arm64-cross libc6-dev-arm64-cross linux-libc-dev-arm64-cross
+  libgcc-s1-arm64-cross libgcc-12-dev-arm64-cross libatomic1-arm64-cross
+  libgomp1-arm64-cross libstdc++6-arm64-cross libstdc++-12-dev-arm64-cross
+)
+CROSS="${ROOT}.cross"
+BOARD="${ROOT}.board"
+BOARD_DEBS=(libc6 libgcc-s1 libstdc++6 libexpat1 gcc-12-base)
 DEBS_ALL=(readline-common libtirpc-common media-types)  # Architecture: all
 
 # --- host tools ------------------------------------------------------------------------
@@ -80,9 +99,11 @@ for name in ("pytest", "pluggy", "iniconfig", "packaging", "pygments", "threadpo
         print(name)
 EOF
 )
-STAMP_TEXT="edgepack aarch64 sysroot v1
+STAMP_TEXT="edgepack aarch64 sysroot v2
 debs: ${DEBS[*]}
 wheels: ${PINS[*]}"
+CROSS_STAMP="edgepack aarch64 cross compiler v1
+debs: ${CROSS_DEBS[*]}"
 
 run_py() {  # run the sysroot's python under qemu
   "$QEMU" -L "$ROOT" "$ROOT/usr/bin/python3.11" "$@"
@@ -98,8 +119,55 @@ print(f"python {platform.python_version()} on {platform.machine()} under qemu "
 EOF
 }
 
+cross() {  # the cross compiler in $CROSS (see the top), unless it is there already
+  if [ -f "$CROSS/.edgepack-cross" ] && [ "$(cat "$CROSS/.edgepack-cross")" = "$CROSS_STAMP" ]; then
+    return
+  fi
+  mkdir -p "$DOWNLOADS/cross"
+  mapfile -t files < <(apt-get download --print-uris "${CROSS_DEBS[@]}" | awk '{print $2}')
+  if [ "${#files[@]}" -ne "${#CROSS_DEBS[@]}" ]; then
+    apt_update
+    mapfile -t files < <(apt-get download --print-uris "${CROSS_DEBS[@]}" | awk '{print $2}')
+  fi
+  [ "${#files[@]}" -eq "${#CROSS_DEBS[@]}" ] || { log "apt knows ${#files[@]} of the cross packages"; exit 1; }
+  local need=()
+  for f in "${files[@]}"; do [ -f "$DOWNLOADS/cross/$f" ] || need+=("${f%%_*}"); done
+  if [ "${#need[@]}" -gt 0 ]; then
+    log "apt-get download ${#need[@]} cross-compiler packages"
+    (cd "$DOWNLOADS/cross" && apt-get download -qq "${need[@]}" 2>&1 | grep -v "unsandboxed" >&2 || true)
+  fi
+  rm -rf "$CROSS.partial" && mkdir -p "$CROSS.partial"
+  for f in "${files[@]}"; do
+    [ -f "$DOWNLOADS/cross/$f" ] || { log "missing $DOWNLOADS/cross/$f (download failed?)"; exit 1; }
+    dpkg -x "$DOWNLOADS/cross/$f" "$CROSS.partial"
+  done
+  printf '%s\n' "$CROSS_STAMP" > "$CROSS.partial/.edgepack-cross"
+  rm -rf "$CROSS" && mv "$CROSS.partial" "$CROSS"
+  log "cross compiler: $CROSS/usr/bin/aarch64-linux-gnu-gcc-12"
+}
+
+board() {  # $BOARD from the sysroot's own downloads (they are there once it is)
+  local stamp="edgepack aarch64 bare board v1: ${BOARD_DEBS[*]}"
+  if [ -f "$BOARD/.edgepack-board" ] && [ "$(cat "$BOARD/.edgepack-board")" = "$stamp" ]; then
+    return
+  fi
+  rm -rf "$BOARD.partial" && mkdir -p "$BOARD.partial"
+  for p in "${BOARD_DEBS[@]}"; do
+    local f
+    f=$(ls "$DOWNLOADS/debs/${p}_"*_arm64.deb 2>/dev/null | head -n 1)
+    [ -n "$f" ] || { log "no $p .deb in $DOWNLOADS/debs"; exit 1; }
+    dpkg -x "$f" "$BOARD.partial"
+  done
+  for d in bin lib sbin; do [ -e "$BOARD.partial/$d" ] || ln -s "usr/$d" "$BOARD.partial/$d"; done
+  printf '%s\n' "$stamp" > "$BOARD.partial/.edgepack-board"
+  rm -rf "$BOARD" && mv "$BOARD.partial" "$BOARD"
+  log "bare board root: $BOARD"
+}
+
 if [ -f "$ROOT/.edgepack-sysroot" ] && [ "$(cat "$ROOT/.edgepack-sysroot")" = "$STAMP_TEXT" ]; then
   log "up to date (remove $ROOT to rebuild)"
+  cross
+  board
   report
   exit 0
 fi
@@ -205,4 +273,6 @@ EOF
 printf '%s\n' "$STAMP_TEXT" > "$PART/.edgepack-sysroot"
 if [ -e "$ROOT" ]; then rm -rf "$ROOT"; fi
 mv "$PART" "$ROOT"
+cross
+board
 report

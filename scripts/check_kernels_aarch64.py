@@ -5,6 +5,7 @@
     python scripts/check_kernels_aarch64.py          # cortex-a72 (Raspberry Pi 4)
     python scripts/check_kernels_aarch64.py --cpu cortex-a76          # Raspberry Pi 5
     python scripts/check_kernels_aarch64.py --target jetson-orin-nano # cpu + features of a target
+    python scripts/check_kernels_aarch64.py --target rpi5 --aot  # the stub's cross-built kernels
 
 The host half of this script (no ``--inner``) builds a symlink farm that makes
 ``import edgepack.kernels`` work from the repository (the host's editable install maps
@@ -145,6 +146,22 @@ def host_main(args: argparse.Namespace) -> int:
     if features is None:
         features = ""  # the CPU model's own features (not the qemu/host CPU's)
     qemu_cpu = args.qemu_cpu or (cpu if cpu in QEMU_CPUS else "max")
+    aot_env = {}
+    if args.aot:  # the target's kernels cross-compiled on this host, as its stub ships them
+        from edgepack.packager.aot import ensure_kernel_builds
+        from edgepack.targets import cpuinfo_flags, load_target
+
+        from edgepack import cache_dir
+
+        if not args.target:
+            sys.exit("--aot needs --target (whose kernel builds to check)")
+        t = load_target(args.target)
+        builds = ensure_kernel_builds(t)
+        # qemu shows the host's /proc/cpuinfo: the runtime is told the target's flags
+        aot_env = {"EDGEPACK_KERNELS": "aot", "EDGEPACK_CACHE_DIR": str(cache_dir()),
+                   "EDGEPACK_CPU_FLAGS": " ".join(cpuinfo_flags(t.arch, t.cpu_features))}
+        print(f"aot kernels: {', '.join(str(f) for _, _, f in builds)}", flush=True)
+        args.jobs = 1  # nothing to compile under qemu
 
     jobs = max(1, args.jobs)
     with tempfile.TemporaryDirectory(prefix="edgepack-aarch64-") as tmp:
@@ -171,6 +188,7 @@ def host_main(args: argparse.Namespace) -> int:
             EDGEPACK_KERNELS="jit",  # a host-built AOT module is x86_64 code anyway
             EDGEPACK_CHECK_QEMU_CPU=qemu_cpu,
         )
+        env.update(aot_env)
         if args.threads:
             env["NUMBA_NUM_THREADS"] = str(args.threads)
         cmd = [args.qemu, "-cpu", qemu_cpu, "-L", str(root), str(py), "-X", "faulthandler"]
@@ -343,8 +361,12 @@ def inner_main(args: argparse.Namespace) -> int:
     if shard == 0:
         T.test_every_kernel_has_cases("cpu")
         passed += 1
+    by_key: dict[tuple[str, str], list] = {}
+    for param in T.PARAMS:  # the cases test_cpu_kernel runs (each case's dtypes, layouts)
+        op, dt, case = param.values
+        by_key.setdefault((op, dt), []).append(case)
     for op, dt, _ in _shard_keys(T.CPU_KEYS, shard, n):
-        cases = T.CASES.get(op, [])
+        cases = by_key.get((op, dt), [])
         t_key = time.time()
         ok, bad = 0, []
         runs = [(c.name, partial(T.test_cpu_kernel, op, dt, c)) for c in cases]
@@ -436,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=min(2, os.cpu_count() or 1),
         help="qemu processes compiling in parallel (default %(default)s)",
+    )
+    ap.add_argument(
+        "--aot",
+        action="store_true",
+        help="check the target's kernels compiled ahead of time (cross-compiled on this "
+        "host into the kernel cache, packager/aot_cross.py) instead of numba's JIT",
     )
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)

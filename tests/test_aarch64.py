@@ -3,10 +3,11 @@
 Builds (once; idempotent) the Debian arm64 sysroot with scripts/aarch64_sysroot.sh,
 then runs scripts/check_kernels_aarch64.py: every (op, dtype) cpu kernel of the
 dispatch table against the NumPy reference, with the cases and runner of
-tests/test_kernels.py, numba compiling for a Raspberry Pi 4's cortex-a72 on a qemu
-cortex-a72. Needs Debian's apt (arm64 packages, qemu-user-static), PyPI (aarch64
-wheels) and root or sudo the first time; takes about 10 minutes. Run with
-``pytest -m slow tests/test_aarch64.py``.
+tests/test_kernels.py: numba's JIT compiling for a Raspberry Pi 4's cortex-a72 on a
+qemu cortex-a72, and the kernels a Raspberry Pi 5 stub ships, compiled ahead of time on
+this host (packager/aot_cross.py), on a qemu cortex-a76. Needs Debian's apt (arm64
+packages, qemu-user-static), PyPI (aarch64 wheels) and root or sudo the first time;
+takes about 10 minutes each. Run with ``pytest -m slow tests/test_aarch64.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ SUMMARY = re.compile(r"aarch64 kernel check: (\d+) passed, (\d+) failed")
 
 
 @pytest.mark.slow
-def test_cpu_kernels_match_reference_on_aarch64(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", [[], ["--target", "rpi5", "--aot"]], ids=["jit-rpi4", "aot-rpi5"])
+def test_cpu_kernels_match_reference_on_aarch64(tmp_path: Path, how: list[str]) -> None:
     if sys.platform != "linux":
         pytest.skip("needs Linux (user-mode qemu)")
     if not shutil.which("qemu-aarch64-static") and not shutil.which("apt-get"):
@@ -46,7 +48,7 @@ def test_cpu_kernels_match_reference_on_aarch64(tmp_path: Path) -> None:
     assert "on aarch64 under qemu" in setup.stdout, setup.stdout
 
     check = subprocess.run(
-        [sys.executable, str(REPO / "scripts/check_kernels_aarch64.py"), "--sysroot", root],
+        [sys.executable, str(REPO / "scripts/check_kernels_aarch64.py"), "--sysroot", root, *how],
         capture_output=True,
         text=True,
         timeout=3600,
@@ -67,3 +69,27 @@ def test_cpu_kernels_match_reference_on_aarch64(tmp_path: Path) -> None:
     assert not missing, f"no passing aarch64 checks for {missing}:\n{out[-6000:]}"
     assert passed >= len(keys)
     assert check.returncode == 0, out[-6000:]
+
+
+@pytest.mark.cpu
+def test_cross_kernel_builds_name_what_they_miss(tmp_path: Path, monkeypatch) -> None:
+    """A cross build (another architecture's kernels, packager/aot_cross.py) refuses
+    before compiling anything, naming what is missing and how to get it."""
+    from edgepack.packager.aot import ensure_kernel_builds
+    from edgepack.packager.aot_cross import toolchain
+    from edgepack.packager.ir import PackError
+    from edgepack.targets import load_target
+
+    with pytest.raises(PackError, match="no cross build of the kernels for riscv64"):
+        toolchain("riscv64")
+    if platform.machine() == "aarch64":
+        pytest.skip("aarch64 builds are native here")
+    if sys.version_info[:2] != (3, 11):
+        with pytest.raises(PackError, match="needs Python 3.11"):
+            toolchain("aarch64")
+        return
+    monkeypatch.setenv("EDGEPACK_AARCH64_ROOT", str(tmp_path / "no-sysroot"))
+    monkeypatch.setenv("EDGEPACK_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(PackError, match=r"arm64 Python headers.*aarch64_sysroot\.sh"):
+        ensure_kernel_builds(load_target("rpi5"), log=lambda s: None)
+    assert not (tmp_path / "cache").exists()  # nothing started

@@ -54,10 +54,10 @@ def kernel_sources_digest(root: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def builds_dir(digest: str | None = None) -> Path:
-    """The folder of the builds made from these kernel sources, for this machine
-    architecture and Python."""
-    tag = f"{platform.machine()}-{sys.implementation.cache_tag}"
+def builds_dir(digest: str | None = None, machine: str | None = None) -> Path:
+    """The folder of the builds made from these kernel sources, for this Python and
+    ``machine`` (default: this one's; aarch64 for the cross builds of an ARM stub)."""
+    tag = f"{machine or platform.machine()}-{sys.implementation.cache_tag}"
     return cache_dir() / "kernels" / f"{tag}-{digest or kernel_sources_digest()}"
 
 

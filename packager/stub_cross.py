@@ -1,0 +1,256 @@
+"""The device runtime of an aarch64 stub, assembled on an x86_64 workstation.
+
+PyInstaller freezes only for the machine it runs on, so an ARM stub's runtime is put
+together from parts that exist for aarch64 already, each from a package registry:
+
+- CPython: Debian bookworm's arm64 ``python3.11`` (libpython linked in) and its
+  standard library, from the sysroot of ``scripts/aarch64_sysroot.sh``, with the few
+  shared libraries it and its extension modules load (zlib, libffi, OpenSSL);
+- packages: the aarch64 wheels of the runtime's dependencies at the versions this
+  workstation runs (so the stub runs the code the tests ran), from PyPI;
+- edgepack: the device-side sources (runtime/, kernels/) and the kernels compiled
+  ahead of time for the target on this machine (packager/aot_cross.py).
+
+The tree (``runtime_tree``):
+
+    edgepack-rt                    sh: LD_LIBRARY_PATH=lib, exec bin/python3.11 -I -S entry.py
+    entry.py                       sys.path, sys.frozen, then runtime.stub_main.main()
+    bin/python3.11
+    lib/*.so.*                     zlib, libffi, OpenSSL
+    lib/python3.11/                the standard library (.py with their .pyc), lib-dynload
+    lib/python3.11/site-packages/  wheels, edgepack, edgepack_kernels*.so, edgepack_stub_info.py
+
+``-I -S``: no environment variables, user site or Debian's site folders reach it; the
+interpreter finds its standard library from its own location (``lib/python3.11/os.py``
+beside ``bin/``). The C library, libstdc++, libgcc_s and libexpat are the board's (every
+Raspberry Pi OS and JetPack image has them; JetPack 6's glibc 2.35 could not load
+bookworm's libexpat, which needs 2.36).
+
+``EDGEPACK_EMULATOR`` (e.g. ``qemu-aarch64-static``), when set, goes in front of the
+interpreter: an x86_64 machine without binfmt_misc runs the executable that way
+(tests/test_stub_aarch64.py).
+"""
+
+from __future__ import annotations
+
+import compileall
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .aot_cross import GNU, PYTHON, sysroot
+from .ir import PackError
+
+PY = f"python{PYTHON[0]}.{PYTHON[1]}"
+# What the device runtime imports (pyproject's dependencies and the llm extra), pinned
+# to this machine's versions with everything they require.
+RUNTIME_DISTS = ("numpy", "threadpoolctl", "pynacl", "paho-mqtt", "fastapi", "uvicorn",
+                 "tokenizers", "jinja2")  # fmt: skip
+# Requirements a device never uses: the hub client (tokenizers' from_pretrained; a
+# bundle carries its tokenizer) and what only it needs.
+NOT_ON_DEVICE = frozenset({"huggingface-hub"})
+# The board's own (module doc); the rest of what python3.11 and its modules load ships.
+SHIPPED_LIBS = ("libz.so.1", "libffi.so.8", "libssl.so.3", "libcrypto.so.3")
+# Standard-library folders and modules a device never imports (PyInstaller's excludes
+# in packager/stub.py, plus the test suites and tools).
+STDLIB_DROP = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3",
+               "distutils", "pydoc_data", "unittest", "sqlite3", "curses", "dbm",
+               "xmlrpc", "venv", "config-3.11-aarch64-linux-gnu", "__pycache__",
+               "site-packages", "dist-packages")  # fmt: skip
+DYNLOAD_DROP = re.compile(r"^_(test|xx|ctypes_test|curses|sqlite3|dbm|gdbm|tkinter)|"
+                          r"^(xxlimited|readline|nis|ossaudiodev|audioop)")  # fmt: skip
+
+WRAPPER = """#!/bin/sh
+# edgepack runtime for {arch}: Debian's python3.11 with this folder's libraries
+d=$(dirname "$0")
+LD_LIBRARY_PATH="$d/lib${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" exec \\
+  ${{EDGEPACK_EMULATOR:-}} "$d/bin/{py}" -I -S "$d/entry.py" "$@"
+"""
+ENTRY = """\
+# The device runtime's entry (packager/stub_cross.py): the interpreter runs with -I -S,
+# so the packages' folder is put on the path here.
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", {py!r},
+                                "site-packages"))
+sys.frozen = True  # a stub: its own kernel builds, no numba cache to check
+sys.dont_write_bytecode = True  # the .pyc are shipped; the cache folder may be read-only
+from edgepack.runtime.stub_main import main
+
+sys.exit(main())
+"""
+
+
+def pinned_closure(names: tuple[str, ...] = RUNTIME_DISTS) -> dict[str, str]:
+    """{distribution: version} of ``names`` and all they require on an aarch64 Linux
+    CPython 3.11 (markers evaluated for it, no extras), at this machine's versions."""
+    from importlib import metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    env = dict(default_environment(), python_version=f"{PYTHON[0]}.{PYTHON[1]}",
+               python_full_version=f"{PYTHON[0]}.{PYTHON[1]}.0", platform_machine="aarch64",
+               sys_platform="linux", platform_system="Linux", extra="")  # fmt: skip
+    out: dict[str, str] = {}
+    todo = list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in out or name in NOT_ON_DEVICE:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            raise PackError(f"the runtime needs {name}, which is not installed here: "
+                            f"pip install {name}") from None  # fmt: skip
+        out[name] = dist.version
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate(env):
+                todo.append(req.name)
+    return dict(sorted(out.items()))
+
+
+def fetch_wheels(pins: dict[str, str], dest: Path, log: Callable[[str], None]) -> list[Path]:
+    """The aarch64 (or pure) wheel of every pin, downloaded into ``dest`` once."""
+    dest.mkdir(parents=True, exist_ok=True)
+    have = {p.name.split("-")[0].lower().replace("_", "-") + "==" + p.name.split("-")[1]: p
+            for p in dest.glob("*.whl")}  # fmt: skip
+    want = [f"{n}=={v}" for n, v in pins.items()]
+    missing = [w for w in want if _norm(w) not in {_norm(k) for k in have}]
+    if missing:
+        log(f"      pip download {len(missing)} aarch64 wheels into {dest}")
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest),
+               "--only-binary=:all:", "--no-deps", "--implementation", "cp",
+               "--python-version", f"{PYTHON[0]}{PYTHON[1]}",
+               "--platform", "manylinux2014_aarch64", "--platform", "manylinux_2_17_aarch64",
+               "--platform", "manylinux_2_28_aarch64", "--platform", "any", *missing]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise PackError(f"cannot download the aarch64 wheels {', '.join(missing)}:\n"
+                            f"{r.stderr[-2000:]}")  # fmt: skip
+        have = {p.name.split("-")[0].lower().replace("_", "-") + "==" + p.name.split("-")[1]: p
+                for p in dest.glob("*.whl")}  # fmt: skip
+    by = {_norm(k): p for k, p in have.items()}
+    return [by[_norm(w)] for w in want]
+
+
+def _norm(pin: str) -> str:
+    name, _, ver = pin.partition("==")
+    return re.sub(r"[-_.]+", "-", name).lower() + "==" + ver
+
+
+def unpack_wheel(whl: Path, site: Path) -> None:
+    """Lay a wheel's files out as pip would (its .data/purelib and platlib merged)."""
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(site)
+    for data in site.glob("*.data"):
+        for sub in ("purelib", "platlib"):
+            if (data / sub).is_dir():
+                shutil.copytree(data / sub, site, dirs_exist_ok=True)
+        shutil.rmtree(data)
+
+
+def _copy_stdlib(src: Path, dst: Path) -> None:
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        if Path(folder).name == "lib-dynload":
+            return [n for n in names if DYNLOAD_DROP.match(n)]
+        return [n for n in names if n in STDLIB_DROP or n.endswith((".pyc", ".exe"))]
+
+    shutil.copytree(src, dst, ignore=ignore, symlinks=False)
+
+
+def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
+                 stage_sources: Callable[[Path], Path],
+                 log: Callable[[str], None]) -> dict:  # fmt: skip
+    """Assemble the runtime for ``target`` (an aarch64 target) in ``root`` (module doc);
+    returns {"python": version}. ``kernels``: the extension files to ship;
+    ``stage_sources(dst)`` copies edgepack's device sources into ``dst/edgepack``."""
+    if target.arch not in GNU:
+        raise PackError(f"no cross-assembled runtime for {target.arch} (known: {', '.join(GNU)})")
+    sr = sysroot()
+    gnu = GNU[target.arch]
+    python = sr / "usr/bin" / PY
+    if not python.is_file():
+        raise PackError(f"no arm64 {PY} in {sr}: make it with `bash scripts/aarch64_sysroot.sh`")
+    (root / "bin").mkdir(parents=True)
+    shutil.copy(python, root / "bin" / PY)
+    libs = root / "lib"
+    libs.mkdir()
+    for name in SHIPPED_LIBS:
+        found = [p for d in ("lib", "usr/lib") if (p := sr / d / gnu / name).exists()]
+        if not found:
+            raise PackError(f"{name} is missing from {sr}: run scripts/aarch64_sysroot.sh again")
+        shutil.copy(found[0].resolve(), libs / name)
+    stdlib = libs / PY
+    _copy_stdlib(sr / "usr/lib" / PY, stdlib)
+    site = stdlib / "site-packages"
+    site.mkdir()
+    from .. import cache_dir
+
+    pins = pinned_closure()
+    wheels = fetch_wheels(pins, cache_dir() / "wheels" / f"{target.arch}-cp{PYTHON[0]}{PYTHON[1]}",
+                          log)  # fmt: skip
+    for whl in wheels:
+        unpack_wheel(whl, site)
+    log(f"      {len(wheels)} wheels: {', '.join(f'{n} {v}' for n, v in pins.items())}")
+    stage_sources(site)
+    for k in kernels:
+        shutil.copy(k, site / k.name)
+    (site / "edgepack_stub_info.py").write_text(stub_info)
+    (root / "entry.py").write_text(ENTRY.format(py=PY))
+    wrapper = root / "edgepack-rt"
+    wrapper.write_text(WRAPPER.format(arch=target.arch, py=PY))
+    wrapper.chmod(0o755)
+    (root / "bin" / PY).chmod(0o755)
+    # bytecode for the interpreter's own version (its magic number is per minor
+    # version; toolchain() checked this machine runs the same 3.11), checked by hash,
+    # not by timestamps, which the archive does not keep
+    compileall.compile_dir(str(libs / PY), quiet=2, workers=1,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    return {"python": _debian_python_version(sr)}
+
+
+def _debian_python_version(sr: Path) -> str:
+    """The sysroot python's version (3.11.2), from its Debian changelog's first line:
+    it is another architecture's program, not run here."""
+    import gzip
+
+    log = sr / "usr/share/doc" / f"{PY}-minimal" / "changelog.Debian.gz"
+    try:
+        m = re.match(rf"{PY} \((\d+\.\d+\.\d+)", gzip.open(log, "rt").readline())
+    except OSError:
+        m = None
+    return m[1] if m else f"{PYTHON[0]}.{PYTHON[1]}"
+
+
+def strip_tool(arch: str) -> list[str] | None:
+    """The cross ``strip`` (apt-installed, or unpacked beside the sysroot)."""
+    gnu = GNU.get(arch)
+    if gnu is None:
+        return None
+    tool = shutil.which(f"{gnu}-strip")
+    if tool:
+        return [tool]
+    cross = Path(f"{sysroot()}.cross")
+    tool = cross / "usr/bin" / f"{gnu}-strip"
+    return [str(tool)] if tool.is_file() else None
+
+
+def strip_env(arch: str) -> dict[str, str]:
+    cross = Path(f"{sysroot()}.cross")
+    libs = cross / "usr/lib/x86_64-linux-gnu"
+    env = dict(os.environ)
+    if libs.is_dir():
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(libs), os.environ.get("LD_LIBRARY_PATH")) if p
+        )
+    return env
