@@ -190,8 +190,8 @@ def how_to_build(target: Target) -> str:
     where = (
         "this machine"
         if host_arch() == target.arch
-        else f"an {target.arch} machine "
-        "(the board itself or an arm64 CI runner: .github/workflows/stubs.yml)"
+        else f"this machine (after `bash scripts/aarch64_sysroot.sh`) or an {target.arch} "
+        "one (the board itself or an arm64 CI runner: .github/workflows/stubs.yml)"
     )
     return (
         f"build it on {where} with `edgepack stub --target {target.name}` "

@@ -1,0 +1,157 @@
+"""ARM executables made on this x86_64 machine, run here under user-mode qemu.
+
+`edgepack build --target rpi5` on x86_64 assembles the aarch64 stub itself (Debian's
+arm64 python3.11, aarch64 wheels, the kernels cross-compiled: packager/stub_cross.py)
+and appends the bundle. qemu-aarch64-static then runs the executable on a root that
+holds only what the stub takes from a board's OS (glibc, libgcc_s, libstdc++,
+libexpat: scripts/aarch64_sysroot.sh's SYSROOT.board), the way the board would:
+``EDGEPACK_EMULATOR`` puts qemu in front of the interpreter (no binfmt_misc here), and
+``EDGEPACK_CPU_FLAGS`` stands in for /proc/cpuinfo, which qemu shows as the host's.
+
+Slow (the first run cross-compiles the rpi5 kernels, ~7 minutes on one core; later runs
+take them from the kernel cache): ``pytest -m slow tests/test_stub_aarch64.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import DATA
+from edgepack.packager.aot import host_arch
+
+pytestmark = [
+    pytest.mark.frozen,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("stub-aarch64"),
+    pytest.mark.skipif(host_arch() != "x86_64", reason="cross-builds from x86_64"),
+    pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the stub's Python is 3.11"),
+]
+REPO = Path(__file__).resolve().parents[1]
+DIGITS = DATA / "digits_cnn.onnx"
+ROOT = Path(os.environ.get("EDGEPACK_AARCH64_ROOT")
+            or Path.home() / ".cache/edgepack/aarch64-sysroot")  # fmt: skip
+RPI5_FLAGS = "fp asimd evtstrm crc32 cpuid asimddp asimdhp"  # a Pi 5's /proc/cpuinfo
+
+
+def ep(*args, env=None) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "edgepack.cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=1800, env=env)  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r
+
+
+def on_board(qemu_cpu: str, flags: str, cache: Path) -> dict:
+    """The environment that runs an aarch64 executable under qemu on the bare root."""
+    return dict(os.environ, EDGEPACK_EMULATOR=f"qemu-aarch64-static -cpu {qemu_cpu}",
+                QEMU_LD_PREFIX=f"{ROOT}.board", EDGEPACK_CPU_FLAGS=flags,
+                EDGEPACK_CACHE_DIR=str(cache))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sysroot():
+    if not shutil.which("qemu-aarch64-static") and not shutil.which("apt-get"):
+        pytest.skip("needs qemu-aarch64-static, or apt-get to install it")
+    r = subprocess.run(["bash", str(REPO / "scripts/aarch64_sysroot.sh"), str(ROOT)],
+                       capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert r.returncode == 0, f"sysroot setup failed:\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert (Path(f"{ROOT}.board") / ".edgepack-board").is_file()
+    return ROOT
+
+
+@pytest.fixture(scope="module")
+def rpi5_digits(sysroot, tmp_path_factory):
+    """digits_cnn for rpi5, built into an empty stub cache: the build assembles the
+    stub (with its progress, size and time printed)."""
+    stubs = tmp_path_factory.mktemp("stubs")
+    out = tmp_path_factory.mktemp("exe") / "digits_cnn-rpi5"
+    r = ep("build", DIGITS, "--target", "rpi5", "-o", out,
+           env=dict(os.environ, EDGEPACK_STUB_CACHE=str(stubs)))  # fmt: skip
+    assert "assembling an aarch64 one" in r.stdout, r.stdout
+    assert "MB unpacked), needs glibc" in r.stdout, r.stdout
+    head = out.read_bytes()[:4096]
+    assert b'"arch": "aarch64"' in head and b'"target": "rpi5"' in head
+    return out
+
+
+@pytest.fixture(scope="module")
+def digit_input(tmp_path_factory):
+    import train_digits
+
+    d = tmp_path_factory.mktemp("inputs")
+    _, x_test, _, _ = train_digits.load_split()
+    np.save(d / "x.npy", x_test[:1])
+    return d / "x.npy"
+
+
+def test_the_rpi5_executable_matches_x86_bit_for_bit(rpi5_digits, digit_input, tmp_path):
+    """run, info and bench under a qemu cortex-a76; the logits equal those of the same
+    model packed for x86_64 (int8 weights, the rpi5 default: every kernel on its path
+    sums in the same order on both ISAs, so the bits agree, not just 1e-5)."""
+    env = on_board("cortex-a76", RPI5_FLAGS, tmp_path / "cache")
+    run = subprocess.run([rpi5_digits, "run", "-i", digit_input, "-o", tmp_path / "arm.npz"],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    ep("build", DIGITS, "--quant", "int8", "-o", tmp_path / "x86.epk")
+    ep("run", tmp_path / "x86.epk", "-i", digit_input, "-o", tmp_path / "x86.npz")
+    with np.load(tmp_path / "arm.npz") as a, np.load(tmp_path / "x86.npz") as b:
+        assert a["logits"].shape == (1, 10)
+        np.testing.assert_array_equal(a["logits"], b["logits"])
+    info = subprocess.run([rpi5_digits, "info"], capture_output=True, text=True, env=env)
+    assert info.returncode == 0 and "conv 3" in info.stdout, info.stderr
+    bench = subprocess.run([rpi5_digits, "bench", "-n", "20", "--warmup", "2"],
+                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    assert "kernels built for cortex-a76" in bench.stdout and "median" in bench.stdout
+
+
+def test_a_pi4_cpu_is_refused_by_the_rpi5_executable(rpi5_digits, digit_input, tmp_path):
+    """A Cortex-A72 lacks the dot-product instructions the rpi5 kernels use: the
+    executable says so instead of dying on an illegal instruction."""
+    env = on_board("cortex-a72", "fp asimd evtstrm crc32 cpuid", tmp_path / "cache")
+    r = subprocess.run([rpi5_digits, "run", "-i", digit_input], capture_output=True,
+                       text=True, timeout=300, env=env)  # fmt: skip
+    assert r.returncode == 1
+    assert "this CPU lacks asimddp, asimdhp" in r.stderr and "cortex-a76" in r.stderr, r.stderr
+
+
+@pytest.mark.mqtt
+def test_serve_in_the_rpi5_executable(rpi5_digits, digit_input, tmp_path):
+    """The MQTT agent inside the aarch64 executable answers a job from a host client
+    over the local Mosquitto as `edgepack run` answers on x86_64."""
+    import mqtt_broker as mb
+
+    from edgepack.client import Client
+
+    if not mb.have_mosquitto():
+        pytest.skip("needs mosquitto (apt-get install mosquitto)")
+    broker = mb.Broker(tmp_path / "broker").start()
+    watcher = mb.StatusWatcher(broker.url)
+    log = open(tmp_path / "agent.log", "wb")
+    agent = subprocess.Popen(
+        [str(rpi5_digits), "serve", "--broker", broker.url, "--device", "pi-1", "--threads", "2"],
+        stdout=log, stderr=subprocess.STDOUT,
+        env=on_board("cortex-a76", RPI5_FLAGS, tmp_path / "cache"))  # fmt: skip
+    try:
+        watcher.wait("pi-1", "online", timeout=180)
+        x = np.load(digit_input)
+        with Client(broker.url) as client:
+            got = client.submit({"image": x}, device="pi-1", timeout=60, retries=2).result()
+        ep("build", DIGITS, "--quant", "int8", "-o", tmp_path / "x86.epk")
+        ep("run", tmp_path / "x86.epk", "-i", digit_input, "-o", tmp_path / "ref.npz")
+        with np.load(tmp_path / "ref.npz") as ref:
+            np.testing.assert_array_equal(got["logits"], ref["logits"])
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=120) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+        watcher.wait("pi-1", "offline", timeout=60)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        watcher.close()
+        broker.stop()
