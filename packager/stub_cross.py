@@ -17,11 +17,11 @@ The tree (``runtime_tree``):
     entry.py                       sys.path, sys.frozen, then runtime.stub_main.main()
     bin/python3.11
     lib/*.so.*                     zlib, libffi, OpenSSL
-    lib/python3.11/                the standard library (.py with their .pyc), lib-dynload
-    lib/python3.11/site-packages/  wheels, edgepack, edgepack_kernels*.so, edgepack_stub_info.py
+    lib/python3.11/                the standard library, lib-dynload (.pyc only, as PyInstaller ships)
+    lib/python3.11/site-packages/  wheels (tests pruned), edgepack, edgepack_kernels*.so, edgepack_stub_info.py
 
 ``-I -S``: no environment variables, user site or Debian's site folders reach it; the
-interpreter finds its standard library from its own location (``lib/python3.11/os.py``
+interpreter finds its standard library from its own location (``lib/python3.11/os.pyc``
 beside ``bin/``). The C library, libstdc++, libgcc_s and libexpat are the board's (every
 Raspberry Pi OS and JetPack image has them; JetPack 6's glibc 2.35 could not load
 bookworm's libexpat, which needs 2.36).
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import compileall
 import os
-import py_compile
 import re
 import shutil
 import subprocess
@@ -63,6 +62,10 @@ STDLIB_DROP = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3
                "distutils", "pydoc_data", "unittest", "sqlite3", "curses", "dbm",
                "xmlrpc", "venv", "config-3.11-aarch64-linux-gnu", "__pycache__",
                "site-packages", "dist-packages")  # fmt: skip
+# In the wheels: test suites, numpy's build tools and test extensions, type stubs. The
+# device runtime imports none of them (PyInstaller's import scan leaves them out too).
+SITE_DROP_DIRS = ("tests", "f2py", "distutils", "_pyinstaller", "testing")
+SITE_DROP_FILES = re.compile(r".*\.pyi$|^py\.typed$|^_\w+_tests\.cpython.*\.so$|^_simd\.cpython")
 DYNLOAD_DROP = re.compile(r"^_(test|xx|ctypes_test|curses|sqlite3|dbm|gdbm|tkinter)|"
                           r"^(xxlimited|readline|nis|ossaudiodev|audioop)")  # fmt: skip
 
@@ -211,12 +214,26 @@ def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
     wrapper.write_text(WRAPPER.format(arch=target.arch, py=PY))
     wrapper.chmod(0o755)
     (root / "bin" / PY).chmod(0o755)
+    _prune(site)
     # bytecode for the interpreter's own version (its magic number is per minor
-    # version; toolchain() checked this machine runs the same 3.11), checked by hash,
-    # not by timestamps, which the archive does not keep
-    compileall.compile_dir(str(libs / PY), quiet=2, workers=1,
-                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    # version; toolchain() checked this machine runs the same 3.11) in place of the
+    # sources, as PyInstaller ships it: 29 MB of .py fewer, and nothing to compile or
+    # check against timestamps (which the archive does not keep) at start-up
+    if not compileall.compile_dir(str(stdlib), quiet=2, legacy=True, workers=1):
+        raise PackError(f"compiling the runtime's Python files in {stdlib} failed")
+    for f in stdlib.rglob("*.py"):
+        f.unlink()
+    for d in sorted(stdlib.rglob("__pycache__"), reverse=True):
+        shutil.rmtree(d, ignore_errors=True)
     return {"python": _debian_python_version(sr)}
+
+
+def _prune(site: Path) -> None:
+    for d in sorted(site.rglob("*"), reverse=True):  # deepest first
+        if d.is_dir() and d.name in SITE_DROP_DIRS and d.parent != site:
+            shutil.rmtree(d)
+        elif d.is_file() and SITE_DROP_FILES.match(d.name):
+            d.unlink()
 
 
 def _debian_python_version(sr: Path) -> str:
