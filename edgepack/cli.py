@@ -313,9 +313,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="freeze the device runtime for a target (what executables are made from)",
         description="Freeze the device runtime for a target into its runtime stub "
         "(PyInstaller, the `stub` extra; the kernels from `edgepack kernels`' cache). "
-        "`edgepack build --target` appends bundles to it, and freezes one itself when the "
-        "cache has none; this command makes one ahead of time or into --out. Only for "
-        "this machine's architecture. See docs/executable.md.",
+        "`edgepack build --target` appends bundles to it, and makes one itself when the "
+        "cache has none; this command makes one ahead of time or into --out. For an "
+        "aarch64 target on x86_64 the runtime is assembled from Debian's arm64 python3.11 "
+        "and aarch64 wheels, its kernels cross-compiled (after `bash "
+        "scripts/aarch64_sysroot.sh` once). See docs/executable.md.",
     )
     p.add_argument("--target", required=True, help="target name or .toml file")
     p.add_argument("--out", type=Path, help="where to write the stub (default: the stub cache, "

@@ -48,7 +48,8 @@ def sysroot() -> Path:
 def _how() -> str:
     return ("make them with `bash scripts/aarch64_sysroot.sh` (Debian's arm64 python3.11 "
             "and aarch64 cross compiler, unpacked; about 400 MB, no root needed when the "
-            "arm64 dpkg architecture is enabled)")  # fmt: skip
+            "arm64 dpkg architecture is enabled), or build the stub on the board and pass "
+            "it with --stub")  # fmt: skip
 
 
 def toolchain(arch: str) -> dict[str, str]:

@@ -2,9 +2,12 @@
 
 A stub is one file: a POSIX sh launcher followed by a gzip'd tar of a PyInstaller
 "onedir" build of the device runtime (runtime/ + kernels/ with the kernels compiled
-ahead of time; no numba, LLVM, onnx or packager). On its first start the launcher
-unpacks the runtime once into the user's cache folder; every later start execs it
-directly. docs/executable.md gives the measurements behind this layout.
+ahead of time; no numba, LLVM, onnx or packager). For another architecture's target
+(aarch64 on x86_64) the runtime is assembled from that architecture's CPython and
+wheels instead (packager/stub_cross.py); the launcher and the checks are the same.
+On its first start the launcher unpacks the runtime once into the user's cache
+folder; every later start execs it directly. docs/executable.md gives the
+measurements behind this layout.
 
 The launcher's second line carries the stub's metadata as JSON so the packager can
 check a stub (architecture, glibc symbol versions) without running it.
@@ -421,12 +424,9 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
     cross = host_arch() != target.arch
     if cross:
         from .aot_cross import toolchain
+        from .stub_cross import check_target
 
-        if cuda_packages(target):
-            raise PackError(
-                f"target {target.name} runs cuda kernels: its stub (with cupy) is not "
-                f"cross-built yet; build it on the board: {how_to_build(target)}"
-            )
+        check_target(target)
         toolchain(target.arch)  # what the cross build needs, named before anything starts
     else:
         check_cuda_packages(target)

@@ -17,8 +17,10 @@ The tree (``runtime_tree``):
     entry.py                       sys.path, sys.frozen, then runtime.stub_main.main()
     bin/python3.11
     lib/*.so.*                     zlib, libffi, OpenSSL
-    lib/python3.11/                the standard library, lib-dynload (.pyc only, as PyInstaller ships)
-    lib/python3.11/site-packages/  wheels (tests pruned), edgepack, edgepack_kernels*.so, edgepack_stub_info.py
+    lib/python3.11/                the standard library, lib-dynload
+    lib/python3.11/site-packages/  wheels (tests pruned), edgepack, edgepack_kernels*.so,
+                                   edgepack_stub_info.py
+                                   (Python files as .pyc only, as PyInstaller ships them)
 
 ``-I -S``: no environment variables, user site or Debian's site folders reach it; the
 interpreter finds its standard library from its own location (``lib/python3.11/os.pyc``
@@ -47,6 +49,11 @@ from .aot_cross import GNU, PYTHON, sysroot
 from .ir import PackError
 
 PY = f"python{PYTHON[0]}.{PYTHON[1]}"
+# The newest glibc the assembled runtime needs: Debian bookworm's python3.11 calls
+# hypot@GLIBC_2.35 (the wheels need <= 2.28, the kernels 2.34). Raspberry Pi OS
+# bookworm (2.36) and JetPack 6 (2.35) have it; JetPack 5 (2.31) does not, and no
+# registry has an aarch64 CPython built for an older glibc.
+RUNTIME_GLIBC = (2, 35)
 # What the device runtime imports (pyproject's dependencies and the llm extra), pinned
 # to this machine's versions with everything they require.
 RUNTIME_DISTS = ("numpy", "threadpoolctl", "pynacl", "paho-mqtt", "fastapi", "uvicorn",
@@ -54,17 +61,24 @@ RUNTIME_DISTS = ("numpy", "threadpoolctl", "pynacl", "paho-mqtt", "fastapi", "uv
 # Requirements a device never uses: the hub client (tokenizers' from_pretrained; a
 # bundle carries its tokenizer) and what only it needs.
 NOT_ON_DEVICE = frozenset({"huggingface-hub"})
+# A cuda target's stub also carries cupy for its CUDA (packager/stub.py cuda_packages),
+# which this workstation need not have installed: its pins are kept here (and with
+# them what they require); numba and llvmlite, the rest of that path, come at this
+# machine's versions like everything else.
+CUDA_PINS = {"cupy-cuda12x": {"cupy-cuda12x": "14.2.0", "cuda-pathfinder": "1.9.1"}}
 # The board's own (module doc); the rest of what python3.11 and its modules load ships.
 SHIPPED_LIBS = ("libz.so.1", "libffi.so.8", "libssl.so.3", "libcrypto.so.3")
 # Standard-library folders and modules a device never imports (PyInstaller's excludes
-# in packager/stub.py, plus the test suites and tools).
+# in packager/stub.py, plus the test suites and tools; not unittest, which numba.cuda
+# imports).
 STDLIB_DROP = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3",
-               "distutils", "pydoc_data", "unittest", "sqlite3", "curses", "dbm",
+               "distutils", "pydoc_data", "sqlite3", "curses", "dbm",
                "xmlrpc", "venv", "config-3.11-aarch64-linux-gnu", "__pycache__",
                "site-packages", "dist-packages")  # fmt: skip
 # In the wheels: test suites, numpy's build tools and test extensions, type stubs. The
 # device runtime imports none of them (PyInstaller's import scan leaves them out too).
-SITE_DROP_DIRS = ("tests", "f2py", "distutils", "_pyinstaller", "testing")
+# Not "testing" folders: cupy's __init__ looks its own up.
+SITE_DROP_DIRS = ("tests", "f2py", "distutils", "_pyinstaller")
 SITE_DROP_FILES = re.compile(r".*\.pyi$|^py\.typed$|^_\w+_tests\.cpython.*\.so$|^_simd\.cpython")
 DYNLOAD_DROP = re.compile(r"^_(test|xx|ctypes_test|curses|sqlite3|dbm|gdbm|tkinter)|"
                           r"^(xxlimited|readline|nis|ossaudiodev|audioop)")  # fmt: skip
@@ -171,14 +185,28 @@ def _copy_stdlib(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, ignore=ignore, symlinks=False)
 
 
+def check_target(target) -> None:
+    """Refuse a target this route cannot serve, before anything is built."""
+    if target.arch not in GNU:
+        raise PackError(f"no cross-assembled runtime for {target.arch} (known: {', '.join(GNU)})")
+    have = tuple(int(x) for x in target.min_glibc.split(".")[:2])
+    if have < RUNTIME_GLIBC:
+        need = ".".join(map(str, RUNTIME_GLIBC))
+        raise PackError(
+            f"target {target.name} guarantees glibc {target.min_glibc}, but the runtime "
+            f"assembled on this machine needs {need} (Debian bookworm's python3.11): build "
+            f"this target's stub on the board itself (`edgepack stub --target {target.name}`"
+            " there) and pass it with --stub"
+        )
+
+
 def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
                  stage_sources: Callable[[Path], Path],
                  log: Callable[[str], None]) -> dict:  # fmt: skip
     """Assemble the runtime for ``target`` (an aarch64 target) in ``root`` (module doc);
     returns {"python": version}. ``kernels``: the extension files to ship;
     ``stage_sources(dst)`` copies edgepack's device sources into ``dst/edgepack``."""
-    if target.arch not in GNU:
-        raise PackError(f"no cross-assembled runtime for {target.arch} (known: {', '.join(GNU)})")
+    check_target(target)
     sr = sysroot()
     gnu = GNU[target.arch]
     python = sr / "usr/bin" / PY
@@ -198,8 +226,16 @@ def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
     site = stdlib / "site-packages"
     site.mkdir()
     from .. import cache_dir
+    from .stub import cuda_packages
 
-    pins = pinned_closure()
+    cuda = cuda_packages(target)
+    for dist in cuda:
+        if dist not in CUDA_PINS and "cupy" in dist:
+            raise PackError(f"target {target.name} needs {dist}, for which no aarch64 stub "
+                            f"is assembled here (known: {', '.join(CUDA_PINS)})")  # fmt: skip
+    pins = pinned_closure(RUNTIME_DISTS + tuple(d for d in cuda if d not in CUDA_PINS))
+    for dist in cuda:
+        pins.update(CUDA_PINS.get(dist, {}))
     wheels = fetch_wheels(pins, cache_dir() / "wheels" / f"{target.arch}-cp{PYTHON[0]}{PYTHON[1]}",
                           log)  # fmt: skip
     for whl in wheels:

@@ -93,3 +93,17 @@ def test_cross_kernel_builds_name_what_they_miss(tmp_path: Path, monkeypatch) ->
     with pytest.raises(PackError, match=r"arm64 Python headers.*aarch64_sysroot\.sh"):
         ensure_kernel_builds(load_target("rpi5"), log=lambda s: None)
     assert not (tmp_path / "cache").exists()  # nothing started
+
+
+@pytest.mark.cpu
+def test_jetpack5_is_refused_by_the_cross_route_with_what_to_do() -> None:
+    """JetPack 5's glibc (2.31) is older than the assembled runtime needs (2.35): the
+    build says so, and where to build that stub, before it builds anything."""
+    from edgepack.packager.ir import PackError
+    from edgepack.packager.stub import build_stub
+    from edgepack.targets import load_target
+
+    if platform.machine() == "aarch64":
+        pytest.skip("the cross route is for x86_64 hosts")
+    with pytest.raises(PackError, match=r"glibc 2\.31.*needs 2\.35.*on the board itself"):
+        build_stub(load_target("jetson-xavier-nx"), log=lambda s: None)

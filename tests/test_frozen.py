@@ -232,10 +232,13 @@ def test_wrong_architecture_stub_is_refused(tmp_path, stub_cache):
     assert r.returncode == 1
     assert "is built for aarch64, but target linux-x86_64 is x86_64" in r.stderr
     assert not (tmp_path / "x").exists()
-    # and the host stub for an arm board: no stub cached -> how to build one
-    r = ep("build", DIGITS, "--target", "rpi5", "-o", tmp_path / "y", ok=False)
-    assert "edgepack stub --target rpi5" in r.stderr
-    assert "aarch64 machine" in r.stderr
+    # and an arm board's target with no stub cached and no cross toolchain: what to
+    # install to assemble one here, or where else to get one (--stub)
+    env = dict(os.environ, EDGEPACK_AARCH64_ROOT=str(tmp_path / "no-sysroot"))
+    r = ep("build", DIGITS, "--target", "rpi5", "-o", tmp_path / "y", ok=False, env=env)
+    assert r.returncode == 1
+    assert "bash scripts/aarch64_sysroot.sh" in r.stderr and "--stub" in r.stderr, r.stderr
+    assert not (tmp_path / "y").exists()
 
 
 def test_stub_from_other_runtime_sources_is_refused(tmp_path):

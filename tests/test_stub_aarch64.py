@@ -48,8 +48,11 @@ def ep(*args, env=None) -> subprocess.CompletedProcess:
 
 
 def on_board(qemu_cpu: str, flags: str, cache: Path) -> dict:
-    """The environment that runs an aarch64 executable under qemu on the bare root."""
-    return dict(os.environ, EDGEPACK_EMULATOR=f"qemu-aarch64-static -cpu {qemu_cpu}",
+    """The environment that runs an aarch64 executable under qemu on the bare root (none
+    of the test session's numba or edgepack settings: conftest turns numba's CUDA
+    simulator on, which the Jetson executable would then take for a GPU)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "EDGEPACK_"))}
+    return dict(clean, EDGEPACK_EMULATOR=f"qemu-aarch64-static -cpu {qemu_cpu}",
                 QEMU_LD_PREFIX=f"{ROOT}.board", EDGEPACK_CPU_FLAGS=flags,
                 EDGEPACK_CACHE_DIR=str(cache))  # fmt: skip
 
@@ -210,3 +213,26 @@ def test_smollm2_greedy_tokens_on_rpi5_equal_x86(rpi5_digits, tmp_path):
     ep("build", gguf, "--quant", "int8", "--ctx", "128", "-o", tmp_path / "x86.epk")
     want = ep(gen[0], tmp_path / "x86.epk", *gen[1:]).stdout
     assert r.stdout.strip() and r.stdout == want
+
+
+def test_the_jetson_executable_falls_back_to_the_cpu_without_a_gpu(sysroot, stubs, tmp_path):
+    """jetson-orin-nano's executable carries cupy for CUDA 12 and numba.cuda; with no GPU
+    (qemu has none) it says so once and runs the cuda-planned nodes on the cpu kernels
+    cross-built for cortex-a78, within 1e-5 of the same model in fp16 on x86_64."""
+    STUBS[:] = [stubs]
+    exe = tmp_path / "digits-orin"
+    pack(DIGITS, "--target", "jetson-orin-nano", "-o", exe)
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(1).random((1, 1, 8, 8), np.float32) * 16)
+    env = on_board("max", RPI5_FLAGS, tmp_path / "cache")  # qemu has no Cortex-A78 model
+    r = subprocess.run([exe, "run", "-i", x, "-o", tmp_path / "arm.npz"], capture_output=True,
+                       text=True, timeout=600, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("no usable GPU") == 1 and "on the cpu backend" in r.stderr, r.stderr
+    req = subprocess.run([exe, "run", "-i", x, "--require-gpu"], capture_output=True, text=True,
+                         timeout=600, env=env)  # fmt: skip
+    assert req.returncode != 0 and "GPU" in req.stderr, req.stderr
+    ep("build", DIGITS, "--quant", "fp16", "-o", tmp_path / "x86.epk")
+    ep("run", tmp_path / "x86.epk", "-i", x, "-o", tmp_path / "x86.npz")
+    with np.load(tmp_path / "arm.npz") as a, np.load(tmp_path / "x86.npz") as b:
+        assert _rel(a["logits"], b["logits"]) <= 1e-5

@@ -50,6 +50,8 @@ def probe() -> tuple[bool, str]:
         import cupy
     except ImportError as e:
         return False, f"cupy is not importable ({e}); install cupy-cuda12x or cupy-cuda11x"
+    except Exception as e:  # a broken install raises what it raises; still a fallback
+        return False, f"cupy failed to import ({type(e).__name__}: {e})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # cupy raises its own CUDARuntimeError when no driver is loaded
