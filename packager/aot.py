@@ -254,3 +254,22 @@ def host_target():
     if not fits:
         raise PackError(f"no shipped target runs on this {arch} CPU; pass --target")
     return max(fits, key=lambda f: f[:2])[2]
+
+
+def _cross_main(argv: list[str]) -> int:
+    """The process of a cross build (aot_cross.compile_kernels_cross): this one's LLVM
+    is made the target's before numba loads, then the build is the host build's."""
+    import json
+
+    from .aot_cross import retarget_process
+
+    job = json.loads(argv[0])
+    retarget_process(job["arch"], job["cpu"], job["features"])
+    compile_kernels(job["out"], job["cpu"], job["shape"], job["features"], job["module"])
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_cross_main(sys.argv[1:]))

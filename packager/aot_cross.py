@@ -8,11 +8,12 @@ helpers pycc links in (and whose triple kernels/cpu/atomics.py reads to choose t
 pause and futex instructions). Retargeting pycc's codegen alone fails at instruction
 selection on the first x86 helper (``llvm.x86.sse2.pause``). The process loads code
 into LLVM's JIT but never calls any, so it runs in a fresh interpreter of its own
-(``python -m edgepack.packager.aot_cross``), never in the packager's.
+(``python -m edgepack.packager.aot``), never in the packager's.
 
 pycc's C parts (its module helpers; numba's runtime, C++) and the link go through
 Debian's aarch64 cross compiler, against the arm64 CPython and numpy headers of the
-sysroot; both come from ``scripts/aarch64_sysroot.sh`` (SYSROOT and SYSROOT.cross).
+sysroot; both come from ``aarch64_sysroot.sh`` (SYSROOT and SYSROOT.cross; beside this
+file, and run by ``ensure_toolchain`` when missing).
 The extension needs libc and libm only, as on x86_64.
 
 Measured (2-core EPYC, numba 0.68.1, llvmlite 0.50.0): three kernels and the pool
@@ -30,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .ir import PackError
@@ -40,13 +42,14 @@ PYTHON = (3, 11)  # the sysroot's (Debian bookworm)
 
 
 def sysroot() -> Path:
-    """The arm64 sysroot of scripts/aarch64_sysroot.sh."""
+    """The arm64 sysroot of aarch64_sysroot.sh ($EDGEPACK_AARCH64_ROOT, else the cache)."""
     default = Path.home() / ".cache" / "edgepack" / "aarch64-sysroot"
     return Path(os.environ.get("EDGEPACK_AARCH64_ROOT") or default)
 
 
 def _how() -> str:
-    return ("make them with `bash scripts/aarch64_sysroot.sh` (Debian's arm64 python3.11 "
+    return ("make them with `bash scripts/aarch64_sysroot.sh` (in the package: "
+            "edgepack/packager/aarch64_sysroot.sh; Debian's arm64 python3.11 "
             "and aarch64 cross compiler, unpacked; about 400 MB, no root needed when the "
             "arm64 dpkg architecture is enabled), or build the stub on the board and pass "
             "it with --stub")  # fmt: skip
@@ -97,6 +100,37 @@ def toolchain(arch: str) -> dict[str, str]:
     return env
 
 
+SETUP_SCRIPT = Path(__file__).with_name("aarch64_sysroot.sh")
+
+
+def ensure_toolchain(arch: str, log: Callable[[str], None] = print) -> dict[str, str]:
+    """``toolchain(arch)``, first making the sysroot and cross compiler when they are
+    missing (the packaged ``aarch64_sysroot.sh``, its progress lines through ``log``;
+    about 400 MB of Debian packages and wheels, once per machine)."""
+    try:
+        return toolchain(arch)
+    except PackError:
+        if arch not in TRIPLES or sys.version_info[:2] != PYTHON:
+            raise  # nothing a sysroot would change
+    root = sysroot()
+    log(f"      no {arch} sysroot and cross compiler in {root}: making them (once; Debian "
+        "arm64 packages, aarch64 wheels and the cross compiler, ~400 MB)")  # fmt: skip
+    bash = shutil.which("bash") or "/bin/bash"
+    env = dict(os.environ, PYTHON=sys.executable)  # the wheels pinned to this Python's
+    proc = subprocess.Popen([bash, str(SETUP_SCRIPT), str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = (tail + [line.rstrip()])[-20:]
+        if line.startswith("[aarch64-sysroot]"):
+            log(f"      {line.rstrip()}")
+    if proc.wait():
+        raise PackError(f"making the {arch} sysroot failed (exit status {proc.returncode}):\n"
+                        + "\n".join(tail) + f"\n{_how()}")  # fmt: skip
+    return toolchain(arch)
+
+
 def compile_kernels_cross(out_dir: str | Path, arch: str, cpu: str, shape: str,
                           features: str, module: str) -> Path:  # fmt: skip
     """``aot.compile_kernels`` for ``arch`` in a process of its own (module doc)."""
@@ -105,8 +139,9 @@ def compile_kernels_cross(out_dir: str | Path, arch: str, cpu: str, shape: str,
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     job = {"out": str(out_dir), "arch": arch, "cpu": cpu, "shape": shape,
            "features": features, "module": module}  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", __name__, json.dumps(job)], env=env,
-                       capture_output=True, text=True)  # fmt: skip
+    # aot.py's __main__: retarget_process, then the same compile_kernels as a host build
+    r = subprocess.run([sys.executable, "-m", "edgepack.packager.aot", json.dumps(job)],
+                       env=env, capture_output=True, text=True)  # fmt: skip
     shutil.rmtree(env["NUMBA_CACHE_DIR"], ignore_errors=True)
     if r.returncode:
         raise PackError(f"cross-compiling the kernels for {arch} ({cpu}) failed:\n"
@@ -118,7 +153,7 @@ def compile_kernels_cross(out_dir: str | Path, arch: str, cpu: str, shape: str,
     return built[-1]
 
 
-def _retarget(arch: str, cpu: str, features: str) -> None:
+def retarget_process(arch: str, cpu: str, features: str) -> None:
     """Make this process's LLVM host ``arch``/``cpu``/``features``, and pycc's toolchain
     the cross compiler: before numba is imported."""
     if "numba" in sys.modules:
@@ -153,16 +188,3 @@ def _retarget(arch: str, cpu: str, features: str) -> None:
     pycc_platform.Toolchain.get_python_libraries = lambda self: []
     suffix = f".cpython-{PYTHON[0]}{PYTHON[1]}-{GNU[arch]}.so"
     pycc_platform.Toolchain.get_ext_filename = lambda self, name: name + suffix
-
-
-def _main(argv: list[str]) -> int:
-    job = json.loads(argv[0])
-    _retarget(job["arch"], job["cpu"], job["features"])
-    from .aot import compile_kernels
-
-    compile_kernels(job["out"], job["cpu"], job["shape"], job["features"], job["module"])
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))

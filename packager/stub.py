@@ -193,8 +193,9 @@ def how_to_build(target: Target) -> str:
     where = (
         "this machine"
         if host_arch() == target.arch
-        else f"this machine (after `bash scripts/aarch64_sysroot.sh`) or an {target.arch} "
-        "one (the board itself or an arm64 CI runner: .github/workflows/stubs.yml)"
+        else f"this machine (the first time it makes the arm64 sysroot and cross compiler) "
+        f"or an {target.arch} one (the board itself or an arm64 CI runner: "
+        ".github/workflows/stubs.yml)"
     )
     return (
         f"build it on {where} with `edgepack stub --target {target.name}` "
@@ -423,11 +424,11 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
     architecture's Python and wheels instead (packager/stub_cross.py)."""
     cross = host_arch() != target.arch
     if cross:
-        from .aot_cross import toolchain
+        from .aot_cross import ensure_toolchain
         from .stub_cross import check_target
 
         check_target(target)
-        toolchain(target.arch)  # what the cross build needs, named before anything starts
+        ensure_toolchain(target.arch, log)  # made here the first time (~400 MB, once)
     else:
         check_cuda_packages(target)
         import importlib.util
@@ -470,7 +471,8 @@ def build_stub(target: Target, out: Path | None = None, log: Callable[[str], Non
 
             kernels = [f for f in aot.iterdir() if f.suffix == ".so"]
             python = runtime_tree(root, target, kernels, f"INFO = {info!r}\n",
-                                  _stage_runtime_sources, log)["python"]  # fmt: skip
+                                  _stage_runtime_sources, cuda_packages(target),
+                                  log)["python"]  # fmt: skip
         else:
             _freeze(work, aot, target, log)
         log("[3/4] shrink and inspect")

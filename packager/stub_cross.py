@@ -4,7 +4,7 @@ PyInstaller freezes only for the machine it runs on, so an ARM stub's runtime is
 together from parts that exist for aarch64 already, each from a package registry:
 
 - CPython: Debian bookworm's arm64 ``python3.11`` (libpython linked in) and its
-  standard library, from the sysroot of ``scripts/aarch64_sysroot.sh``, with the few
+  standard library, from the sysroot of ``aarch64_sysroot.sh`` (aot_cross.py), with the few
   shared libraries it and its extension modules load (zlib, libffi, OpenSSL);
 - packages: the aarch64 wheels of the runtime's dependencies at the versions this
   workstation runs (so the stub runs the code the tests ran), from PyPI;
@@ -201,11 +201,12 @@ def check_target(target) -> None:
 
 
 def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
-                 stage_sources: Callable[[Path], Path],
+                 stage_sources: Callable[[Path], Path], cuda: list[str],
                  log: Callable[[str], None]) -> dict:  # fmt: skip
     """Assemble the runtime for ``target`` (an aarch64 target) in ``root`` (module doc);
     returns {"python": version}. ``kernels``: the extension files to ship;
-    ``stage_sources(dst)`` copies edgepack's device sources into ``dst/edgepack``."""
+    ``stage_sources(dst)`` copies edgepack's device sources into ``dst/edgepack``;
+    ``cuda``: the distributions a cuda target's stub adds (stub.cuda_packages)."""
     check_target(target)
     sr = sysroot()
     gnu = GNU[target.arch]
@@ -226,9 +227,6 @@ def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
     site = stdlib / "site-packages"
     site.mkdir()
     from .. import cache_dir
-    from .stub import cuda_packages
-
-    cuda = cuda_packages(target)
     for dist in cuda:
         if dist not in CUDA_PINS and "cupy" in dist:
             raise PackError(f"target {target.name} needs {dist}, for which no aarch64 stub "

@@ -232,12 +232,16 @@ def test_wrong_architecture_stub_is_refused(tmp_path, stub_cache):
     assert r.returncode == 1
     assert "is built for aarch64, but target linux-x86_64 is x86_64" in r.stderr
     assert not (tmp_path / "x").exists()
-    # and an arm board's target with no stub cached and no cross toolchain: what to
-    # install to assemble one here, or where else to get one (--stub)
-    env = dict(os.environ, EDGEPACK_AARCH64_ROOT=str(tmp_path / "no-sysroot"))
+    # and an arm board's target with no stub cached: the build makes the arm64 sysroot
+    # to assemble one; where that cannot work (here: no Debian tools on PATH), it says
+    # what failed, how to make it by hand, and where else to get a stub (--stub)
+    env = dict(os.environ, EDGEPACK_AARCH64_ROOT=str(tmp_path / "no-sysroot"),
+               PATH=str(tmp_path / "empty-path"))  # fmt: skip
     r = ep("build", DIGITS, "--target", "rpi5", "-o", tmp_path / "y", ok=False, env=env)
     assert r.returncode == 1
-    assert "bash scripts/aarch64_sysroot.sh" in r.stderr and "--stub" in r.stderr, r.stderr
+    assert "making them (once" in r.stdout, r.stdout
+    assert "making the aarch64 sysroot failed" in r.stderr, r.stderr
+    assert "aarch64_sysroot.sh" in r.stderr and "--stub" in r.stderr, r.stderr
     assert not (tmp_path / "y").exists()
 
 
