@@ -241,10 +241,10 @@ mkdir -p "$PART/$SITE_REL"
 "$HOST_PY" - "$DOWNLOADS/wheels" "$PART/$SITE_REL" "${PINS[@]}" <<'EOF'
 """Unpack one wheel per pin (a wheel is a zip) the way pip would lay out its files."""
 import re
-import shutil
 import sys
-import zipfile
 from pathlib import Path
+
+from edgepack.packager.stub_cross import unpack_wheel
 
 wheels, site, pins = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 for pin in pins:
@@ -259,14 +259,7 @@ for pin in pins:
     if not found:
         sys.exit(f"no aarch64/pure wheel for {pin} in {wheels}")
     whl = found[-1]
-    with zipfile.ZipFile(whl) as z:
-        z.extractall(site)
-    # <name>.data/{purelib,platlib} belong in site-packages; scripts/headers are not needed
-    for data in site.glob("*.data"):
-        for sub in ("purelib", "platlib"):
-            if (data / sub).is_dir():
-                shutil.copytree(data / sub, site, dirs_exist_ok=True)
-        shutil.rmtree(data)
+    unpack_wheel(whl, site)  # as the ARM stubs' wheels are
     print(f"  {whl.name}")
 EOF
 

@@ -76,12 +76,13 @@ def toolchain(arch: str) -> dict[str, str]:
     env: dict[str, str] = {}
     on_path = shutil.which(f"{gnu}-gcc"), shutil.which(f"{gnu}-g++")
     if all(on_path):  # apt-get install g++-aarch64-linux-gnu
-        cc, cxx, ar = on_path[0], on_path[1], shutil.which(f"{gnu}-ar") or "ar"
+        cc, cxx = on_path
+        ar, strip = (shutil.which(f"{gnu}-{t}") or t for t in ("ar", "strip"))
     else:  # the unpacked one beside the sysroot
         cross = Path(f"{root}.cross")
         cc = f"{cross}/usr/bin/{gnu}-gcc-12 --sysroot={cross}"
         cxx = f"{cross}/usr/bin/{gnu}-g++-12 --sysroot={cross}"
-        ar = f"{cross}/usr/bin/{gnu}-ar"
+        ar, strip = f"{cross}/usr/bin/{gnu}-ar", f"{cross}/usr/bin/{gnu}-strip"
         need["cross compiler"] = cross / "usr/bin" / f"{gnu}-g++-12"
         libs = f"{cross}/usr/lib/x86_64-linux-gnu"  # binutils' own libraries
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
@@ -91,7 +92,8 @@ def toolchain(arch: str) -> dict[str, str]:
     if missing:
         raise PackError(f"cross-compiling the kernels for {arch} needs {', '.join(missing)} "
                         f"in {root}: {_how()}")  # fmt: skip
-    env.update(CC=cc, CXX=cxx, LDSHARED=f"{cc} -shared", AR=ar, CFLAGS="-O2 -fPIC",
+    env.update(CC=cc, CXX=cxx, LDSHARED=f"{cc} -shared", AR=ar, STRIP=strip,
+               CFLAGS="-O2 -fPIC",
                CPPFLAGS="", LDFLAGS="",
                EDGEPACK_CROSS_INCLUDE=os.pathsep.join(map(str, (
                    root / "usr/include", root / "usr/include" / py,

@@ -390,9 +390,10 @@ def _strip(root: Path, log: Callable[[str], None], arch: str | None = None) -> N
     if arch is None or arch == host_arch():
         tool = ["strip"] if shutil.which("strip") else None
     else:
-        from .stub_cross import strip_env, strip_tool
+        from .aot_cross import toolchain  # the cross binutils, as the kernels' build
 
-        tool, env = strip_tool(arch), strip_env(arch)
+        cross = toolchain(arch)
+        tool, env = [cross["STRIP"]], dict(os.environ, **cross)
     if tool is None:
         log("      strip not found: skipping")
         return

@@ -36,7 +36,6 @@ interpreter: an x86_64 machine without binfmt_misc runs the executable that way
 from __future__ import annotations
 
 import compileall
-import os
 import re
 import shutil
 import subprocess
@@ -45,6 +44,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import cache_dir
 from .aot_cross import GNU, PYTHON, sysroot
 from .ir import PackError
 
@@ -139,10 +139,8 @@ def pinned_closure(names: tuple[str, ...] = RUNTIME_DISTS) -> dict[str, str]:
 def fetch_wheels(pins: dict[str, str], dest: Path, log: Callable[[str], None]) -> list[Path]:
     """The aarch64 (or pure) wheel of every pin, downloaded into ``dest`` once."""
     dest.mkdir(parents=True, exist_ok=True)
-    have = {p.name.split("-")[0].lower().replace("_", "-") + "==" + p.name.split("-")[1]: p
-            for p in dest.glob("*.whl")}  # fmt: skip
-    want = [f"{n}=={v}" for n, v in pins.items()]
-    missing = [w for w in want if _norm(w) not in {_norm(k) for k in have}]
+    want = [_norm(f"{n}=={v}") for n, v in pins.items()]
+    missing = [w for w in want if w not in _wheels_in(dest)]
     if missing:
         log(f"      pip download {len(missing)} aarch64 wheels into {dest}")
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest),
@@ -154,10 +152,13 @@ def fetch_wheels(pins: dict[str, str], dest: Path, log: Callable[[str], None]) -
         if r.returncode:
             raise PackError(f"cannot download the aarch64 wheels {', '.join(missing)}:\n"
                             f"{r.stderr[-2000:]}")  # fmt: skip
-        have = {p.name.split("-")[0].lower().replace("_", "-") + "==" + p.name.split("-")[1]: p
-                for p in dest.glob("*.whl")}  # fmt: skip
-    by = {_norm(k): p for k, p in have.items()}
-    return [by[_norm(w)] for w in want]
+    have = _wheels_in(dest)
+    return [have[w] for w in want]
+
+
+def _wheels_in(folder: Path) -> dict[str, Path]:
+    """{normalised name==version: wheel file} of the wheels in ``folder``."""
+    return {_norm("==".join(p.name.split("-")[:2])): p for p in folder.glob("*.whl")}
 
 
 def _norm(pin: str) -> str:
@@ -206,8 +207,8 @@ def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
     """Assemble the runtime for ``target`` (an aarch64 target) in ``root`` (module doc);
     returns {"python": version}. ``kernels``: the extension files to ship;
     ``stage_sources(dst)`` copies edgepack's device sources into ``dst/edgepack``;
-    ``cuda``: the distributions a cuda target's stub adds (stub.cuda_packages)."""
-    check_target(target)
+    ``cuda``: the distributions a cuda target's stub adds (stub.cuda_packages). The
+    caller has checked the target (``check_target``)."""
     sr = sysroot()
     gnu = GNU[target.arch]
     python = sr / "usr/bin" / PY
@@ -226,7 +227,6 @@ def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
     _copy_stdlib(sr / "usr/lib" / PY, stdlib)
     site = stdlib / "site-packages"
     site.mkdir()
-    from .. import cache_dir
     for dist in cuda:
         if dist not in CUDA_PINS and "cupy" in dist:
             raise PackError(f"target {target.name} needs {dist}, for which no aarch64 stub "
@@ -247,7 +247,6 @@ def runtime_tree(root: Path, target, kernels: list[Path], stub_info: str,
     wrapper = root / "edgepack-rt"
     wrapper.write_text(WRAPPER.format(arch=target.arch, py=PY))
     wrapper.chmod(0o755)
-    (root / "bin" / PY).chmod(0o755)
     _prune(site)
     # bytecode for the interpreter's own version (its magic number is per minor
     # version; toolchain() checked this machine runs the same 3.11) in place of the
@@ -281,27 +280,3 @@ def _debian_python_version(sr: Path) -> str:
     except OSError:
         m = None
     return m[1] if m else f"{PYTHON[0]}.{PYTHON[1]}"
-
-
-def strip_tool(arch: str) -> list[str] | None:
-    """The cross ``strip`` (apt-installed, or unpacked beside the sysroot)."""
-    gnu = GNU.get(arch)
-    if gnu is None:
-        return None
-    tool = shutil.which(f"{gnu}-strip")
-    if tool:
-        return [tool]
-    cross = Path(f"{sysroot()}.cross")
-    tool = cross / "usr/bin" / f"{gnu}-strip"
-    return [str(tool)] if tool.is_file() else None
-
-
-def strip_env(arch: str) -> dict[str, str]:
-    cross = Path(f"{sysroot()}.cross")
-    libs = cross / "usr/lib/x86_64-linux-gnu"
-    env = dict(os.environ)
-    if libs.is_dir():
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(libs), os.environ.get("LD_LIBRARY_PATH")) if p
-        )
-    return env

@@ -125,5 +125,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def digit_inputs(tmp_path_factory) -> Path:
+    """One held-out digit image as x.npy (scripts/train_digits.py's split), the input
+    the executables are run on (tests/test_frozen.py, tests/test_stub_aarch64.py)."""
+    import train_digits
+
+    d = tmp_path_factory.mktemp("inputs")
+    _, x_test, _, _ = train_digits.load_split()
+    np.save(d / "x.npy", x_test[:1])
+    return d / "x.npy"
+
+
+@pytest.fixture(scope="session")
 def digits_onnx() -> Path:
     return DATA / "digits_cnn.onnx"

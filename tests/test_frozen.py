@@ -72,16 +72,6 @@ def digits_exe(stub_cache, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def digit_inputs(tmp_path_factory):
-    import train_digits
-
-    d = tmp_path_factory.mktemp("inputs")
-    _, x_test, _, _ = train_digits.load_split()
-    np.save(d / "x.npy", x_test[:1])
-    return d / "x.npy"
-
-
 def _no_python_path(tmp: Path) -> str:
     """A PATH with only the tools the launcher uses (no python anywhere on it)."""
     bin_ = tmp / "bin"

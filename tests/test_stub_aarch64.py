@@ -97,26 +97,16 @@ def rpi5_digits(sysroot, stubs, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def digit_input(tmp_path_factory):
-    import train_digits
-
-    d = tmp_path_factory.mktemp("inputs")
-    _, x_test, _, _ = train_digits.load_split()
-    np.save(d / "x.npy", x_test[:1])
-    return d / "x.npy"
-
-
-def test_the_rpi5_executable_matches_x86_bit_for_bit(rpi5_digits, digit_input, tmp_path):
+def test_the_rpi5_executable_matches_x86_bit_for_bit(rpi5_digits, digit_inputs, tmp_path):
     """run, info and bench under a qemu cortex-a76; the logits equal those of the same
     model packed for x86_64 (int8 weights, the rpi5 default: every kernel on its path
     sums in the same order on both ISAs, so the bits agree, not just 1e-5)."""
     env = on_board("cortex-a76", RPI5_FLAGS, tmp_path / "cache")
-    run = subprocess.run([rpi5_digits, "run", "-i", digit_input, "-o", tmp_path / "arm.npz"],
+    run = subprocess.run([rpi5_digits, "run", "-i", digit_inputs, "-o", tmp_path / "arm.npz"],
                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr
     ep("build", DIGITS, "--quant", "int8", "-o", tmp_path / "x86.epk")
-    ep("run", tmp_path / "x86.epk", "-i", digit_input, "-o", tmp_path / "x86.npz")
+    ep("run", tmp_path / "x86.epk", "-i", digit_inputs, "-o", tmp_path / "x86.npz")
     with np.load(tmp_path / "arm.npz") as a, np.load(tmp_path / "x86.npz") as b:
         assert a["logits"].shape == (1, 10)
         np.testing.assert_array_equal(a["logits"], b["logits"])
@@ -128,18 +118,18 @@ def test_the_rpi5_executable_matches_x86_bit_for_bit(rpi5_digits, digit_input, t
     assert "kernels built for cortex-a76" in bench.stdout and "median" in bench.stdout
 
 
-def test_a_pi4_cpu_is_refused_by_the_rpi5_executable(rpi5_digits, digit_input, tmp_path):
+def test_a_pi4_cpu_is_refused_by_the_rpi5_executable(rpi5_digits, digit_inputs, tmp_path):
     """A Cortex-A72 lacks the dot-product instructions the rpi5 kernels use: the
     executable says so instead of dying on an illegal instruction."""
     env = on_board("cortex-a72", "fp asimd evtstrm crc32 cpuid", tmp_path / "cache")
-    r = subprocess.run([rpi5_digits, "run", "-i", digit_input], capture_output=True,
+    r = subprocess.run([rpi5_digits, "run", "-i", digit_inputs], capture_output=True,
                        text=True, timeout=300, env=env)  # fmt: skip
     assert r.returncode == 1
     assert "this CPU lacks asimddp, asimdhp" in r.stderr and "cortex-a76" in r.stderr, r.stderr
 
 
 @pytest.mark.mqtt
-def test_serve_in_the_rpi5_executable(rpi5_digits, digit_input, tmp_path):
+def test_serve_in_the_rpi5_executable(rpi5_digits, digit_inputs, tmp_path):
     """The MQTT agent inside the aarch64 executable answers a job from a host client
     over the local Mosquitto as `edgepack run` answers on x86_64."""
     import mqtt_broker as mb
@@ -157,11 +147,11 @@ def test_serve_in_the_rpi5_executable(rpi5_digits, digit_input, tmp_path):
         env=on_board("cortex-a76", RPI5_FLAGS, tmp_path / "cache"))  # fmt: skip
     try:
         watcher.wait("pi-1", "online", timeout=180)
-        x = np.load(digit_input)
+        x = np.load(digit_inputs)
         with Client(broker.url) as client:
             got = client.submit({"image": x}, device="pi-1", timeout=60, retries=2).result()
         ep("build", DIGITS, "--quant", "int8", "-o", tmp_path / "x86.epk")
-        ep("run", tmp_path / "x86.epk", "-i", digit_input, "-o", tmp_path / "ref.npz")
+        ep("run", tmp_path / "x86.epk", "-i", digit_inputs, "-o", tmp_path / "ref.npz")
         with np.load(tmp_path / "ref.npz") as ref:
             np.testing.assert_array_equal(got["logits"], ref["logits"])
         agent.send_signal(signal.SIGTERM)
