@@ -23,7 +23,7 @@ from edgepack.kernels.cpu.qdot import dot_isa
 from edgepack.kernels.cpu.simd import host_features
 from edgepack.kernels.ref.reference import REFERENCE, node_weights
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("qdot")]  # one compile of generic
 
 # family -> the feature subset that selects it (generic: x86-64 without SSSE3's kin, so
 # the half-precision scales take the integer conversion too)
@@ -47,7 +47,7 @@ for kern, tag in ((qdot.gemv_q4_q8, ""), (q4x16.gemm_q4x16_q8, "16"), (q8x16.gem
     xq, nc, sx = xq_scratch_views(np.zeros(xq_scratch_layout(x.shape[0], k)[1], np.uint8),
                                   x.shape[0], k)
     kern(x, w, s, b, y, xq, nc, sx, 1, 1, 0.0, 0.0)  # bias, relu
-    np.save(sys.argv[1] + f"/y{tag}.npy", y)
+    np.save(sys.argv[2] + f"/y{tag}.npy", y)
 """
 
 
@@ -61,7 +61,17 @@ def _runnable() -> list[str]:
     return out
 
 
-def test_every_family_gives_the_same_bits_and_the_reference(tmp_path):
+RUNNABLE = _runnable()
+# The default run compares the host's own family with the generic one; the families in
+# between compile in the slow run (each family is a fresh compile of three kernels,
+# ~40 s of one core).
+DEFAULT = {RUNNABLE[0], "generic"} if RUNNABLE else {"generic"}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """Inputs saved for the families' processes, and the reference's outputs."""
+    d = tmp_path_factory.mktemp("qdot")
     rng = np.random.default_rng(7)
     n, k, m = 37, 224, 3  # 7 blocks of 32: three pairs and a lone block; N % 4 == 1
     wf = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
@@ -70,7 +80,7 @@ def test_every_family_gives_the_same_bits_and_the_reference(tmp_path):
     x[1, :32] = 0  # a block of zeros: scale 0
     b = rng.standard_normal(n).astype(np.float32)
     for name, a in {"x": x, "w": w, "s": scale.view(np.uint16), "b": b}.items():
-        np.save(tmp_path / f"{name}.npy", a)
+        np.save(d / f"{name}.npy", a)
     attrs = {"act": "relu", "act_args": [0.0, 0.0], "wshape": [n, k], "xq": 32}
     want = REFERENCE["linear"](node_weights("i4", [x, w, b, scale], "linear", attrs), attrs)
     # interleaved: 3 groups of 16 rows, groups of 64 weights (a scale for two blocks),
@@ -81,7 +91,7 @@ def test_every_family_gives_the_same_bits_and_the_reference(tmp_path):
     x16 = rng.standard_normal((m16, k16)).astype(np.float32)
     b16 = rng.standard_normal(n16).astype(np.float32)
     for name, a in {"x16": x16, "w16": w16, "s16": s16.view(np.uint16), "b16": b16}.items():
-        np.save(tmp_path / f"{name}.npy", a)
+        np.save(d / f"{name}.npy", a)
     a16 = {**attrs, "wshape": [n16, k16], "interleave": layout.Q4_INTERLEAVE}
     want16 = REFERENCE["linear"](node_weights("i4", [x16, w16, b16, s16], "linear", a16), a16)
     # int8 x int8 on rows interleaved by 16 (q8x16.py): 2 groups, 7 rows of x (tiles of
@@ -95,24 +105,39 @@ def test_every_family_gives_the_same_bits_and_the_reference(tmp_path):
     x8[2, 32:64] = 0
     b8 = rng.standard_normal(n8).astype(np.float32)
     for name, a in {"x8": x8, "w8": layout.q8_interleave(w8), "s8": s8, "b8": b8}.items():
-        np.save(tmp_path / f"{name}.npy", a)
+        np.save(d / f"{name}.npy", a)
     a8 = {**attrs, "wshape": [n8, k8], "interleave": layout.Q4_INTERLEAVE}
     want8 = REFERENCE["linear"](node_weights("i8", [x8, layout.q8_interleave(w8), b8, s8],
                                              "linear", a8), a8)  # fmt: skip
-    got = {}
-    for fam in _runnable():
+    return d, (want, want16, want8), {}
+
+
+def _outputs(fam: str, cases) -> tuple[np.ndarray, ...]:
+    """The three kernels' outputs compiled for ``fam``, in a process and numba cache of
+    its own (once per family in the module)."""
+    d, _, done = cases
+    if fam not in done:
+        out = d / fam
+        out.mkdir()
         env = dict(os.environ, EDGEPACK_DOT_FEATURES=FAMILIES[fam],
-                   NUMBA_CACHE_DIR=str(tmp_path / f"cache-{fam}"))  # fmt: skip
-        subprocess.run([sys.executable, "-c", RUN, str(tmp_path)], env=env, check=True,
+                   NUMBA_CACHE_DIR=str(d / f"cache-{fam}"))  # fmt: skip
+        subprocess.run([sys.executable, "-c", RUN, str(d), str(out)], env=env, check=True,
                        timeout=600)  # fmt: skip
-        got[fam] = tuple(np.load(tmp_path / f"y{tag}.npy") for tag in ("", "16", "8"))
-        for y, w_ in zip(got[fam], (want, want16, want8)):
-            np.testing.assert_allclose(y, w_, rtol=1e-4, atol=1e-5, err_msg=fam)
-    assert "generic" in got and len(got) >= 2, got.keys()
-    first = next(iter(got.values()))
-    for fam, ys in got.items():
-        for y, y0, what in zip(ys, first, ("qdot", "q4x16", "q8x16")):
-            assert np.array_equal(y, y0), f"{fam} differs from {next(iter(got))} ({what})"
+        done[fam] = tuple(np.load(out / f"y{tag}.npy") for tag in ("", "16", "8"))
+    return done[fam]
+
+
+@pytest.mark.parametrize("fam", [
+    pytest.param(f, marks=() if f in DEFAULT else pytest.mark.slow) for f in FAMILIES
+])  # fmt: skip
+def test_each_family_gives_the_reference_and_the_generic_bits(fam, cases):
+    if fam not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run the {fam} family")
+    got = _outputs(fam, cases)
+    for y, want, what in zip(got, cases[1], ("qdot", "q4x16", "q8x16")):
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5, err_msg=f"{fam} {what}")
+    for y, y0, what in zip(got, _outputs("generic", cases), ("qdot", "q4x16", "q8x16")):
+        assert np.array_equal(y, y0), f"{fam} differs from generic ({what})"
 
 
 def test_join_concatenates_two_and_four_parts():
