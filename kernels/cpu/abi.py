@@ -138,7 +138,7 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "resample3": ("resample3", v(arr(f4, 3), arr(T.int32, 2, ro=True), arr(f4, 2, ro=True),
                                      arr(f4, 3))),
         "decode_i8": ("decode_i8", v(arr(i1, 1, ro=True), arr(f4, 1))),
-        "decode_f16": ("decode_f16", v(arr(u2, 1, ro=True), arr(u4, 1))),
+        "decode_f16": ("decode_f16", v(arr(u2, 1, ro=True), arr(f4, 1))),
         "decode_bf16": ("decode_bf16", v(arr(u2, 1, ro=True), arr(u4, 1))),
         "decode_q4": (
             "decode_q4",

@@ -66,8 +66,9 @@ def _decoder(w: np.ndarray, dst: np.ndarray):
     row = wtypes.get(wtypes.of_array(w))
     kern = getattr(K, row.decoders["cpu"])
     src, out = w.reshape(-1), dst.reshape(-1)
-    if row.storage.itemsize == 2:  # half formats: bit patterns in, float32 bits out
-        src, out = src.view(np.uint16), out.view(np.uint32)
+    if row.storage.itemsize == 2:  # half formats: bit patterns in; bf16's out as bits
+        src = src.view(np.uint16)
+        out = out if row.name == "f16" else out.view(np.uint32)
     return lambda: kern(src, out)
 
 

@@ -990,31 +990,31 @@ def decode_i8(src, dst):
         dst[i] = np.float32(src[i])
 
 
+# Halves a parallel task of decode_f16 widens: large enough that a task's start costs
+# nothing against it, small enough to split a conv's weights between the threads.
+DECODE_CHUNK = 1 << 16
+_V16 = Ops(16)
+_wload16, _wload16_n, _store16, _store16_n = _V16.vloadw, _V16.vloadw_n, _V16.vstore, _V16.vstore_n
+
+
 @njit(parallel=True, cache=True)
 def decode_f16(src, dst):
-    """IEEE half (as uint16 bits) -> float32 (as uint32 bits), flat arrays.
-
-    numba has no CPU float16 type, and NumPy's casting copy goes through a 32 KB
-    buffer on every call; rebuilding the float32 bit pattern here does neither.
-    """
-    for i in prange(src.size):
-        h = np.uint32(src[i])
-        sign = (h & np.uint32(0x8000)) << np.uint32(16)
-        exp = (h >> np.uint32(10)) & np.uint32(0x1F)
-        mant = h & np.uint32(0x3FF)
-        if exp == 0:
-            if mant == 0:
-                dst[i] = sign
-            else:  # subnormal half: renormalise into a normal float32
-                e = np.uint32(113)  # 127 - 15 + 1
-                while (mant & np.uint32(0x400)) == 0:
-                    mant <<= np.uint32(1)
-                    e -= np.uint32(1)
-                dst[i] = sign | (e << np.uint32(23)) | ((mant & np.uint32(0x3FF)) << np.uint32(13))
-        elif exp == 31:
-            dst[i] = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
-        else:
-            dst[i] = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
+    """IEEE half (as uint16 bits) -> float32, flat arrays, 16 at a time with the
+    hardware conversion (simd ``vloadw``: vcvtph2ps, fcvtl on aarch64; exact for every
+    half, subnormals, infinities and NaNs included). numba has no CPU float16 type, and
+    NumPy's casting copy goes through a 32 KB buffer on every call. The bit-rebuilding
+    loop this replaces did not vectorise (a branch per value): ResNet-18's 11.7 M
+    weights took 9.3 ms a call at 1 thread."""
+    n = src.size
+    for c in prange((n + DECODE_CHUNK - 1) // DECODE_CHUNK):
+        lo = c * DECODE_CHUNK
+        hi = min(n, lo + DECODE_CHUNK)
+        i = lo
+        while i + 16 <= hi:
+            _store16(dst, i, _wload16(src, i))
+            i += 16
+        if i < hi:
+            _store16_n(dst, i, _wload16_n(src, i, hi - i), hi - i)
 
 
 @njit(parallel=True, cache=True)
