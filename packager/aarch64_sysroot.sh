@@ -5,7 +5,8 @@
 #     bash scripts/aarch64_sysroot.sh [SYSROOT]
 #     qemu-aarch64-static -L SYSROOT SYSROOT/usr/bin/python3.11 -c 'import numba'
 #
-# SYSROOT defaults to ${EDGEPACK_AARCH64_ROOT:-$HOME/.cache/edgepack/aarch64-sysroot}.
+# SYSROOT defaults to $EDGEPACK_AARCH64_ROOT, else aarch64-sysroot in edgepack's cache
+# ($EDGEPACK_CACHE_DIR, else $XDG_CACHE_HOME/edgepack, else ~/.cache/edgepack).
 # Beside it, SYSROOT.cross gets Debian's x86_64 -> aarch64 cross compiler (gcc and g++
 # 12, binutils, the arm64 glibc and libstdc++ headers), unpacked the same way: the
 # packager cross-compiles the kernels for aarch64 stubs with it (packager/aot_cross.py).
@@ -29,7 +30,8 @@
 # explicitly through qemu-aarch64-static.
 set -euo pipefail
 
-ROOT="${1:-${EDGEPACK_AARCH64_ROOT:-$HOME/.cache/edgepack/aarch64-sysroot}}"
+CACHE="${EDGEPACK_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/edgepack}"
+ROOT="${1:-${EDGEPACK_AARCH64_ROOT:-$CACHE/aarch64-sysroot}}"
 ROOT="$(realpath -m "$ROOT")"
 HOST_PY="${PYTHON:-$(command -v python || command -v python3)}"
 QEMU="${QEMU:-qemu-aarch64-static}"

@@ -34,6 +34,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import cache_dir
 from .ir import PackError
 
 TRIPLES = {"aarch64": "aarch64-unknown-linux-gnu"}
@@ -42,9 +43,9 @@ PYTHON = (3, 11)  # the sysroot's (Debian bookworm)
 
 
 def sysroot() -> Path:
-    """The arm64 sysroot of aarch64_sysroot.sh ($EDGEPACK_AARCH64_ROOT, else the cache)."""
-    default = Path.home() / ".cache" / "edgepack" / "aarch64-sysroot"
-    return Path(os.environ.get("EDGEPACK_AARCH64_ROOT") or default)
+    """The arm64 sysroot of aarch64_sysroot.sh: $EDGEPACK_AARCH64_ROOT, else
+    ``aarch64-sysroot`` in edgepack's cache (beside it: ``.cross``, ``.board``)."""
+    return Path(os.environ.get("EDGEPACK_AARCH64_ROOT") or cache_dir() / "aarch64-sysroot")
 
 
 def _how() -> str:

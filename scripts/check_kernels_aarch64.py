@@ -71,9 +71,6 @@ OP_GROUPS: list[tuple[tuple[str, ...], float]] = [
     (("reshape", "transpose", "concat", "pad", "reduce_mean"), 0.0),  # NumPy calls only
 ]
 UNKNOWN_OP_COST = 30.0
-DEFAULT_ROOT = os.environ.get(
-    "EDGEPACK_AARCH64_ROOT", str(Path.home() / ".cache/edgepack/aarch64-sysroot")
-)
 # CPU models qemu-user 7.2 (Debian bookworm) emulates; others run on "max".
 QEMU_CPUS = (
     "cortex-a35",
@@ -420,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--sysroot",
-        default=DEFAULT_ROOT,
-        help="arm64 sysroot made by scripts/aarch64_sysroot.sh (default %(default)s)",
+        help="arm64 sysroot made by scripts/aarch64_sysroot.sh (default: $EDGEPACK_AARCH64_ROOT, "
+        "else aarch64-sysroot in edgepack's cache)",
     )
     ap.add_argument(
         "--cpu",
@@ -470,7 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.shard_given = args.shard is not None
     args.shard = args.shard or "0/1"
-    return inner_main(args) if args.inner else host_main(args)
+    if args.inner:
+        return inner_main(args)
+    if args.sysroot is None:
+        from edgepack.packager.aot_cross import sysroot
+
+        args.sysroot = str(sysroot())
+    return host_main(args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ takes about 10 minutes each. Run with ``pytest -m slow tests/test_aarch64.py``.
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import shutil
@@ -21,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from edgepack.packager.aot_cross import sysroot
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"aarch64 kernel check: (\d+) passed, (\d+) failed")
@@ -35,9 +35,7 @@ def test_cpu_kernels_match_reference_on_aarch64(tmp_path: Path, how: list[str]) 
         pytest.skip("needs qemu-aarch64-static, or apt-get to install it")
     if platform.machine() == "aarch64":
         pytest.skip("on aarch64 itself tests/test_kernels.py checks the kernels natively")
-    root = os.environ.get(
-        "EDGEPACK_AARCH64_ROOT", str(Path.home() / ".cache/edgepack/aarch64-sysroot")
-    )
+    root = str(sysroot())
     setup = subprocess.run(
         ["bash", str(REPO / "scripts/aarch64_sysroot.sh"), root],
         capture_output=True,

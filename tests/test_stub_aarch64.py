@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from conftest import DATA
 from edgepack.packager.aot import host_arch
+from edgepack.packager.aot_cross import sysroot as sysroot_dir
 
 pytestmark = [
     pytest.mark.frozen,
@@ -37,8 +38,7 @@ pytestmark = [
 ]
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = DATA / "digits_cnn.onnx"
-ROOT = Path(os.environ.get("EDGEPACK_AARCH64_ROOT")
-            or Path.home() / ".cache/edgepack/aarch64-sysroot")  # fmt: skip
+ROOT = sysroot_dir()
 RPI5_FLAGS = "fp asimd evtstrm crc32 cpuid asimddp asimdhp"  # a Pi 5's /proc/cpuinfo
 
 
