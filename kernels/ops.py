@@ -674,8 +674,9 @@ def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
 # Constant inputs that are integer tables, not float32 (resample's tap indices, int32)
 INT_CONSTS: dict[str, tuple[str, ...]] = {"resample": ("idx",)}
 
-# The ops whose kernels are keyed by their weight's type (kernels/registry.py).
-WEIGHT_OPS: tuple[str, ...] = tuple(n for n, d in OPS.items() if d.weight and n != "conv_wino")
+# The ops whose kernels are keyed by their weight's type (kernels/registry.py); a
+# Winograd conv's by its transformed weights' (float32, fp16 or bf16: kernels/winograd.py).
+WEIGHT_OPS: tuple[str, ...] = tuple(n for n, d in OPS.items() if d.weight)
 
 
 def get(op: str) -> OpDef:

@@ -50,6 +50,13 @@ _F4 = {
 TILES = {2: _F2, 4: _F4}
 
 
+# Weight types a Winograd conv stores its transformed weights U in: float32, or fp16 /
+# bf16 when the conv's weights are (U rounded to the type once at pack time; its error
+# shows in the build's error table). Not int8: a per-output-channel scale cannot cover
+# U, whose a*a elements of one filter differ in range.
+WEIGHT_TYPES = ("f32", "f16", "bf16")
+
+
 def matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(BT, G, AT) for F(m, 3) as float64: BT[a, a], G[a, 3], AT[m, a]."""
     try:
@@ -81,14 +88,29 @@ def transform_weights(w: np.ndarray, m: int) -> np.ndarray:
     return np.ascontiguousarray(u.reshape(a * a, w.shape[1], w.shape[0]).astype(np.float32))
 
 
-def untransform_weights(u: np.ndarray, m: int) -> np.ndarray:
-    """U[a*a, Cin, Cout] -> w[Cout, Cin, 3, 3] (G has full column rank: its pseudo-inverse
-    recovers w exactly up to rounding). Lets the reference run a Winograd node directly."""
-    _, g, _ = matrices(m)
+def conv_float64(x: np.ndarray, u: np.ndarray, m: int, pads: Sequence[int]) -> np.ndarray:
+    """The Winograd algorithm itself, in float64, on stored U[a*a, Cin, Cout] (float):
+    x[N, Cin, H, W] zero-padded by pads (top, left, bottom, right) -> y[N, Cout, OH, OW],
+    each m x m tile AT [sum over c of (BT d_c B) * U_c] A. With U rounded to fp16 or
+    bf16 this is what the kernels compute (untransforming U and running the direct conv
+    would drop the part of the rounding that no 3x3 filter has)."""
+    bt, _, at = matrices(m)
     a = m + 2
-    gp = np.linalg.pinv(g)  # [3, a]
-    u4 = u.astype(np.float64).reshape(a, a, u.shape[1], u.shape[2])
-    return np.einsum("ki,ijco,lj->ockl", gp, u4, gp)
+    n, c, h, w = x.shape
+    pt, pl, pb, pr = (int(p) for p in pads)
+    oh, ow = h + pt + pb - 2, w + pl + pr - 2
+    th, tw = tiles((oh, ow), m)
+    xp = np.zeros((n, c, th * m + 2, tw * m + 2), np.float64)  # overhanging tiles read zeros
+    rows, cols = min(h, th * m + 2 - pt), min(w, tw * m + 2 - pl)
+    xp[:, :, pt : pt + rows, pl : pl + cols] = x[:, :, :rows, :cols]
+    d = np.empty((n, c, th, tw, a, a), np.float64)
+    for i in range(a):
+        for j in range(a):
+            d[..., i, j] = xp[:, :, i : i + th * m : m, j : j + tw * m : m]
+    v = np.einsum("ik,nctskl,jl->nctsij", bt, d, bt)
+    mm = np.einsum("nctsij,ijco->notsij", v, u.astype(np.float64).reshape(a, a, c, -1))
+    y = np.einsum("pi,notsij,qj->notpsq", at, mm, at).reshape(n, -1, th * m, tw * m)
+    return y[:, :, :oh, :ow]
 
 
 def tiles(out_hw: Sequence[int], m: int) -> tuple[int, int]:

@@ -11,20 +11,22 @@ median speed-up over direct on this project's 2-core Xeon, channels-last Winogra
   there has too few tiles for its 4x larger U (1.58x at 256ch 14x14; F(4x4) 1.25x);
 - direct (im2col + GEMM) below 14x14, where U streams from memory for a few tiles
   (512ch 7x7: F(2x2) 1.01x, F(4x4) 0.68x), below 16 input or output channels, where
-  the transforms cost more than the multiplies they save, and for every quantized
-  weight (the transformed weights would have to be stored in float32).
+  the transforms cost more than the multiplies they save, and for int8 and int4
+  weights (their per-channel or per-group scales cannot cover the transformed ones).
 
-Transformed weights take (a/3)^2 times the fp32 bytes: 1.8x for F(2x2), 4x for F(4x4).
+fp16 and bf16 weights are transformed from their stored values and U is rounded back
+to the same type (kernels/winograd.py WEIGHT_TYPES), which the GEMM widens as it packs
+U. Transformed weights take (a/3)^2 times the bytes of the plain ones: 1.8x for
+F(2x2), 4x for F(4x4).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from ..kernels.registry import wants
-from ..kernels.winograd import transform_weights
+from ..kernels.winograd import WEIGHT_TYPES, transform_weights
+from ..kernels.wtypes import DEQUANTIZE, QUANTIZE
 from .ir import Graph, Node
 
 MIN_CHANNELS = 16
@@ -36,7 +38,7 @@ def winograd_tile(node: Node, g: Graph) -> int | None:
     if node.op != "conv":
         return None
     w = g.consts.get(node.input("w"))
-    if w is None or w.dtype != np.float32 or w.shape[2:] != (3, 3):
+    if w is None or g.wtype(node.input("w")) not in WEIGHT_TYPES or w.shape[2:] != (3, 3):
         return None
     a = node.attrs
     if a["group"] != 1 or list(a["strides"]) != [1, 1] or list(a["dilations"]) != [1, 1]:
@@ -70,7 +72,9 @@ def choose_conv_algorithms(g: Graph, backends: Sequence[str], algo: str = "auto"
             continue
         wname = node.input("w")
         uname = f"{wname}.wino{m}"
-        g.consts[uname] = transform_weights(g.consts[wname], m)
+        wt = g.wtype(wname)
+        u = transform_weights(DEQUANTIZE[wt](g.consts[wname], None), m)
+        g.set_const(uname, QUANTIZE[wt](u, 0)[0], wt)
         node.set_input("w", uname)
         node.op = "conv_wino"
         node.attrs = {**node.attrs, "tile": m}

@@ -71,9 +71,11 @@ from numba import prange
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
 from ..layout import PANEL
+from .abi import GEMMP_SLAB_FLOATS
 from .jit import njit
 from .kernels import (
     act_row,
+    floats_or,
     half_to_f32,
     linear_epilogue_row,
     nhwc_fill_row,
@@ -81,6 +83,7 @@ from .kernels import (
     nhwc_row,
     nhwc_row_out,
     panel_share,
+    panel_slab,
     valid_cols,
 )
 from .nhwc import add_clamp_row, clamp_bounds
@@ -92,6 +95,8 @@ MB = {MB}
 WKC = {WKC}
 MC = {MC}
 KD = {KD}
+# a pre-packed GEMM's widest slab fits its widening buffer (cpu_abi.GEMMP_SLAB_FLOATS)
+assert max(KD, KC) * PANEL <= GEMMP_SLAB_FLOATS
 # rtab of a GEMM whose rows are evenly strided (tile docstring)
 NOROWS = np.zeros(1, np.int64)
 
@@ -297,7 +302,9 @@ def driver_source(lanes: int, nv: int) -> str:
 
 @njit(cache=True)
 def _pack{s}(x, ldx, k0, kc, n0, nn, xp):
-    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x {nr}, the last one zero-filled."""
+    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x {nr}, the last one zero-filled; x
+    float32, or stored weights widened on the way (simd's vloadw: Winograd's U in fp16
+    or bf16)."""
     for t in range((nn + {nr - 1}) // {nr}):
         base = t * kc * {nr}
         cols = min({nr}, nn - t * {nr})
@@ -305,14 +312,15 @@ def _pack{s}(x, ldx, k0, kc, n0, nn, xp):
         if cols == {nr}:
             for k in range(kc):
                 for v in range(0, {nr}, {lanes}):
-                    vstore{s}(xp, base + k * {nr} + v, vload{s}(x, src0 + k * ldx + v))
+                    vstore{s}(xp, base + k * {nr} + v, vloadw{s}(x, src0 + k * ldx + v))
         else:
             full = cols // {lanes} * {lanes}
             for k in range(kc):
                 for v in range(0, full, {lanes}):
-                    vstore{s}(xp, base + k * {nr} + v, vload{s}(x, src0 + k * ldx + v))
-                for j in range(full, cols):
-                    sstore{s}(xp, base + k * {nr} + j, sload{s}(x, src0 + k * ldx + j))
+                    vstore{s}(xp, base + k * {nr} + v, vloadw{s}(x, src0 + k * ldx + v))
+                if full < cols:
+                    vstore_n{s}(xp, base + k * {nr} + full,
+                               vloadw_n{s}(x, src0 + k * ldx + full, cols - full), cols - full)
                 for j in range(cols, {nr}):
                     xp[np.uintp(base + k * {nr} + j)] = 0.0
 
@@ -392,11 +400,11 @@ def packed_source(lanes: int, nv: int) -> str:
     nr = lanes * nv
     nsub = 64 // nr  # this shape's column tiles per 64-wide panel (PANEL, cpu_abi)
     call = (
-        "(w, wk0, wsr, wsk, rtab, rows, wq,\n"
-        f"                            s0 + u * {nr}, PANEL, kc, g, wrow, acc, c,\n"
+        "(w, wk0, wsr, wsk, rtab, rows, src,\n"
+        f"                            so + u * {nr}, PANEL, kc, g, wrow, acc, c,\n"
         "                            pm * ldc + c_n, ldc, cols, fused, bias, scale,\n"
-        "                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,\n"
-        "                            pfo, 16)"
+        "                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,\n"
+        "                            pfo, pst)"
     )
     narrow = []
     for k in range(1, nv):
@@ -409,11 +417,12 @@ def packed_source(lanes: int, nv: int) -> str:
 
 @njit(cache=True)
 def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-               t_lo, t_hi, m_lo, m_hi):
+               t_lo, t_hi, m_lo, m_hi, buf):
     """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp{s}: per block of the reduction (whole
     kernel rows up to KD steps, else KC steps of one), per MC rows, per panel ({nsub}
     column tile(s) of {nr}), each tile call prefetching its share of the slab the next
-    panel's call reads."""
+    panel's call reads. Panels of other weight types are widened a slab at a time
+    into buf (kernels.panel_slab; no prefetch: the widening streams the slab in)."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -448,6 +457,8 @@ def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
                 s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
                 nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
+                src, so, inplace = panel_slab(wq, s0, g * kc * PANEL, buf)
+                pst = 16 if inplace else 0
                 for u in range({nsub}):
                     c_n = t * PANEL + u * {nr}
                     cols = min({nr}, n_ - c_n)
@@ -455,7 +466,7 @@ def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
                         break
                     nvv = (cols + {lanes - 1}) // {lanes}
                     fused = fuse and cols == nvv * {lanes}  # whole vectors: in registers
-                    pfo = nxt + u * share
+                    pfo = nxt + u * share if inplace else 0
 {narrow}
                     if final and epilogue and not fused:
                         _epilogue{s}(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
@@ -466,12 +477,16 @@ def _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
 
 
 @njit(parallel=True, cache=True)
-def gemmp{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+def gemmp{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers,
+           wbuf):
     """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
-    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
-    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
-    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] weights (zero
+    past N), flat: float32, or fp16 / bf16 bits (uint16 / int16) or int8 (its scale in
+    the epilogue), widened a slab at a time into wbuf[worker] (workers x
+    cpu_abi.GEMMP_SLAB_FLOATS; float32 panels need none: pass one row). K = nky * run.
+    A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv passes its padded image as
+    w[pixels, C], in rtab each output pixel's offset in it, and its kernel rows: nky =
+    kh runs of run = kw * C taps, wrow floats apart.
     Panels are split across workers when they divide evenly, else rows are."""
     m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
@@ -479,7 +494,7 @@ def gemmp{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
         t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
         if m_lo < m_hi:
             _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-                       t_lo, t_hi, m_lo, m_hi)
+                       t_lo, t_hi, m_lo, m_hi, wbuf[sl % wbuf.shape[0]])
 '''
 
 
@@ -756,6 +771,7 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
     Each step reads what the one before it wrote while it is still in cache. With
     ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of {lanes}; channels past C carry garbage that nothing reads.
+    U is float32, or fp16 / bf16 bits (uint16 / int16) widened as they are packed.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
@@ -768,8 +784,10 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
     # U[e] is already a packed panel when Co is one column block; wider rows are
-    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
-    direct = co == {nr}
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%),
+    # and so is a U of fp16 or bf16 bits, widened as it is packed
+    uf, floats = floats_or(u, xp[0])
+    direct = co == {nr} and floats
     no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
@@ -800,10 +818,10 @@ def wino_conv{s}(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, r
                             _pack{s}(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile{s}(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                            tile{s}(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, uf,
                                     (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, 16)
+                                    uf, (e * ci + kb + kc) * co, 16)
                         else:
                             tile{s}(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
                                     {nr}, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
@@ -958,6 +976,7 @@ def source() -> str:
             "vmin",
             "vload_n",
             "vstore_n",
+            "vloadw",
             "vloadw_n",
             "vnib_lo",
             "vnib_hi",

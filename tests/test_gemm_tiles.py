@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from edgepack.kernels.activations import ACTIVATIONS, apply_act_ref
-from edgepack.kernels.cpu.abi import GEMM_XP_FLOATS
+from edgepack.kernels.cpu.abi import GEMM_XP_FLOATS, GEMMP_SLAB_FLOATS
 from edgepack.kernels.cpu.native import gemm_shape
 from edgepack.kernels.cpu.simd import lanes_for
 from edgepack.kernels.flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 # One worker takes the whole file: each tile shape's kernels are JIT-compiled once per
 # process (no on-disk cache), and split across two workers every shape compiled twice.
 pytestmark = pytest.mark.xdist_group("gemm-tiles")
+NOSLABS = np.zeros((1, 1), np.float32)  # gemmp's slab buffers for float32 panels: none
 
 
 def test_generated_file_matches_its_generator():
@@ -141,9 +142,58 @@ def test_packed_weights_give_the_packing_gemms_bits(shape):
             gemm(w, x, want, bias, scale, res, *args, xp)
             for workers in (1, 2, 3):
                 big = np.full((m, n + 9), 7.0, np.float32)  # c is a band: columns 3 .. 3+n
-                gemmp(w, NOROWS, k, 1, 0, wq, big[:, 3 : 3 + n], bias, scale, res, *args, workers)
+                gemmp(w, NOROWS, k, 1, 0, wq, big[:, 3 : 3 + n], bias, scale, res, *args, workers,
+                      NOSLABS)
                 assert (big[:, :3] == 7).all() and (big[:, 3 + n :] == 7).all()
                 assert np.array_equal(big[:, 3 : 3 + n], want), (m, k, n, act, workers)
+
+
+def _every_stored_value() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """weight type -> (every finite stored value as the kernels take it, as float32):
+    fp16 as uint16 bits (63488), bf16 as int16 bits (65280), int8 (256)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    halves = bits.view(np.float16)
+    halves = halves[np.isfinite(halves)]
+    bf16 = bits[np.isfinite((bits.astype(np.uint32) << 16).view(np.float32))]
+    int8 = np.arange(-128, 128).astype(np.int8)
+    return {
+        "f16": (halves.view(np.uint16), halves.astype(np.float32)),
+        "bf16": (bf16.view(np.int16), (bf16.astype(np.uint32) << 16).view(np.float32)),
+        "i8": (int8, int8.astype(np.float32)),
+    }
+
+
+@pytest.mark.cpu
+def test_stored_weights_widen_exactly_in_the_gemm():
+    # Panels of fp16 (uint16 bits), bf16 (int16 bits) and int8 are widened a slab at a
+    # time inside gemmp (kernels.panel_slab), and Winograd's U as it is packed (_pack,
+    # its last partial vector masked): every finite stored value must come out exactly
+    # (subnormal halves, 65504, -128). gemmp on one-hot rows gives back the panels
+    # (1 * w plus zeros), over several slabs (KD = 160 steps) and two workers.
+    from edgepack.kernels.cpu import gemm_tiles
+    from edgepack.kernels.layout import to_panels
+
+    shape = gemm_shape()
+    gemmp, pack = getattr(gemm_tiles, f"gemmp_{shape}"), getattr(gemm_tiles, f"_pack_{shape}")
+    for name, (stored, floats) in _every_stored_value().items():
+        n = 128
+        k = stored.size // n
+        w, want = stored[: k * n].reshape(k, n), floats[: k * n].reshape(k, n)
+        bits = to_panels(w.reshape(1, 1, k, n)).reshape(-1)
+        eye = np.eye(k, dtype=np.float32)
+        none = (np.zeros(1, np.float32),) * 2 + (np.zeros((1, 1), np.float32), 0, 0, 0.0, 0.0)
+        for workers in (1, 2):
+            got = np.full((k, n), np.nan, np.float32)
+            slabs = np.full((workers, GEMMP_SLAB_FLOATS), np.nan, np.float32)
+            gemmp(eye, gemm_tiles.NOROWS, k, 1, 0, bits, got, *none, workers, slabs)
+            assert np.array_equal(got, want), (name, workers)
+        kc, cols = min(k, 64), 77  # a partial tile: whole vectors, then a masked one
+        xp = np.full(GEMM_XP_FLOATS, np.nan, np.float32)
+        pack(w, n, 0, kc, 0, cols, xp)
+        lanes, nv = map(int, shape.split("x"))
+        nr, tiles = lanes * nv, -(-cols // (lanes * nv))  # xp: tiles of kc x nr
+        got = xp[: tiles * kc * nr].reshape(tiles, kc, nr).transpose(1, 0, 2).reshape(kc, -1)
+        assert np.array_equal(got[:, :cols], want[:kc, :cols]), name
 
 
 def _wino_run(shape: str, m: int, c: int, co: int, side: int) -> np.ndarray:

@@ -293,15 +293,31 @@ def mbconv_case(
 
 def wino_case(name: str, m: int, **kw) -> Case:
     """A 3x3 stride-1 conv case with its weights Winograd-transformed as the packager
-    stores them (kernels/winograd.py); float32 weights only."""
+    stores them (packager/conv_algo.py: from the stored weights, U rounded back to
+    their type)."""
     base = conv_case(name, **kw)
 
     def make(rng: np.random.Generator, dt: str) -> tuple[Inputs, dict]:
         ins, attrs = base.make(rng, dt)
-        ins[1] = transform_weights(ins[1], m)
+        u = transform_weights(wtypes.DEQUANTIZE[dt](ins[1], None), m)
+        ins[1] = _store_weight(u, dt)[0]
         return ins, {**attrs, "tile": m}
 
     return Case(name, make, const=base.const)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_winograd_reference_is_the_direct_conv(m: int):
+    # The conv_wino reference runs the Winograd algorithm on U as stored (so an fp16 or
+    # bf16 U's rounding counts); on float32 U it must be the direct conv of the weights
+    # U came from: the transform's matrices, overhanging tiles and asymmetric pads.
+    rng = np.random.default_rng(m)
+    x, w = _randn(rng, 2, 5, 11, 10), _randn(rng, 7, 5, 3, 3)
+    attrs = {"strides": [1, 1], "pads": [0, 1, 2, 0], "dilations": [1, 1], "group": 1,
+             "act": "none", "act_args": [0.0, 0.0], "tile": m}  # fmt: skip
+    want = R.conv([x, w, None, None, None], attrs)
+    got = R.conv_wino([x, transform_weights(w, m), None, None, None], attrs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def linear_case(
@@ -1716,6 +1732,9 @@ _DECODE = [
     for (op, dt, b) in CPU_KEYS + CUDA_KEYS
     if op in registry.WEIGHT_OPS and dt != "f32" and wtypes.get(dt).per_element == 1
     if op != "qconv"  # never decoded: it multiplies the stored integers (its own cases)
+    # its output mixes U's elements through the output transform: the widening as U is
+    # packed is checked value by value in test_gemm_tiles.py
+    if op != "conv_wino"
 ]
 
 

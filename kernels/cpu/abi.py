@@ -12,6 +12,9 @@ from __future__ import annotations
 # Floats per worker slot of the GEMM's packed-column buffer (gemm_tiles.py): 256 KB,
 # half an L2. Here, not in gemm_tiles, because planning scratch must not import numba.
 GEMM_XP_FLOATS = 65536
+# Floats per worker slot in which the pre-packed GEMM (gemmp) widens one slab of
+# non-float32 panels: KD x PANEL (160 x 64), asserted in gemm_tiles.py.
+GEMMP_SLAB_FLOATS = 160 * 64
 
 # Activation block of the int8-activation int4 GEMV (qdot.gemv_q4_q8; a linear node's
 # ``xq``), and its scratch: here, not in qdot, for the same reason.
@@ -190,17 +193,24 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "gemm": v(
             arr(f4, 2, ro=True), arr(f4, 2, "A", ro=True), a2, w1, w1, a2, i8, i8, f4, f4, f2
         ),
-        "gemmp": v(
-            arr(f4, 2, ro=True), arr(i8, 1, ro=True), i8, i8, i8, w1, a2, w1, w1, a2,
-            i8, i8, f4, f4, i8,
-        ),
-        "wino_conv": v(f3, f3, arr(f4, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4),
-                       w1, w1, f3, i8, i8, f4, f4, i8),
         "gemv_q4": v(arr(f4, 2, ro=True), arr(u1, 2, ro=True), arr(u2, 2, ro=True), w1,
                      arr(f4, 2), i8, i8, f4, f4),
     }
     for name, sig in tiled.items():
         sigs[name] = (f"gemm_tiles.{name}_{gemm_shape}", sig)
+    for name, wdt in (("f32", f4), ("f16", u2), ("bf16", T.int16), ("i8", i1)):
+        sfx = "" if name == "f32" else f"_{name}"  # panels of each weight type
+        sigs[f"gemmp{sfx}"] = (
+            f"gemm_tiles.gemmp_{gemm_shape}",
+            v(arr(f4, 2, ro=True), arr(i8, 1, ro=True), i8, i8, i8, arr(wdt, 1, ro=True), a2,
+              w1, w1, a2, i8, i8, f4, f4, i8, arr(f4, 2, ro=True)),
+        )  # fmt: skip
+        if name != "i8":  # Winograd's U: float32, fp16, bf16 (packager/conv_algo.py)
+            sigs[f"wino_conv{sfx}"] = (
+                f"gemm_tiles.wino_conv_{gemm_shape}",
+                v(f3, f3, arr(wdt, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4), w1, w1,
+                  f3, i8, i8, f4, f4, i8),
+            )  # fmt: skip
     for name, wdt in (("f32", f4), ("i8", i1)):
         special = v(
             *([arr(f4, 3), arr(wdt, 4, ro=True), w1, w1] + [arr(f4, 3)] * 3), i8, i8, f4, f4
@@ -214,5 +224,5 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             sigs[f"{kern.rpartition('.')[2]}_{name}"] = (kern, dwconv_sig)
         sigs[f"dw3_{name}"] = (f"gemm_tiles.dw3_{gemm_shape}", dwconv_sig)  # 3x3, vectors
     # every per-shape kernel is exported (dw3 once per weight dtype)
-    assert set(tiled) | {"dw3"} == set(GEMM_TILE_KERNELS)
+    assert set(tiled) | {"dw3", "gemmp", "wino_conv"} == set(GEMM_TILE_KERNELS)
     return sigs

@@ -31,6 +31,7 @@ from ..recurrent import rnn_scratch_floats, rnn_step
 from ..registry import Bound, Kernel, Spec, register
 from .abi import (
     GEMM_XP_FLOATS,
+    GEMMP_SLAB_FLOATS,
     QGEMM_SLACK,
     XQ_BLOCK,
     qgemm_scratch_int64s,
@@ -46,6 +47,11 @@ _DUMMY1 = np.zeros(1, np.float32)
 _DUMMY1.flags.writeable = False
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY3 = np.zeros((1, 1, 1), np.float32)
+_NOSLABS = np.zeros((1, 1), np.float32)  # gemmp's slab buffers for float32 panels: none
+_NOSLABS.flags.writeable = False
+# Half-precision weights as the kernels take them: their bits (numba has no CPU float16;
+# simd's _widen tells fp16 from bf16 by the bits' integer type).
+HALF_BITS = {"f16": np.uint16, "bf16": np.int16}
 _NOROWS = np.zeros(1, np.int64)  # gemmp's row table of evenly strided rows
 _NOROWS.flags.writeable = False
 
@@ -70,6 +76,29 @@ def _decoder(w: np.ndarray, dst: np.ndarray):
         src = src.view(np.uint16)
         out = out if row.name == "f16" else out.view(np.uint32)
     return lambda: kern(src, out)
+
+
+def _weight_bits(w: np.ndarray) -> np.ndarray:
+    """Stored weights as the kernels that read them in place take them (HALF_BITS)."""
+    return w.view(HALF_BITS.get(wtypes.of_array(w), w.dtype))
+
+
+def _panel_scratch(wdt: str) -> int:
+    """Bytes of gemmp's slab buffers (one a GEMM slot) for panels of weight type wdt."""
+    return 0 if wdt == "f32" else up64(_nbytes((GEMM_SLOTS, GEMMP_SLAB_FLOATS)))
+
+
+def _panel_operands(w: np.ndarray, scratch: np.ndarray, off: int) -> tuple:
+    """(flat panels as gemmp reads them, its slab buffers, its workers): float32 panels
+    need no buffer (one dummy row); other types are widened a slab at a time
+    (kernels.panel_slab) into one buffer a worker, _panel_scratch's bytes at ``off`` in
+    scratch, so the workers are at most GEMM_SLOTS."""
+    wq = _readonly(_weight_bits(w).reshape(-1))
+    workers = max(1, kernel_threads())
+    if w.dtype == F32:
+        return wq, _NOSLABS, workers
+    slabs = _f32_slot(scratch, off, (GEMM_SLOTS, GEMMP_SLAB_FLOATS))[0]
+    return wq, _readonly(slabs), min(workers, GEMM_SLOTS)
 
 
 # --- conv (im2col + register-tiled GEMM) --------------------------------------------
@@ -161,14 +190,15 @@ def _conv_scratch(ins: Sequence[Spec | None], outs: Sequence[tuple[int, ...]], a
     when the window never leaves the image), or with a dilated width a band of im2row
     rows."""
     (wshape, wdt) = _args("conv", ins).w
-    need = 0 if wdt == "f32" else up64(_nbytes(wshape))  # decoded weights, same shape
-    if layout.is_nhwc(attrs):
+    if layout.is_nhwc(attrs):  # panels widened a slab at a time
+        need = _panel_scratch(wdt)
         _, kh, kw, cg, _ = wshape
         oh, ow = outs[0][1], outs[0][2]
         if attrs["dilations"][1] == 1:
             padded = _padded_image(ins[0][0][1:], (kh, kw), (oh, ow), attrs)
             return need + (_nbytes(padded) if padded else 0)
     else:
+        need = 0 if wdt == "f32" else up64(_nbytes(wshape))  # decoded weights, same shape
         _, cg, kh, kw = wshape
         oh, ow = outs[0][2], outs[0][3]
         need += _gemm_scratch_bytes()
@@ -285,20 +315,19 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     sh, sw = attrs["strides"]
     pt, pl, _, _ = attrs["pads"]
     dh, dw = attrs["dilations"]
-    w, decode, off = _widened(w, scratch)  # panels and all
-    wq = _readonly(w.reshape(-1))
+    wq, wbuf, workers = _panel_operands(w, scratch, 0)
+    off = _panel_scratch(wtypes.of_array(w))
     flags = _flags(bias, scale, res) | PER_COL
     b_ = bias if bias is not None else _DUMMY1
     s_ = scale if scale is not None else _DUMMY1
     act, a, b = _act(attrs)
-    workers = max(1, kernel_threads())
     calls = []  # (how to fill the rows operand first or None, gemmp's arguments)
 
     def product(fill, rows, rtab, run: int, nky: int, wrow: int, n: int, p0: int, np_: int):
         yb = y[n].reshape(oh * ow, co)[p0 : p0 + np_]
         rb = _DUMMY2 if res is None else res[n].reshape(oh * ow, co)[p0 : p0 + np_]
         epi = (b_, s_, rb, flags, act, a, b, workers)
-        calls.append((fill, (_readonly(rows), rtab, run, nky, wrow, wq, yb, *epi)))
+        calls.append((fill, (_readonly(rows), rtab, run, nky, wrow, wq, yb, *epi, wbuf)))
 
     path = _conv_path(w.shape, x.shape, y.shape, attrs)
     if path == "pointwise":  # the image itself is the rows operand
@@ -326,8 +355,6 @@ def _bind_conv_nhwc(ins, outs, scratch, attrs) -> Bound:
     calls = [(fill and _bound(*fill), _bound(K.gemmp, args)) for fill, args in calls]
 
     def step() -> None:
-        if decode is not None:
-            decode()
         for fill, (gemmp, args) in calls:
             if fill is not None:
                 fill[0](*fill[1])
@@ -472,7 +499,7 @@ def _wino_scratch(ins, outs, attrs) -> int:
 
 def _bind_conv_wino(ins, outs, scratch, attrs) -> Bound:
     io = _args("conv_wino", ins)
-    x, u, bias, scale, res = io.x, io.w, io.bias, io.scale, io.residual
+    x, u, bias, scale, res = io.x, _weight_bits(io.w), io.bias, io.scale, io.residual
     y = outs[0]
     bufs, dims = _wino_layout(u.shape, y.shape, attrs)
     views, off = {}, 0
@@ -617,13 +644,13 @@ I8_DECODE_MAX_WEIGHTS = 1 << 20
 
 def _linear_path(wdt: str, rows: int, weights: int = 0, panel: bool = False) -> str:
     """``gemmp`` (weights the packager stored as panels: small linears; float32 read in
-    place, other types widened into scratch first: ``decode_gemmp``), ``gemv_<wdt>``
+    place, other types widened a slab at a time), ``gemv_<wdt>``
     (weights read in place, kernels/cpu/gemv.py), ``blas`` (float32) or ``decode_blas``
     (fp16/bf16, and int8 of at most I8_DECODE_MAX_WEIGHTS, at more than
     HALF_GEMV_MAX_ROWS rows: widened into scratch first, the int8 scale in the
     epilogue)."""
     if panel:
-        return "gemmp" if wdt == "f32" else "decode_gemmp"
+        return "gemmp"
     if wdt == "f32":
         return "blas"
     if rows <= HALF_GEMV_MAX_ROWS or (wdt == "i8" and weights > I8_DECODE_MAX_WEIGHTS):
@@ -638,8 +665,11 @@ def _linear_variant(ins, outs, attrs) -> str:
 
 
 def _linear_scratch(ins, outs, attrs) -> int:
-    wshape = _args("linear", ins).w[0]
-    return _nbytes(wshape) if _linear_variant(ins, outs, attrs).startswith("decode") else 0
+    wshape, wdt = _args("linear", ins).w
+    path = _linear_variant(ins, outs, attrs)
+    if path == "gemmp":
+        return _panel_scratch(wdt)
+    return _nbytes(wshape) if path.startswith("decode") else 0
 
 
 def _bind_linear(ins, outs, scratch, attrs) -> Bound:
@@ -655,22 +685,13 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
     act, a, b = _act(attrs)
     wdt = wtypes.of_array(w)
     path = _linear_path(wdt, x2.shape[0], w.size, attrs.get("panel") == PANEL)
-    if path.endswith("gemmp"):  # x is the rows operand, as for a pointwise conv
-        w, decode, _ = _widened(w, scratch)
-        epi = (b_, s_, _DUMMY2, flags | PER_COL, act, a, b, max(1, kernel_threads()))
-        args = (_readonly(x2), _NOROWS, kdim, 1, 0, _readonly(w.reshape(-1)), y2, *epi)
-        kern, args = _bound(K.gemmp, args)
-        if decode is None:
-            return lambda: kern(*args)
-
-        def decode_gemmp() -> None:
-            decode()
-            kern(*args)
-
-        return decode_gemmp
+    if path == "gemmp":  # x is the rows operand, as for a pointwise conv
+        wq, wbuf, workers = _panel_operands(w, scratch, 0)
+        epi = (b_, s_, _DUMMY2, flags | PER_COL, act, a, b, workers, wbuf)
+        kern, args = _bound(K.gemmp, (_readonly(x2), _NOROWS, kdim, 1, 0, wq, y2, *epi))
+        return lambda: kern(*args)
     if path.startswith("gemv"):
-        # halves as uint16 bits, bf16 as int16 bits (how gemv.py tells them apart)
-        wv = w.view({"f16": np.uint16, "bf16": np.int16}.get(wdt, w.dtype))
+        wv = _weight_bits(w)
         kern, args = _bound(K.gemv, (_readonly(x2), wv, b_, s_, y2, flags, act, a, b))
         return lambda: kern(*args)
     decode = None
@@ -1155,20 +1176,21 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
 
 
 def _mbconv_slots(specs: Sequence[Spec | None], y_shape, attrs: dict) -> list:
-    """(name, float32 shape) of each scratch buffer, in order: widened weights, then one
-    band of the expanded rows (E) and of the depthwise output (D). Scratch and bind
-    both lay scratch out from this list."""
+    """(name, float32 shape) of each scratch buffer, in order: the depthwise weights
+    widened (fp16, bf16), the slab buffers of non-float32 pointwise panels (gemmp; the
+    expand and project products take turns with them), then one band of the expanded
+    rows (E) and of the depthwise output (D). Scratch and bind both lay scratch out
+    from this list."""
     a = _args("mbconv", specs)
     _, h, w, _ = a.x[0]
     kh, _, _, ce = a.wd[0]
     _, oh, ow, _ = y_shape
     rows = min(int(attrs["band"]), oh)
     out = []
-    for name in ("we", "wd", "wp"):
-        spec = getattr(a, name)
-        if spec is None or spec[1] == "f32" or (name == "wd" and spec[1] in _READ_IN_PLACE):
-            continue  # int8 depthwise weights widen in-kernel
-        out.append((name, tuple(spec[0])))
+    if a.wd[1] not in _READ_IN_PLACE:  # int8 depthwise weights widen in-kernel
+        out.append(("wd", tuple(a.wd[0])))
+    if any(spec is not None and spec[1] != "f32" for spec in (a.we, a.wp)):
+        out.append(("slabs", (GEMM_SLOTS, GEMMP_SLAB_FLOATS)))
     if a.we is not None:
         out.append(("e", (min(h, mbconv.dw_rows_in(rows, attrs["dw"], kh)), w, ce)))
     out.append(("d", (rows, ow, ce)))
@@ -1183,9 +1205,9 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     a = _args("mbconv", ins)
     x, y, res = a.x, outs[0], a.residual
     specs = [None if t is None else (tuple(t.shape), layout.dtype_name(t.dtype)) for t in a]
-    views, off = {}, 0
+    views, offs, off = {}, {}, 0
     for name, shape in _mbconv_slots(specs, y.shape, attrs):
-        views[name] = _f32_slot(scratch, off, shape)[0]
+        views[name], offs[name] = _f32_slot(scratch, off, shape)[0], off
         off += up64(_nbytes(shape))
     decodes = []
 
@@ -1195,10 +1217,11 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
         decodes.append(_decoder(w, views[name]))
         return views[name]
 
-    def pointwise(w: np.ndarray, name: str, sub: dict) -> np.ndarray:  # panels, flat
+    def pointwise(w: np.ndarray, name: str, sub: dict) -> tuple:
+        """(panels, slab buffers, workers): gemmp's weight arguments."""
         if sub.get("panel") != PANEL:
             raise ValueError(f"mbconv: the {name} conv's weights must be {PANEL}-wide panels")
-        return _readonly(widened(w, name).reshape(-1))
+        return _panel_operands(w, scratch, offs.get("slabs", 0))
 
     def epilogue(conv: list, r, sub: dict, cols: int = 0) -> tuple[tuple, tuple]:
         """((bias, scale), (flags, act, a, b)): the kernels' epilogue arguments."""
@@ -1208,13 +1231,12 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
 
     expand, dwin, proj = mbconv.parts(a)
     if expand is not None:
-        we = pointwise(expand[1], "we", attrs["expand"])
+        we, wbuf_e, workers_e = pointwise(expand[1], "we", attrs["expand"])
         bs_e, fa_e = epilogue(expand, None, attrs["expand"], PER_COL)
     wd = widened(dwin[1], "wd")
     bs_d, fa_d = epilogue(dwin, None, attrs["dw"])
-    wp = pointwise(proj[1], "wp", attrs["project"])
+    wp, wbuf_p, workers_p = pointwise(proj[1], "wp", attrs["project"])
     bs_p, fa_p = epilogue(proj, res, attrs["project"], PER_COL)
-    workers = max(1, kernel_threads())
     da = attrs["dw"]
     sh, sw = da["strides"]
     pt, pl, _, _ = da["pads"]
@@ -1251,7 +1273,7 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
                     kept = 0
                 xin = _readonly(x[n, lo + kept : hi].reshape(-1, ci))
                 eo = e[kept:].reshape(-1, ce)
-                ex = (xin, _NOROWS, ci, 1, 0, we, eo, *bs_e, _DUMMY2, *fa_e, workers)
+                ex = (xin, _NOROWS, ci, 1, 0, we, eo, *bs_e, _DUMMY2, *fa_e, workers_e, wbuf_e)
                 prev = (lo, hi)
             ptb = lo + pt - oy0 * sh  # the band's own top pad
             dwa = (e, wd, *bs_d, _DUMMY3, d, sh, sw, ptb, pl, dh, dw, *fa_d)
@@ -1266,7 +1288,8 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
                 *bs_p,
                 rb,
                 *fa_p,
-                workers,
+                workers_p,
+                wbuf_p,
             )
             calls.append((carry, ex, dwa, pr))
     dw = _dw_kernel(_dw_path(dwin[1].shape, None, da))  # channels-last: no planes
@@ -1310,7 +1333,7 @@ def _conv_takes(attrs: dict) -> bool:
 
 _cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes, variant=_conv_variant)
 _cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch, variant=_dw_variant)
-_cpu("conv_wino", _bind_conv_wino, ("f32",), _wino_scratch)
+_cpu("conv_wino", _bind_conv_wino, winograd.WEIGHT_TYPES, _wino_scratch)
 _cpu("qconv", _bind_qconv, ("i8",), _qconv_scratch)
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
 _cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)

@@ -32,9 +32,11 @@ from numba import prange
 
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE, PER_COL
 from ..layout import PANEL
+from .abi import GEMMP_SLAB_FLOATS
 from .jit import njit
 from .kernels import (
     act_row,
+    floats_or,
     half_to_f32,
     linear_epilogue_row,
     nhwc_fill_row,
@@ -42,6 +44,7 @@ from .kernels import (
     nhwc_row,
     nhwc_row_out,
     panel_share,
+    panel_slab,
     valid_cols,
 )
 from .nhwc import add_clamp_row, clamp_bounds
@@ -53,6 +56,8 @@ MB = 4
 WKC = 128
 MC = 240
 KD = 160
+# a pre-packed GEMM's widest slab fits its widening buffer (cpu_abi.GEMMP_SLAB_FLOATS)
+assert max(KD, KC) * PANEL <= GEMMP_SLAB_FLOATS
 # rtab of a GEMM whose rows are evenly strided (tile docstring)
 NOROWS = np.zeros(1, np.int64)
 
@@ -72,6 +77,7 @@ vmax_16x4 = _ops_16x4.vmax
 vmin_16x4 = _ops_16x4.vmin
 vload_n_16x4 = _ops_16x4.vload_n
 vstore_n_16x4 = _ops_16x4.vstore_n
+vloadw_16x4 = _ops_16x4.vloadw
 vloadw_n_16x4 = _ops_16x4.vloadw_n
 vnib_lo_16x4 = _ops_16x4.vnib_lo
 vnib_hi_16x4 = _ops_16x4.vnib_hi
@@ -94,6 +100,7 @@ vmax_8x2 = _ops_8x2.vmax
 vmin_8x2 = _ops_8x2.vmin
 vload_n_8x2 = _ops_8x2.vload_n
 vstore_n_8x2 = _ops_8x2.vstore_n
+vloadw_8x2 = _ops_8x2.vloadw
 vloadw_n_8x2 = _ops_8x2.vloadw_n
 vnib_lo_8x2 = _ops_8x2.vnib_lo
 vnib_hi_8x2 = _ops_8x2.vnib_hi
@@ -116,6 +123,7 @@ vmax_4x2 = _ops_4x2.vmax
 vmin_4x2 = _ops_4x2.vmin
 vload_n_4x2 = _ops_4x2.vload_n
 vstore_n_4x2 = _ops_4x2.vstore_n
+vloadw_4x2 = _ops_4x2.vloadw
 vloadw_n_4x2 = _ops_4x2.vloadw_n
 vnib_lo_4x2 = _ops_4x2.vnib_lo
 vnib_hi_4x2 = _ops_4x2.vnib_hi
@@ -138,6 +146,7 @@ vmax_4x4 = _ops_4x4.vmax
 vmin_4x4 = _ops_4x4.vmin
 vload_n_4x4 = _ops_4x4.vload_n
 vstore_n_4x4 = _ops_4x4.vstore_n
+vloadw_4x4 = _ops_4x4.vloadw
 vloadw_n_4x4 = _ops_4x4.vloadw_n
 vnib_lo_4x4 = _ops_4x4.vnib_lo
 vnib_hi_4x4 = _ops_4x4.vnib_hi
@@ -1538,7 +1547,9 @@ def _epilogue_16x4(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, fl
 
 @njit(cache=True)
 def _pack_16x4(x, ldx, k0, kc, n0, nn, xp):
-    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 64, the last one zero-filled."""
+    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 64, the last one zero-filled; x
+    float32, or stored weights widened on the way (simd's vloadw: Winograd's U in fp16
+    or bf16)."""
     for t in range((nn + 63) // 64):
         base = t * kc * 64
         cols = min(64, nn - t * 64)
@@ -1546,14 +1557,15 @@ def _pack_16x4(x, ldx, k0, kc, n0, nn, xp):
         if cols == 64:
             for k in range(kc):
                 for v in range(0, 64, 16):
-                    vstore_16x4(xp, base + k * 64 + v, vload_16x4(x, src0 + k * ldx + v))
+                    vstore_16x4(xp, base + k * 64 + v, vloadw_16x4(x, src0 + k * ldx + v))
         else:
             full = cols // 16 * 16
             for k in range(kc):
                 for v in range(0, full, 16):
-                    vstore_16x4(xp, base + k * 64 + v, vload_16x4(x, src0 + k * ldx + v))
-                for j in range(full, cols):
-                    sstore_16x4(xp, base + k * 64 + j, sload_16x4(x, src0 + k * ldx + j))
+                    vstore_16x4(xp, base + k * 64 + v, vloadw_16x4(x, src0 + k * ldx + v))
+                if full < cols:
+                    vstore_n_16x4(xp, base + k * 64 + full,
+                               vloadw_n_16x4(x, src0 + k * ldx + full, cols - full), cols - full)
                 for j in range(cols, 64):
                     xp[np.uintp(base + k * 64 + j)] = 0.0
 
@@ -1646,11 +1658,12 @@ def gemm_16x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 @njit(cache=True)
 def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-               t_lo, t_hi, m_lo, m_hi):
+               t_lo, t_hi, m_lo, m_hi, buf):
     """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_16x4: per block of the reduction (whole
     kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (1
     column tile(s) of 64), each tile call prefetching its share of the slab the next
-    panel's call reads."""
+    panel's call reads. Panels of other weight types are widened a slab at a time
+    into buf (kernels.panel_slab; no prefetch: the widening streams the slab in)."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -1685,6 +1698,8 @@ def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a
                 s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
                 nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
+                src, so, inplace = panel_slab(wq, s0, g * kc * PANEL, buf)
+                pst = 16 if inplace else 0
                 for u in range(1):
                     c_n = t * PANEL + u * 64
                     cols = min(64, n_ - c_n)
@@ -1692,31 +1707,31 @@ def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a
                         break
                     nvv = (cols + 15) // 16
                     fused = fuse and cols == nvv * 16  # whole vectors: in registers
-                    pfo = nxt + u * share
+                    pfo = nxt + u * share if inplace else 0
                     if nvv == 1:
-                        tile1v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                        tile1v_16x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     elif nvv == 2:
-                        tile2v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                        tile2v_16x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     elif nvv == 3:
-                        tile3v_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                        tile3v_16x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     else:
-                        tile_16x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 64, PANEL, kc, g, wrow, acc, c,
+                        tile_16x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 64, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     if final and epilogue and not fused:
                         _epilogue_16x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
@@ -1726,12 +1741,16 @@ def _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a
 
 
 @njit(parallel=True, cache=True)
-def gemmp_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+def gemmp_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers,
+           wbuf):
     """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
-    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
-    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
-    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] weights (zero
+    past N), flat: float32, or fp16 / bf16 bits (uint16 / int16) or int8 (its scale in
+    the epilogue), widened a slab at a time into wbuf[worker] (workers x
+    cpu_abi.GEMMP_SLAB_FLOATS; float32 panels need none: pass one row). K = nky * run.
+    A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv passes its padded image as
+    w[pixels, C], in rtab each output pixel's offset in it, and its kernel rows: nky =
+    kh runs of run = kw * C taps, wrow floats apart.
     Panels are split across workers when they divide evenly, else rows are."""
     m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
@@ -1739,7 +1758,7 @@ def gemmp_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, 
         t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
         if m_lo < m_hi:
             _pblock_16x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-                       t_lo, t_hi, m_lo, m_hi)
+                       t_lo, t_hi, m_lo, m_hi, wbuf[sl % wbuf.shape[0]])
 
 
 
@@ -1890,6 +1909,7 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
     Each step reads what the one before it wrote while it is still in cache. With
     ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 16; channels past C carry garbage that nothing reads.
+    U is float32, or fp16 / bf16 bits (uint16 / int16) widened as they are packed.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
@@ -1902,8 +1922,10 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
     # U[e] is already a packed panel when Co is one column block; wider rows are
-    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
-    direct = co == 64
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%),
+    # and so is a U of fp16 or bf16 bits, widened as it is packed
+    uf, floats = floats_or(u, xp[0])
+    direct = co == 64 and floats
     no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
@@ -1934,10 +1956,10 @@ def wino_conv_16x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale,
                             _pack_16x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_16x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                            tile_16x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, uf,
                                     (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, 16)
+                                    uf, (e * ci + kb + kc) * co, 16)
                         else:
                             tile_16x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
                                     64, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
@@ -2745,7 +2767,9 @@ def _epilogue_8x2(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, fla
 
 @njit(cache=True)
 def _pack_8x2(x, ldx, k0, kc, n0, nn, xp):
-    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 16, the last one zero-filled."""
+    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 16, the last one zero-filled; x
+    float32, or stored weights widened on the way (simd's vloadw: Winograd's U in fp16
+    or bf16)."""
     for t in range((nn + 15) // 16):
         base = t * kc * 16
         cols = min(16, nn - t * 16)
@@ -2753,14 +2777,15 @@ def _pack_8x2(x, ldx, k0, kc, n0, nn, xp):
         if cols == 16:
             for k in range(kc):
                 for v in range(0, 16, 8):
-                    vstore_8x2(xp, base + k * 16 + v, vload_8x2(x, src0 + k * ldx + v))
+                    vstore_8x2(xp, base + k * 16 + v, vloadw_8x2(x, src0 + k * ldx + v))
         else:
             full = cols // 8 * 8
             for k in range(kc):
                 for v in range(0, full, 8):
-                    vstore_8x2(xp, base + k * 16 + v, vload_8x2(x, src0 + k * ldx + v))
-                for j in range(full, cols):
-                    sstore_8x2(xp, base + k * 16 + j, sload_8x2(x, src0 + k * ldx + j))
+                    vstore_8x2(xp, base + k * 16 + v, vloadw_8x2(x, src0 + k * ldx + v))
+                if full < cols:
+                    vstore_n_8x2(xp, base + k * 16 + full,
+                               vloadw_n_8x2(x, src0 + k * ldx + full, cols - full), cols - full)
                 for j in range(cols, 16):
                     xp[np.uintp(base + k * 16 + j)] = 0.0
 
@@ -2843,11 +2868,12 @@ def gemm_8x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 @njit(cache=True)
 def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-               t_lo, t_hi, m_lo, m_hi):
+               t_lo, t_hi, m_lo, m_hi, buf):
     """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_8x2: per block of the reduction (whole
     kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (4
     column tile(s) of 16), each tile call prefetching its share of the slab the next
-    panel's call reads."""
+    panel's call reads. Panels of other weight types are widened a slab at a time
+    into buf (kernels.panel_slab; no prefetch: the widening streams the slab in)."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -2882,6 +2908,8 @@ def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                 s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
                 nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
+                src, so, inplace = panel_slab(wq, s0, g * kc * PANEL, buf)
+                pst = 16 if inplace else 0
                 for u in range(4):
                     c_n = t * PANEL + u * 16
                     cols = min(16, n_ - c_n)
@@ -2889,19 +2917,19 @@ def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                         break
                     nvv = (cols + 7) // 8
                     fused = fuse and cols == nvv * 8  # whole vectors: in registers
-                    pfo = nxt + u * share
+                    pfo = nxt + u * share if inplace else 0
                     if nvv == 1:
-                        tile1v_8x2(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                        tile1v_8x2(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     else:
-                        tile_8x2(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                        tile_8x2(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     if final and epilogue and not fused:
                         _epilogue_8x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
@@ -2911,12 +2939,16 @@ def _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
 
 
 @njit(parallel=True, cache=True)
-def gemmp_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+def gemmp_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers,
+           wbuf):
     """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
-    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
-    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
-    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] weights (zero
+    past N), flat: float32, or fp16 / bf16 bits (uint16 / int16) or int8 (its scale in
+    the epilogue), widened a slab at a time into wbuf[worker] (workers x
+    cpu_abi.GEMMP_SLAB_FLOATS; float32 panels need none: pass one row). K = nky * run.
+    A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv passes its padded image as
+    w[pixels, C], in rtab each output pixel's offset in it, and its kernel rows: nky =
+    kh runs of run = kw * C taps, wrow floats apart.
     Panels are split across workers when they divide evenly, else rows are."""
     m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
@@ -2924,7 +2956,7 @@ def gemmp_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b
         t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
         if m_lo < m_hi:
             _pblock_8x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-                       t_lo, t_hi, m_lo, m_hi)
+                       t_lo, t_hi, m_lo, m_hi, wbuf[sl % wbuf.shape[0]])
 
 
 
@@ -3075,6 +3107,7 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     Each step reads what the one before it wrote while it is still in cache. With
     ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 8; channels past C carry garbage that nothing reads.
+    U is float32, or fp16 / bf16 bits (uint16 / int16) widened as they are packed.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
@@ -3087,8 +3120,10 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
     # U[e] is already a packed panel when Co is one column block; wider rows are
-    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
-    direct = co == 16
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%),
+    # and so is a U of fp16 or bf16 bits, widened as it is packed
+    uf, floats = floats_or(u, xp[0])
+    direct = co == 16 and floats
     no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
@@ -3119,10 +3154,10 @@ def wino_conv_8x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             _pack_8x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_8x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                            tile_8x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, uf,
                                     (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, 16)
+                                    uf, (e * ci + kb + kc) * co, 16)
                         else:
                             tile_8x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
                                     16, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
@@ -3952,7 +3987,9 @@ def _epilogue_4x2(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, fla
 
 @njit(cache=True)
 def _pack_4x2(x, ldx, k0, kc, n0, nn, xp):
-    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 8, the last one zero-filled."""
+    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 8, the last one zero-filled; x
+    float32, or stored weights widened on the way (simd's vloadw: Winograd's U in fp16
+    or bf16)."""
     for t in range((nn + 7) // 8):
         base = t * kc * 8
         cols = min(8, nn - t * 8)
@@ -3960,14 +3997,15 @@ def _pack_4x2(x, ldx, k0, kc, n0, nn, xp):
         if cols == 8:
             for k in range(kc):
                 for v in range(0, 8, 4):
-                    vstore_4x2(xp, base + k * 8 + v, vload_4x2(x, src0 + k * ldx + v))
+                    vstore_4x2(xp, base + k * 8 + v, vloadw_4x2(x, src0 + k * ldx + v))
         else:
             full = cols // 4 * 4
             for k in range(kc):
                 for v in range(0, full, 4):
-                    vstore_4x2(xp, base + k * 8 + v, vload_4x2(x, src0 + k * ldx + v))
-                for j in range(full, cols):
-                    sstore_4x2(xp, base + k * 8 + j, sload_4x2(x, src0 + k * ldx + j))
+                    vstore_4x2(xp, base + k * 8 + v, vloadw_4x2(x, src0 + k * ldx + v))
+                if full < cols:
+                    vstore_n_4x2(xp, base + k * 8 + full,
+                               vloadw_n_4x2(x, src0 + k * ldx + full, cols - full), cols - full)
                 for j in range(cols, 8):
                     xp[np.uintp(base + k * 8 + j)] = 0.0
 
@@ -4050,11 +4088,12 @@ def gemm_4x2(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 @njit(cache=True)
 def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-               t_lo, t_hi, m_lo, m_hi):
+               t_lo, t_hi, m_lo, m_hi, buf):
     """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x2: per block of the reduction (whole
     kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (8
     column tile(s) of 8), each tile call prefetching its share of the slab the next
-    panel's call reads."""
+    panel's call reads. Panels of other weight types are widened a slab at a time
+    into buf (kernels.panel_slab; no prefetch: the widening streams the slab in)."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -4089,6 +4128,8 @@ def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                 s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
                 nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
+                src, so, inplace = panel_slab(wq, s0, g * kc * PANEL, buf)
+                pst = 16 if inplace else 0
                 for u in range(8):
                     c_n = t * PANEL + u * 8
                     cols = min(8, n_ - c_n)
@@ -4096,19 +4137,19 @@ def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                         break
                     nvv = (cols + 3) // 4
                     fused = fuse and cols == nvv * 4  # whole vectors: in registers
-                    pfo = nxt + u * share
+                    pfo = nxt + u * share if inplace else 0
                     if nvv == 1:
-                        tile1v_4x2(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 8, PANEL, kc, g, wrow, acc, c,
+                        tile1v_4x2(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 8, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     else:
-                        tile_4x2(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 8, PANEL, kc, g, wrow, acc, c,
+                        tile_4x2(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 8, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     if final and epilogue and not fused:
                         _epilogue_4x2(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
@@ -4118,12 +4159,16 @@ def _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
 
 
 @njit(parallel=True, cache=True)
-def gemmp_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+def gemmp_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers,
+           wbuf):
     """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
-    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
-    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
-    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] weights (zero
+    past N), flat: float32, or fp16 / bf16 bits (uint16 / int16) or int8 (its scale in
+    the epilogue), widened a slab at a time into wbuf[worker] (workers x
+    cpu_abi.GEMMP_SLAB_FLOATS; float32 panels need none: pass one row). K = nky * run.
+    A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv passes its padded image as
+    w[pixels, C], in rtab each output pixel's offset in it, and its kernel rows: nky =
+    kh runs of run = kw * C taps, wrow floats apart.
     Panels are split across workers when they divide evenly, else rows are."""
     m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
@@ -4131,7 +4176,7 @@ def gemmp_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b
         t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
         if m_lo < m_hi:
             _pblock_4x2(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-                       t_lo, t_hi, m_lo, m_hi)
+                       t_lo, t_hi, m_lo, m_hi, wbuf[sl % wbuf.shape[0]])
 
 
 
@@ -4282,6 +4327,7 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     Each step reads what the one before it wrote while it is still in cache. With
     ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 4; channels past C carry garbage that nothing reads.
+    U is float32, or fp16 / bf16 bits (uint16 / int16) widened as they are packed.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
@@ -4294,8 +4340,10 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
     # U[e] is already a packed panel when Co is one column block; wider rows are
-    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
-    direct = co == 8
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%),
+    # and so is a U of fp16 or bf16 bits, widened as it is packed
+    uf, floats = floats_or(u, xp[0])
+    direct = co == 8 and floats
     no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
@@ -4326,10 +4374,10 @@ def wino_conv_4x2(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             _pack_4x2(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_4x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                            tile_4x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, uf,
                                     (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, 16)
+                                    uf, (e * ci + kb + kc) * co, 16)
                         else:
                             tile_4x2(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
                                     8, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,
@@ -6052,7 +6100,9 @@ def _epilogue_4x4(c, c0, ldc, rows, cols, bias, scale, res, r0, ldr, m0, n0, fla
 
 @njit(cache=True)
 def _pack_4x4(x, ldx, k0, kc, n0, nn, xp):
-    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 16, the last one zero-filled."""
+    """x[k0:k0+kc, n0:n0+nn] -> xp as tiles of kc x 16, the last one zero-filled; x
+    float32, or stored weights widened on the way (simd's vloadw: Winograd's U in fp16
+    or bf16)."""
     for t in range((nn + 15) // 16):
         base = t * kc * 16
         cols = min(16, nn - t * 16)
@@ -6060,14 +6110,15 @@ def _pack_4x4(x, ldx, k0, kc, n0, nn, xp):
         if cols == 16:
             for k in range(kc):
                 for v in range(0, 16, 4):
-                    vstore_4x4(xp, base + k * 16 + v, vload_4x4(x, src0 + k * ldx + v))
+                    vstore_4x4(xp, base + k * 16 + v, vloadw_4x4(x, src0 + k * ldx + v))
         else:
             full = cols // 4 * 4
             for k in range(kc):
                 for v in range(0, full, 4):
-                    vstore_4x4(xp, base + k * 16 + v, vload_4x4(x, src0 + k * ldx + v))
-                for j in range(full, cols):
-                    sstore_4x4(xp, base + k * 16 + j, sload_4x4(x, src0 + k * ldx + j))
+                    vstore_4x4(xp, base + k * 16 + v, vloadw_4x4(x, src0 + k * ldx + v))
+                if full < cols:
+                    vstore_n_4x4(xp, base + k * 16 + full,
+                               vloadw_n_4x4(x, src0 + k * ldx + full, cols - full), cols - full)
                 for j in range(cols, 16):
                     xp[np.uintp(base + k * 16 + j)] = 0.0
 
@@ -6160,11 +6211,12 @@ def gemm_4x4(w, x, c, bias, scale, res, flags, act, a, b, xp):
 
 @njit(cache=True)
 def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-               t_lo, t_hi, m_lo, m_hi):
+               t_lo, t_hi, m_lo, m_hi, buf):
     """Rows m_lo:m_hi, panels t_lo:t_hi of gemmp_4x4: per block of the reduction (whole
     kernel rows up to KD steps, else KC steps of one), per MC rows, per panel (4
     column tile(s) of 16), each tile call prefetching its share of the slab the next
-    panel's call reads."""
+    panel's call reads. Panels of other weight types are widened a slab at a time
+    into buf (kernels.panel_slab; no prefetch: the widening streams the slab in)."""
     n_ = c.shape[1]
     wsr = w.strides[0] // w.itemsize
     wsk = w.strides[1] // w.itemsize
@@ -6199,6 +6251,8 @@ def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                 s0 = t * ps + kf * PANEL
                 # next: the next panel's slab, after the last one the next block's first
                 nxt = s0 + ps if t + 1 < t_hi else t_lo * ps + (kf + g * kc) * PANEL
+                src, so, inplace = panel_slab(wq, s0, g * kc * PANEL, buf)
+                pst = 16 if inplace else 0
                 for u in range(4):
                     c_n = t * PANEL + u * 16
                     cols = min(16, n_ - c_n)
@@ -6206,31 +6260,31 @@ def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
                         break
                     nvv = (cols + 3) // 4
                     fused = fuse and cols == nvv * 4  # whole vectors: in registers
-                    pfo = nxt + u * share
+                    pfo = nxt + u * share if inplace else 0
                     if nvv == 1:
-                        tile1v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                        tile1v_4x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     elif nvv == 2:
-                        tile2v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                        tile2v_4x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     elif nvv == 3:
-                        tile3v_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                        tile3v_4x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     else:
-                        tile_4x4(w, wk0, wsr, wsk, rtab, rows, wq,
-                            s0 + u * 16, PANEL, kc, g, wrow, acc, c,
+                        tile_4x4(w, wk0, wsr, wsk, rtab, rows, src,
+                            so + u * 16, PANEL, kc, g, wrow, acc, c,
                             pm * ldc + c_n, ldc, cols, fused, bias, scale,
-                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, wq,
-                            pfo, 16)
+                            res, pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b, src,
+                            pfo, pst)
                     if final and epilogue and not fused:
                         _epilogue_4x4(c, pm * ldc + c_n, ldc, rows, cols, bias, scale, res,
                                      pm * ldr + c_n, ldr, pm, c_n, flags, vact, a, b)
@@ -6240,12 +6294,16 @@ def _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a,
 
 
 @njit(parallel=True, cache=True)
-def gemmp_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers):
+def gemmp_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b, workers,
+           wbuf):
     """c = act(scale * (rows @ W) + bias [+ res]) with per-column bias and scale, W
-    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] floats (zero
-    past N), flat; K = nky * run. A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv
-    passes its padded image as w[pixels, C], in rtab each output pixel's offset in it,
-    and its kernel rows: nky = kh runs of run = kw * C taps, wrow floats apart.
+    pre-packed: wq holds W[K, N] as ceil(N / PANEL) panels of [K, PANEL] weights (zero
+    past N), flat: float32, or fp16 / bf16 bits (uint16 / int16) or int8 (its scale in
+    the epilogue), widened a slab at a time into wbuf[worker] (workers x
+    cpu_abi.GEMMP_SLAB_FLOATS; float32 panels need none: pass one row). K = nky * run.
+    A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv passes its padded image as
+    w[pixels, C], in rtab each output pixel's offset in it, and its kernel rows: nky =
+    kh runs of run = kw * C taps, wrow floats apart.
     Panels are split across workers when they divide evenly, else rows are."""
     m_ = c.shape[0]
     np_ = (c.shape[1] + PANEL - 1) // PANEL
@@ -6253,7 +6311,7 @@ def gemmp_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b
         t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
         if m_lo < m_hi:
             _pblock_4x4(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
-                       t_lo, t_hi, m_lo, m_hi)
+                       t_lo, t_hi, m_lo, m_hi, wbuf[sl % wbuf.shape[0]])
 
 
 
@@ -6404,6 +6462,7 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     Each step reads what the one before it wrote while it is still in cache. With
     ``nhwc`` x, y and res are channels-last ([H, W, C], packager/layout.py). Cp is a
     multiple of 4; channels past C carry garbage that nothing reads.
+    U is float32, or fp16 / bf16 bits (uint16 / int16) widened as they are packed.
     tmp (slots, a*a*16): one working tile per slot; xp: one GEMM packing slot per thread.
     """
     a2, tb, cip = vb.shape
@@ -6416,8 +6475,10 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
     slots = tmp.shape[0]
     gslots = min(xp.shape[0], a2)
     # U[e] is already a packed panel when Co is one column block; wider rows are
-    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%)
-    direct = co == 16
+    # packed per block (read in place, rows 2-4 KB apart share a few L1 sets: -15%),
+    # and so is a U of fp16 or bf16 bits, widened as it is packed
+    uf, floats = floats_or(u, xp[0])
+    direct = co == 16 and floats
     no_epi = (False, bias, scale, mb, 0, 0, 0, 0, 0, 0, a, b)  # M[e] is not the output
     filled = 0  # xt rows written so far
     for t0 in range(0, t_, tb):
@@ -6448,10 +6509,10 @@ def wino_conv_4x4(x, xt, u, vb, mb, yt, tmp, xp, y, m, pt, pl, tw, bias, scale, 
                             _pack_4x4(u, co, e * ci + kb, kc, j0, cols, xq)
                         if direct:  # all nt tile rows in one call
                             # U is one stream in this order: prefetch what follows
-                            tile_4x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, u,
+                            tile_4x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, uf,
                                     (e * ci + kb) * co + j0, co, kc, 1, 0, kb > 0,
                                     mb, e * tb * cop + j0, cop, cols, *no_epi,
-                                    u, (e * ci + kb + kc) * co, 16)
+                                    uf, (e * ci + kb + kc) * co, 16)
                         else:
                             tile_4x4(vb, e * tb * cip + kb, cip, 1, NOROWS, nt, xq, 0,
                                     16, kc, 1, 0, kb > 0, mb, e * tb * cop + j0, cop,

@@ -40,12 +40,24 @@ def _aot_namespace(mod) -> SimpleNamespace:
             ns[name] = getattr(mod, name)
     for name in ("dwconv", "dwconv3_flat", "dwconv3_s2", "dwconv_nhwc", "dw3", "embed_rows"):
         ns[name] = _by_weight_dtype(ns.pop(f"{name}_f32"), ns.pop(f"{name}_i8"))
-    by_w = {np.dtype(t): ns.pop(f"gemv_{n}") for t, n in ((np.int8, "i8"), (np.uint16, "f16"),
-                                                              (np.int16, "bf16"))}  # fmt: skip
-    ns["gemv"] = _by_dtype(lambda a: by_w[a[1].dtype])
+    ns["gemv"] = _per_weight_type(ns, "gemv", 1, _WEIGHT_BITS[1:])
+    for name, arg, types_ in (("gemmp", 5, _WEIGHT_BITS), ("wino_conv", 2, _WEIGHT_BITS[:3])):
+        ns[name] = _per_weight_type(ns, name, arg, types_)
     f32, f16 = ns.pop("attention_rows_f32"), ns.pop("attention_rows_f16")
     ns["attention_rows"] = _by_dtype(lambda a: f16 if a[4].dtype == np.uint16 else f32)  # caches
     return SimpleNamespace(build="aot", **ns)
+
+
+# The weight types a kernel exported once per type takes, as its exports' suffixes and
+# the numpy dtypes of the weights it is passed (backend.HALF_BITS: halves as bits).
+_WEIGHT_BITS = (("", np.float32), ("_f16", np.uint16), ("_bf16", np.int16), ("_i8", np.int8))
+
+
+def _per_weight_type(ns: dict, name: str, arg: int, types_) -> object:
+    """One kernel over the exports ``name<suffix>`` (removed from ns), picked by the
+    dtype of argument ``arg``."""
+    by = {np.dtype(t): ns.pop(f"{name}{sfx}") for sfx, t in types_}
+    return _by_dtype(lambda a: by[a[arg].dtype])
 
 
 def _by_weight_dtype(f32, i8):

@@ -20,7 +20,7 @@ from ..activations import apply_act_ref
 from ..mathfns import math_ref
 from ..mbconv import parts as mbconv_parts
 from ..ops import args, role
-from ..winograd import untransform_weights
+from ..winograd import conv_float64
 from ..wtypes import DEQUANTIZE, bf16_to_f32, channel_scaled, of_array
 from .llm import LLM_REFERENCE
 
@@ -146,11 +146,19 @@ def qconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
 
 def conv_wino(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """A 3x3 stride-1 conv whose weights the packager stored Winograd-transformed:
-    inputs as ``conv`` with U[a*a, Co, C] for w. The weights are transformed back and
-    the direct reference runs, so this checks the transform as well as the kernel."""
+    inputs as ``conv`` with U[a*a, C, Co] for w (float32, or fp16 / bf16 decoded). The
+    Winograd algorithm runs in float64 on U as stored (winograd.conv_float64), then
+    scale, bias, residual and activation as ``conv``; tests/test_kernels.py checks that
+    on float32 U this is the direct conv of the untransformed weights."""
     io = args("conv_wino", inputs)
-    w = untransform_weights(io.w, int(attrs["tile"]))
-    return conv([io.x, w, io.bias, io.scale, io.residual], attrs)
+    y = conv_float64(io.x, np.asarray(io.w, np.float64), int(attrs["tile"]), attrs["pads"])
+    if io.scale is not None:
+        y = y * io.scale.astype(np.float64).reshape(1, -1, 1, 1)
+    if io.bias is not None:
+        y += io.bias.reshape(1, -1, 1, 1)
+    if io.residual is not None:
+        y += io.residual
+    return _act(y.astype(np.float32), attrs)
 
 
 # Activation blocks a linear node's ``xq`` attribute may name (kernels/cpu/qdot.py).
