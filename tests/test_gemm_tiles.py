@@ -181,12 +181,15 @@ def test_stored_weights_widen_exactly_in_the_gemm():
         w, want = stored[: k * n].reshape(k, n), floats[: k * n].reshape(k, n)
         bits = to_panels(w.reshape(1, 1, k, n)).reshape(-1)
         eye = np.eye(k, dtype=np.float32)
-        none = (np.zeros(1, np.float32),) * 2 + (np.zeros((1, 1), np.float32), 0, 0, 0.0, 0.0)
+        # the other arguments typed as in the test above, so the float32 tiles its
+        # gemmp calls compiled serve these (c, res: bands of larger arrays)
+        res = np.zeros((k, n + 2), np.float32)[:, 1 : 1 + n]
+        none = (np.zeros(n, np.float32),) * 2 + (res, PER_COL, 0, np.float32(0), np.float32(0))
         for workers in (1, 2):
-            got = np.full((k, n), np.nan, np.float32)
+            big = np.full((k, n + 9), np.nan, np.float32)
             slabs = np.full((workers, GEMMP_SLAB_FLOATS), np.nan, np.float32)
-            gemmp(eye, gemm_tiles.NOROWS, k, 1, 0, bits, got, *none, workers, slabs)
-            assert np.array_equal(got, want), (name, workers)
+            gemmp(eye, gemm_tiles.NOROWS, k, 1, 0, bits, big[:, 3 : 3 + n], *none, workers, slabs)
+            assert np.array_equal(big[:, 3 : 3 + n], want), (name, workers)
         kc, cols = min(k, 64), 77  # a partial tile: whole vectors, then a masked one
         xp = np.full(GEMM_XP_FLOATS, np.nan, np.float32)
         pack(w, n, 0, kc, 0, cols, xp)
