@@ -550,6 +550,9 @@ def _word_tokenizer(folder: Path, vocab: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
+# slow: 90-100 s of the default run; the executable's CNN, weight-type and int8
+# activation tests stay in it, and tests/test_stub_aarch64.py's SmolLM2 one is slow too
+@pytest.mark.slow
 def test_a_language_model_in_the_executable_matches_edgepack_run(tmp_path, stub_cache):
     """An LLM bundle in the target's stub (--target): info, bench, run and generate work
     inside it, and its decode step (the AOT kernels: int8 GEMV, the int4 x int8 products
