@@ -489,6 +489,9 @@ _CONV_ROLES = ("x", "w", "bias", "scale", "residual")
 # qconv's own attributes: the kernel's [kh, kw], input channels, output channels, the
 # input's quantization (scale, zero point) and the reduction steps of 4 per kernel row
 QCONV_ATTRS = ("kernel", "in_channels", "out_channels", "x_scale", "x_zero", "run4")
+# An int8 op whose output only int8 ops read writes u8 codes instead of float32: it then
+# carries the output's quantization as ``y_scale`` and ``y_zero`` (optional on qconv).
+Y_QUANT = ("y_scale", "y_zero")
 _OPT = ("bias", "scale", "residual")
 OPS: dict[str, OpDef] = {
     d.name: d
@@ -500,6 +503,10 @@ OPS: dict[str, OpDef] = {
         # the packager's int8-activation pass makes it from an int8 conv
         _op("qconv", (*_CONV_ROLES, "zw"), _qconv_shape, ("bias", "residual"),
             _W | {"zw"}, (*_CONV_ATTRS, *QCONV_ATTRS), "w"),
+        # a channels-last 3x3 depthwise conv writing the u8 codes of the int8 convs that
+        # read its output (kernels/cpu/qdw.py); scale: the weights' (ones for float32)
+        _op("qdwconv", ("x", "w", "bias", "scale"), _conv_shape, ("bias",), _W,
+            (*_CONV_ATTRS, *Y_QUANT), "w"),
         # float32 weights (not a weight op: --quant leaves them as they are)
         _op(
             "conv_transpose",
@@ -661,6 +668,9 @@ def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
     if op == "pool_nd" and attrs["kind"].startswith("argmax"):  # MaxPool's Indices
         need(live == ["f32"], "float32 tensors")
         return "i64"
+    if op in ("qconv", "qdwconv"):  # int8 ops: float32 or (qconv) u8 codes in, y_scale: out
+        need(live[0] in (("f32", "u8") if op == "qconv" else ("f32",)), "float32 or u8 codes")
+        return "u8" if "y_scale" in attrs else "f32"
     if op == "binary" and live and live[0] != "f32":
         need(len(set(live)) == 1 and live[0] not in ("bool", "f16") and
              attrs["kind"] in INT_BINARY_KINDS and attrs.get("act", "none") == "none",

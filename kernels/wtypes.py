@@ -202,7 +202,7 @@ ROWS: tuple[WeightType, ...] = (
         quantize=_i8_quantize,
         dequantize=lambda w, s, wshape=None: channel_scaled(w, s),
         # a table row is an output channel; qconv: int8 x int8 (kernels/cpu/qgemm.py)
-        ops=("conv", "dwconv", "linear", "embed", "qconv"),
+        ops=("conv", "dwconv", "linear", "embed", "qconv", "qdwconv"),
         decoders={"cpu": "decode_i8", "cuda": "decode_i8"},
         max_rel_error=2e-2,
         describe="int8: symmetric per-output-channel weights, fp32 scales, fp32 activations",

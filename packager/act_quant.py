@@ -11,7 +11,9 @@ The scheme, and why (docs/quantization.md, "int8 activations"):
 - no ``reduce_range``: the kernels never multiply with saturating 16-bit sums (qgemm.py);
 - the output stays float32, the requantization being the next conv's quantizing of its
   input (fused into the copy that pads it), so ops between convs (residual adds, pools,
-  concats, activations we do not fuse) need no integer forms and add no error.
+  concats, activations we do not fuse) need no integer forms and add no error; but an
+  output only int8 convs read is written as their u8 codes (``int8_codes``), which
+  they read without that copy: the same codes, a quarter of the bytes.
 
 Only the cpu backend asks for this (kernels/registry.py's ``act_quant`` pass); a conv
 it cannot take (grouped, dilated along the width, not int8, channels-first) stays
@@ -29,7 +31,8 @@ from .ir import Graph, Node
 
 ACT_SCHEME = (
     "u8 asymmetric per tensor (min/max over the calibration inputs) x s8 "
-    "symmetric per output channel, int32 sums, float32 outputs"
+    "symmetric per output channel, int32 sums, float32 outputs (u8 codes where only "
+    "int8 convs read them)"
 )
 
 
@@ -117,3 +120,61 @@ def quantize_conv_inputs(g: Graph, ranges: Mapping[str, tuple[float, float]]) ->
     if done:
         g.remove_dead()
     return done
+
+
+CLAMPS = ("none", "relu", "clip")  # activations an int8 op applies before its codes
+
+
+def _dw_takes(g: Graph, n: Node) -> bool:
+    a = n.attrs
+    return (
+        n.op == "dwconv"
+        and L.is_nhwc(a)
+        and tuple(g.consts[n.input("w")].shape[:2]) == (3, 3)
+        and g.wtype(n.input("w")) in ("f32", "i8")
+        and not n.input("residual")
+        and a.get("act", "none") in CLAMPS
+    )
+
+
+def int8_codes(g: Graph, ranges: Mapping[str, tuple[float, float]]) -> tuple[int, int]:
+    """Write u8 codes where only int8 convs read them (in place; after
+    ``quantize_conv_inputs``): a qconv, or a 3x3 depthwise conv (made a ``qdwconv``,
+    kernels/cpu/qdw.py), whose output only qconvs read writes it as their u8 codes (its
+    ``y_scale``, ``y_zero``: the readers' ``x_scale``, ``x_zero``, from the same
+    calibrated range), so the readers skip their quantizing copy. A producer with
+    another activation than relu or clip, an output of the graph, and a tensor anything
+    else reads stay float32, and so does a depthwise conv's input (qdw.py says why).
+    Returns (depthwise convs made qdwconv, tensors as u8)."""
+    outputs = set(g.outputs)
+    cons = g.consumers()
+
+    def codes_out(n: Node) -> bool:
+        t = n.outputs[0]
+        readers = cons.get(t, [])
+        return (
+            (n.op == "qconv" or _dw_takes(g, n))
+            and n.attrs.get("act", "none") in CLAMPS
+            and t not in outputs
+            and t in ranges
+            and bool(readers)
+            and all(r.op == "qconv" and r.inputs[0] == t and t not in r.inputs[1:]
+                    for r in readers)  # fmt: skip
+        )
+
+    coded = [n for n in g.nodes if codes_out(n)]
+    n_dw = 0
+    for n in coded:
+        t = n.outputs[0]
+        s, z = u8_params(*ranges[t])
+        if n.op == "dwconv":
+            w, sc, bias = n.input("w"), n.input("scale"), n.input("bias")
+            if not sc:  # float32 weights: the kernel multiplies by a scale all the same
+                sc = t + ".wscale"
+                g.set_const(sc, np.ones(g.consts[w].shape[3], np.float32))
+            n.op = "qdwconv"
+            n.inputs = [n.inputs[0], w, bias, sc]
+            n_dw += 1
+        n.attrs["y_scale"], n.attrs["y_zero"] = float(np.float32(s)), z
+        g.dtypes[t] = "u8"
+    return n_dw, len(coded)

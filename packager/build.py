@@ -19,7 +19,7 @@ from ..kernels.wtypes import DEFAULT_GROUP, by_quant
 from ..runtime.errortable import format_error_table
 from ..runtime.executor import DTYPES, Executor, seeded_feeds
 from ..runtime.text import TOKENIZER
-from .act_quant import ACT_SCHEME, activation_ranges, quantize_conv_inputs
+from .act_quant import ACT_SCHEME, activation_ranges, int8_codes, quantize_conv_inputs
 from .conv_algo import choose_conv_algorithms
 from .fuse import optimise
 from .ir import Graph, PackError
@@ -110,17 +110,19 @@ def _layouts(
     layout: str,
     ranges: Mapping[str, tuple[float, float]] | None = None,
     chains: bool = True,
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, tuple[int, int, int]]:
     """The layout passes, in order (each counts what it changed): channels-last
     regions, weight panels for their convs, u8 inputs for the int8 convs whose input
-    has a calibrated range in ``ranges``, then banded chains (of the convs left float:
+    has a calibrated range in ``ranges`` and u8 codes between int8 ops (act_quant.py
+    ``int8_codes``), then banded chains (of the convs left float:
     a chain's inner tensors are never materialized, so ``chains=False`` for the fp32
     graph the ranges are measured on)."""
     n_last = choose_layouts(g, backends, layout)
     n_panels = pack_panels(g) if wants(backends, "panels") else 0
     n_xq = quantize_conv_inputs(g, ranges) if ranges else 0
+    n_dw, n_u8 = int8_codes(g, ranges) if n_xq else (0, 0)
     n_chains = fuse_mbconv(g, backends) if chains else 0
-    return n_last, n_chains, n_panels, n_xq
+    return n_last, n_chains, n_panels, (n_xq, n_dw, n_u8)
 
 
 def _measured(src: Graph, ref: Graph, q: Graph, log: Callable[[str], None]) -> list[str]:
@@ -236,7 +238,7 @@ def build(
         n_wino = choose_conv_algorithms(q, backends, conv_algo)
         if n_wino:
             say(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
-        n_last, n_chains, n_panels, n_xq = _layouts(q, backends, layout, ranges)
+        n_last, n_chains, n_panels, (n_xq, n_dw, n_u8) = _layouts(q, backends, layout, ranges)
         if n_last:
             say(f"      {n_last} op(s) run channels-last (NHWC)")
         if n_chains:
@@ -245,6 +247,9 @@ def build(
             say(f"      {n_panels} conv(s) and linear(s) store their weights as GEMM panels")
         if n_xq:
             say(f"      {n_xq} conv(s) take u8 activations (int8 x int8 products)")
+        if n_u8:
+            say(f"      {n_u8} output(s) written as the u8 codes of the int8 convs that read "
+                f"them ({n_dw} by 3x3 depthwise convs)")
         return q, plan_memory(q, backends)
 
     q, plan = quantize_and_plan(set(), log)
@@ -298,7 +303,7 @@ def build(
                 "error": error,
             }
         )
-        n_xq = sum(n.op == "qconv" for n in q.nodes)
+        n_xq = sum(n.op in ("qconv", "qdwconv") for n in q.nodes)
         if n_xq:
             extra["quantization"]["activations"] = {"scheme": ACT_SCHEME, "convs": n_xq}
         if max_error is not None and error["max_output_rel_l2"] > max_error:

@@ -206,11 +206,20 @@ class Executor:
             if step is not None:
                 step()
             for o in node["outputs"]:
+                value = _values(dev.to_host(self.views[o]), node["attrs"])
                 if visit is None:
-                    trace[o] = dev.to_host(self.views[o])
+                    trace[o] = value
                 else:
-                    visit(o, dev.to_host(self.views[o]))
+                    visit(o, value)
         return trace
+
+
+def _values(a: np.ndarray, attrs: Mapping) -> np.ndarray:
+    """A traced output as the values it stands for: an int8 op's u8 codes (its
+    ``y_scale``, ``y_zero``) dequantized to float32, anything else as it is."""
+    if a.dtype != np.uint8 or "y_scale" not in attrs:
+        return a
+    return (a.astype(np.float32) - np.float32(attrs["y_zero"])) * np.float32(attrs["y_scale"])
 
 
 def _record(kinfo: Mapping, backend: str) -> Mapping:

@@ -158,14 +158,21 @@ def test_rapidocr_classifier_int8_activations_with_calibration(tmp_path, rapidoc
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
 def test_cnn_int8_activations_close_to_ort(tmp_path, model_dir, name):
-    """--quant int8 with --calib: the convs take u8 activations; cosine with ONNX
-    Runtime's fp32 >= 0.99 (and 0.95 for the input-dependent part)."""
+    """--quant int8 with --calib: the convs take u8 activations, and the tensors only
+    int8 convs read pass between them as u8 codes (MobileNetV2's depthwise convs write
+    the codes of the projections after them); cosine with ONNX Runtime's fp32 >= 0.99
+    (and 0.95 for the input-dependent part)."""
     onnx_path = model_dir / f"{name}.onnx"
     rng = np.random.default_rng(3)
     np.savez(tmp_path / "calib.npz", input=rng.standard_normal((4, 3, 224, 224)).astype("f4"))
     q = load(pack(onnx_path, tmp_path / "q.epk", quant="int8", calib=tmp_path / "calib.npz",
                   min_cosine=0, act_quant="int8"))  # fmt: skip
     assert q.manifest["quantization"]["activations"]["convs"] > 0
+    graph = q.manifest["graph"]
+    codes = [t for t, v in graph["tensors"].items() if v["dtype"] == "u8"]
+    assert len(codes) >= {"resnet18": 8, "mobilenet_v2": 20}[name], codes
+    if name == "mobilenet_v2":
+        assert sum(n["op"] == "qdwconv" for n in graph["nodes"]) == 16
     x = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
     got = q.run({"input": x})["logits"]
     (ref,) = ort_run(onnx_path, {"input": x})

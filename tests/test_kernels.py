@@ -57,6 +57,7 @@ TOL: dict[str, tuple[float, float]] = {
     # the same integers, one rounding to float32, then the same float32 operations in
     # the same order: equal but for the last bit
     "qconv": (1e-6, 1e-6),
+    "qdwconv": (0, 1),  # u8 codes (one code: see _check_kernel)
     "linear": (1e-4, 1e-4),
     "matmul": (1e-4, 1e-4),
     "binary": (1e-6, 1e-6),
@@ -1294,19 +1295,34 @@ CASES["conv"] += _nhwc_of(
 ]
 
 
+def _y_codes(op: str, ins, attrs: dict, clip: float = 0.02) -> dict:
+    """attrs with ``y_scale``/``y_zero`` for u8 output codes: the range of the op's
+    float32 reference output less a ``clip`` fraction on each side (what calibration
+    would give, with some saturation)."""
+    from edgepack.packager.act_quant import u8_params
+
+    y = R.REFERENCE[op](ins, attrs)
+    ys, yz = u8_params(*np.quantile(y, [clip, 1 - clip]))
+    return attrs | {"y_scale": float(F32(ys)), "y_zero": yz}
+
+
 def qconv_case(name: str, xshape, co: int, k=(3, 3), s=(1, 1), p=(1, 1, 1, 1), d=(1, 1),
                act: str = "none", bias: bool = True, res: bool = False,
-               clip: float = 0.02) -> Case:  # fmt: skip
+               clip: float = 0.02, x_codes: bool = False,
+               y_codes: bool = False) -> Case:  # fmt: skip
     """A conv on u8 activations (kernels/cpu/qgemm.py) as packager/act_quant.py makes it:
     x [N, H, W, C] float32 with a calibrated range that leaves a ``clip`` fraction of
     values outside on each side (the saturation), int8 HWIO weights in dot-product
-    panels, the zero-point term and the combined scale."""
+    panels, the zero-point term and the combined scale. ``x_codes``: x is u8 codes an
+    int8 op wrote; ``y_codes``: the output is written as u8 codes."""
     from edgepack.packager.act_quant import u8_params
 
     def make(rng, dt):
         n, h, w, c = xshape
         x = _randn(rng, *xshape) + F32(0.5)
         scale, zero = u8_params(*np.quantile(x, [clip, 1 - clip]))
+        if x_codes:
+            x = rng.integers(0, 256, xshape).astype(np.uint8)
         hwio = rng.integers(-128, 128, (*k, c, co)).astype(np.int8)
         npan = -(-co // layout.PANEL)
         zw = np.zeros(npan * layout.PANEL, np.int32)
@@ -1321,9 +1337,31 @@ def qconv_case(name: str, xshape, co: int, k=(3, 3), s=(1, 1), p=(1, 1, 1, 1), d
                  "out_channels": co, "x_scale": scale, "x_zero": zero,
                  "run4": layout.dot4_run(k[1], c), "act": act,
                  "act_args": list(ACT_ARGS[act])}  # fmt: skip
-        return ins, attrs
+        return ins, _y_codes("qconv", ins, attrs) if y_codes else attrs
 
     return Case(name, make, const=(1, 2, 3, 5), dtypes=("i8",), backends=("cpu", "ref"))
+
+
+def qdwconv_case(name: str, hwc, s: int = 1, act: str = "clip", bias: bool = True) -> Case:
+    """A 3x3 depthwise conv writing u8 codes (kernels/cpu/qdw.py), channels-last, as
+    packager/act_quant.py makes it: float32 or int8 weights [3, 3, 1, C] with their
+    scale (ones for float32), pads 1."""
+
+    def make(rng, dt):
+        h, w, c = hwc
+        x = _randn(rng, 1, h, w, c)
+        wf = _randn(rng, 3, 3, 1, c, scale=0.3)
+        if dt == "i8":
+            sw = (np.abs(wf).reshape(9, c).max(0) / 127).astype(F32)
+            wq = np.rint(wf / sw).astype(np.int8)
+        else:
+            sw, wq = np.ones(c, F32), wf
+        ins = [x, wq, _randn(rng, c) if bias else None, sw]
+        attrs = {"strides": [s, s], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": c,
+                 "layout": layout.NHWC, "act": act, "act_args": list(ACT_ARGS[act])}  # fmt: skip
+        return ins, _y_codes("qdwconv", ins, attrs)
+
+    return Case(name, make, const=(1, 2, 3), dtypes=("f32", "i8"), backends=("cpu", "ref"))
 
 
 # Convs on u8 activations: partial panels and vectors, a 3-channel stem (runs padded to
@@ -1340,6 +1378,23 @@ CASES["qconv"] = [
     qconv_case("pw_c5_co7_hswish", (1, 5, 6, 5), 7, k=(1, 1), p=(0, 0, 0, 0),
                act="hard_swish", clip=0.0),
     qconv_case("pw_s2x3_pads", (1, 9, 11, 24), 16, k=(1, 1), s=(2, 3), p=(1, 2, 0, 1)),
+    # u8 codes in (read in place by a 1x1 stride-1 conv over whole runs of 4, else
+    # copied with padding) and out (partial vectors and panels, residual, batch)
+    qconv_case("pw_codes_in_place", (1, 6, 7, 32), 24, k=(1, 1), p=(0, 0, 0, 0),
+               x_codes=True),
+    qconv_case("pw_c6_codes_copied", (1, 5, 6, 6), 20, k=(1, 1), p=(0, 0, 0, 0),
+               x_codes=True, y_codes=True, act="relu"),
+    qconv_case("k3_codes_in_out", (2, 8, 9, 16), 70, x_codes=True, y_codes=True, act="clip"),
+    qconv_case("k3_res_codes_out", (1, 7, 6, 12), 33, res=True, y_codes=True, act="relu"),
+]
+
+# 3x3 depthwise convs into u8 codes: partial channel vectors, stride 2, an image
+# narrower than a window's interior, no bias.
+CASES["qdwconv"] = [
+    qdwconv_case("c40_s1_clip", (9, 11, 40)),
+    qdwconv_case("c17_s2_relu", (10, 7, 17), s=2, act="relu"),
+    qdwconv_case("c16_2x2_nobias", (2, 2, 16), act="none", bias=False),
+    qdwconv_case("c96_s2", (12, 13, 96), s=2),
 ]
 
 # Small float32 linears on the panel GEMM: a partial panel, three panels with a partial
@@ -1521,7 +1576,7 @@ def test_cuda_covers_every_cpu_kernel():
         if registry.wants(("cpu",), p) and not registry.wants(("cuda",), p)
         for op in made
     }
-    assert cpu_only == {"conv_wino", "mbconv", "qconv"}
+    assert cpu_only == {"conv_wino", "mbconv", "qconv", "qdwconv"}
     assert {(op, dt) for op, dt in cpu if op not in cpu_only} <= cuda, sorted(cpu - cuda)
     assert not {op for op, _ in cuda} & cpu_only, "a cuda kernel no cuda plan can reach"
 
@@ -1642,6 +1697,8 @@ def _check_kernel(backend: str, mem, op: str, dt: str, case: Case, runs: int = 2
     if step is None:
         assert case.inplace, f"{kernel.name} returned no step for a copy"
     rtol, atol = TOL[op]
+    if want.dtype == np.uint8:  # codes: the float32 value they quantize may differ in
+        rtol, atol = 0, 1  # its last bit, which moves a value on a .5 boundary one code
     # Run twice, re-poisoning before each run: the plan hands the same scratch bytes to
     # other nodes between two runs of this one, so nothing may be kept there from bind
     # or from the previous run; nor may a kernel rely on what its output held.
@@ -1734,6 +1791,9 @@ _DECODE = [
     for (op, dt, b) in CPU_KEYS + CUDA_KEYS
     if op in registry.WEIGHT_OPS and dt != "f32" and wtypes.get(dt).per_element == 1
     if op != "qconv"  # never decoded: it multiplies the stored integers (its own cases)
+    # its output is u8 codes (a value each per 256 levels); it widens int8 weights with
+    # the vloadw_n these cases check through dwconv's dw3
+    if op != "qdwconv"
     # its output mixes U's elements through the output transform: the widening as U is
     # packed is checked value by value in test_gemm_tiles.py
     if op != "conv_wino"

@@ -123,14 +123,28 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
         "maxpool_nhwc": ("nhwc.maxpool_nhwc", v(arr(f4, 3), arr(f4, 3), *([i8] * 8))),
         "global_avgpool_nhwc": ("nhwc.global_avgpool_nhwc", v(arr(f4, 2), arr(f4, 1))),
         "pad_nhwc": ("nhwc.pad_nhwc", v(arr(f4, 3), arr(f4, 3), i8, i8)),
-        "quantize_pad_nhwc": ("qgemm.quantize_pad_nhwc",
-                              v(arr(f4, 3), arr(u1, 1), *([i8] * 6), f4, i8)),
-        "gemm_u8s8": (
-            "qgemm.gemm_u8s8",
-            v(arr(u1, 1, ro=True), arr(i8, 1, ro=True), i8, i8, i8, arr(i1, 1, ro=True),
-              arr(T.int32, 1, ro=True), arr(f4, 2, "A"), w1, w1, arr(f4, 2, "A"), i8, i8, f4,
-              f4, arr(i8, 2)),
-        ),
+        **{  # int8 ops' inputs and outputs: float32, or u8 codes (qgemm.py, qdw.py)
+            f"quantize_pad_nhwc{sfx}": ("qgemm.quantize_pad_nhwc",
+                                        v(arr(xdt, 3), arr(u1, 1), *([i8] * 6), f4, i8))
+            for sfx, xdt in (("", f4), ("_u8", u1))
+        },
+        **{
+            f"gemm_u8s8{sfx}": (
+                "qgemm.gemm_u8s8",
+                v(arr(u1, 1, ro=True), arr(i8, 1, ro=True), i8, i8, i8, arr(i1, 1, ro=True),
+                  arr(T.int32, 1, ro=True), arr(ydt, 2, "A"), w1, w1, arr(f4, 2, "A"), i8, i8,
+                  f4, f4, f4, f4, arr(i8, 2)),
+            )
+            for sfx, ydt in (("", f4), ("_u8", u1))
+        },
+        **{
+            f"qdwconv3_{name}": (
+                "qdw.qdwconv3",
+                v(arr(f4, 3), arr(wdt, 4, ro=True), w1, w1, arr(u1, 3), *([i8] * 8), f4, f4,
+                  f4, f4),
+            )
+            for name, wdt in (("f32", f4), ("i8", i1))
+        },
         "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3), T.boolean)),
         "sdpa4": ("sdpa4", v(arr(f4, 4, ro=True), arr(f4, 4, ro=True), arr(f4, 4, ro=True),

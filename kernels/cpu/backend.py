@@ -408,6 +408,10 @@ def _bind_qconv(ins, outs, scratch, attrs) -> Bound:
         sh = sw = 1
     image = up64(hp * wp * c_ + QGEMM_SLACK)
     xq = scratch[: hp * wp * c_ + QGEMM_SLACK]
+    # u8 codes from an int8 op that are already the image (a 1x1 stride-1 conv whose
+    # runs of C taps read no byte past a pixel) are read where they are
+    in_place = (x.dtype == np.uint8 and (hp, wp, step_h, step_w) == (x.shape[1], x.shape[2], 1, 1)
+                and (pt, pl) == (0, 0) and c_ % 4 == 0)  # fmt: skip
     nslot = max(1, min(GEMM_SLOTS, kernel_threads()))  # a row of gemm scratch a thread
     qs = scratch[image : image + _nbytes(_qgemm_scratch_shape(), 8)]
     qs = qs.view(np.int64).reshape(_qgemm_scratch_shape())[:nslot]
@@ -416,21 +420,63 @@ def _bind_qconv(ins, outs, scratch, attrs) -> Bound:
     flags = _flags(bias, None, res)
     act, a, b = _act(attrs)
     s, z = np.float32(attrs["x_scale"]), int(attrs["x_zero"])
+    yinv, yz = _y_codes(attrs, y)
     b_ = bias if bias is not None else _DUMMY1
-    wq, xr = _readonly(w.reshape(-1)), _readonly(xq)
+    wq = _readonly(w.reshape(-1))
     calls = []
     for n in range(n_):
         yn = y[n].reshape(oh * ow, co)
         rn = _DUMMY2 if res is None else res[n].reshape(oh * ow, co)
-        fill = (K.quantize_pad_nhwc, (x[n], xq, hp, wp, pt, pl, step_h, step_w, s, z))
+        fill = None if in_place else _bound(
+            K.quantize_pad_nhwc, (x[n], xq, hp, wp, pt, pl, step_h, step_w, s, z))
+        xr = _readonly(x[n].reshape(-1) if in_place else xq)
         gemm = (K.gemm_u8s8, (xr, rtab, int(attrs["run4"]), kh, dh * wp * c_, wq, zw, yn, b_,
-                              scale, rn, flags, act, a, b, qs))  # fmt: skip
-        calls.append((_bound(*fill), _bound(*gemm)))
+                              scale, rn, flags, act, a, b, yinv, yz, qs))  # fmt: skip
+        calls.append((fill, _bound(*gemm)))
 
     def step() -> None:
-        for (qf, qa), (gf, ga) in calls:
-            qf(*qa)
+        for fill, (gf, ga) in calls:
+            if fill is not None:
+                fill[0](*fill[1])
             gf(*ga)
+
+    return step
+
+
+def _y_codes(attrs: dict, y: np.ndarray) -> tuple[np.float32, np.float32]:
+    """(1 / scale, zero point) of an int8 op's u8 output (kernels/ref requantize_u8),
+    checked against the output's dtype; (1, 0) for a float32 output, unused."""
+    codes = "y_scale" in attrs
+    if codes != (y.dtype == np.uint8):
+        raise ValueError(f"output dtype {y.dtype} with y_scale {attrs.get('y_scale')}")
+    if not codes:
+        return np.float32(1), np.float32(0)
+    return np.float32(1) / np.float32(attrs["y_scale"]), np.float32(attrs["y_zero"])
+
+
+def _bind_qdwconv(ins, outs, scratch, attrs) -> Bound:
+    """3x3 depthwise conv into u8 codes, one image at a time (qdw.qdwconv3)."""
+    io = _args("qdwconv", ins)
+    x, w, bias, scale, y = io.x, io.w, io.bias, io.scale, outs[0]
+    if tuple(w.shape[:2]) != (3, 3):
+        raise ValueError(f"qdwconv takes 3x3 weights, not {w.shape}")
+    (sh, sw), (dh, dw) = attrs["strides"], attrs["dilations"]
+    pt, pl = attrs["pads"][:2]
+    act, a, b = _act(attrs)
+    if act not in (0, 1, 3):
+        raise ValueError(f"qdwconv clamps (relu, clip) only, not {attrs.get('act')}")
+    yinv, yz = _y_codes(attrs, y)
+    if x.dtype != np.float32:
+        raise ValueError(f"qdwconv takes float32 input, not {x.dtype}")
+    b_ = bias if bias is not None else _DUMMY1
+    flags = _flags(bias, None, None)
+    calls = [_bound(K.qdwconv3, (x[n], w, b_, scale, y[n], sh, sw, pt, pl, dh, dw, flags, act,
+                                 a, b, yinv, yz))
+             for n in range(x.shape[0])]  # fmt: skip
+
+    def step() -> None:
+        for f, a_ in calls:
+            f(*a_)
 
     return step
 
@@ -1335,6 +1381,7 @@ _cpu("conv", _bind_conv, _ALL_W, _conv_scratch, accepts=_conv_takes, variant=_co
 _cpu("dwconv", _bind_dwconv, _ALL_W, _dw_scratch, variant=_dw_variant)
 _cpu("conv_wino", _bind_conv_wino, winograd.WEIGHT_TYPES, _wino_scratch)
 _cpu("qconv", _bind_qconv, ("i8",), _qconv_scratch)
+_cpu("qdwconv", _bind_qdwconv, ("f32", "i8"))
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
 _cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
 # float activations only: a node with xq (int8 activations) falls to a kernel that has them

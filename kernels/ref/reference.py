@@ -119,16 +119,39 @@ def quantize_u8(x: Array, scale: float, zero: int) -> Array:
     return np.where(np.isnan(q), np.float32(zero), np.clip(q, 0, 255)).astype(np.float32)
 
 
+def requantize_u8(y: Array, attrs: dict) -> Array:
+    """An int8 op's float32 result as the u8 codes of its output (attrs ``y_scale``,
+    ``y_zero``): ``rint(y * (1 / y_scale)) + y_zero`` in float32, saturated, NaN as the
+    zero point. A multiply by the float32 reciprocal, not a division: the kernels write
+    codes for every output element, and a division per element cost more than the
+    stores it saves (kernels/cpu/qgemm.py vstore_out). Without ``y_scale``: y."""
+    if "y_scale" not in attrs:
+        return y
+    inv, z = np.float32(1) / np.float32(attrs["y_scale"]), np.float32(attrs["y_zero"])
+    q = np.rint(y.astype(np.float32) * inv) + z
+    return np.where(np.isnan(q), z, np.clip(q, 0, 255)).astype(np.uint8)
+
+
+def _codes(x: Array, attrs: dict) -> Array:
+    """An int8 op's input as its codes minus the zero point (float64): u8 codes as
+    they are (an int8 op wrote them), float32 quantized (``quantize_u8``)."""
+    z = int(attrs["x_zero"])
+    if x.dtype == np.uint8:
+        return x.astype(np.float64) - z
+    return quantize_u8(x, attrs["x_scale"], z).astype(np.float64) - z
+
+
 def qconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
     """int8 x int8 conv (kernels/cpu/qgemm.py), channels-last: x[N, H, W, C] quantized
-    to u8 (``quantize_u8`` with the node's ``x_scale``, ``x_zero``), the integer conv of
-    (q - zero) with the int8 weights (float64, exact), rounded once to float32, times
-    ``scale`` (the input's scale times the weights' per channel), plus bias and residual
-    in float32 in that order, then the activation."""
+    to u8 (``quantize_u8`` with the node's ``x_scale``, ``x_zero``; u8 codes as they
+    are), the integer conv of (q - zero) with the int8 weights (float64, exact), rounded
+    once to float32, times ``scale`` (the input's scale times the weights' per channel),
+    plus bias and residual in float32 in that order, then the activation, then the
+    output's codes with ``y_scale`` (``requantize_u8``)."""
     io = args("qconv", inputs)
     (kh, kw), c, co = attrs["kernel"], int(attrs["in_channels"]), int(attrs["out_channels"])
     z = int(attrs["x_zero"])
-    xi = quantize_u8(io.x, attrs["x_scale"], z).astype(np.float64) - z
+    xi = _codes(io.x, attrs)
     hwio = layout.from_dot4_panels(io.w, kh, kw, c, co)
     expect_zw = -z * hwio.reshape(-1, co).astype(np.int64).sum(0)
     if not np.array_equal(io.zw[:co], expect_zw):
@@ -141,7 +164,22 @@ def qconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
         y = y + io.bias.astype(np.float32)
     if io.residual is not None:
         y = y + io.residual
-    return _act(np.ascontiguousarray(y, dtype=np.float32), attrs)
+    return requantize_u8(_act(np.ascontiguousarray(y, dtype=np.float32), attrs), attrs)
+
+
+def qdwconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """Depthwise conv into u8 codes (kernels/cpu/qdw.py), channels-last: ``conv`` of
+    x[N, H, W, C] float32 with the stored weights (float64 sums), rounded once to
+    float32, times ``scale``, plus bias, the activation, then ``requantize_u8``."""
+    io = args("qdwconv", inputs)
+    w = np.asarray(io.w, np.float64)  # [kh, kw, 1, C]
+    cf = {k: attrs[k] for k in ("strides", "pads", "dilations")} | {"group": w.shape[3]}
+    acc = conv([np.asarray(io.x, np.float64).transpose(layout.TO_NCHW),
+                w.transpose(layout.OIHW_FROM_HWIO), None, None, None], cf)  # fmt: skip
+    y = acc.transpose(layout.TO_NHWC) * io.scale.astype(np.float32)
+    if io.bias is not None:
+        y = y + io.bias.astype(np.float32)
+    return requantize_u8(_act(np.ascontiguousarray(y, dtype=np.float32), attrs), attrs)
 
 
 def conv_wino(inputs: Sequence[Array | None], attrs: dict) -> Array:
@@ -718,6 +756,7 @@ def mbconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
 REFERENCE: dict[str, RefFn] = {
     "conv": conv,
     "dwconv": conv,
+    "qdwconv": qdwconv,
     "conv_wino": conv_wino,
     "qconv": qconv,
     "linear": linear,
