@@ -487,11 +487,11 @@ def gemmp{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
     A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv passes its padded image as
     w[pixels, C], in rtab each output pixel's offset in it, and its kernel rows: nky =
     kh runs of run = kw * C taps, wrow floats apart.
-    Panels are split across workers when they divide evenly, else rows are."""
+    Panels are split across workers when they divide evenly and balance the columns,
+    else rows are (kernels.panel_share)."""
     m_ = c.shape[0]
-    np_ = (c.shape[1] + PANEL - 1) // PANEL
     for sl in prange(workers):
-        t_lo, t_hi, m_lo, m_hi = panel_share(m_, np_, workers, sl, MR)
+        t_lo, t_hi, m_lo, m_hi = panel_share(m_, c.shape[1], workers, sl, MR)
         if m_lo < m_hi:
             _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
                        t_lo, t_hi, m_lo, m_hi, wbuf[sl % wbuf.shape[0]])

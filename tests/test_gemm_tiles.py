@@ -33,6 +33,29 @@ def test_generated_file_matches_its_generator():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "workers", "by_panels"),
+    [(3136, 128, 2, True), (12544, 96, 2, False), (3136, 144, 2, False),
+     (49, 1000, 2, True), (49, 960, 4, False), (7, 512, 2, True), (100, 64, 3, False)],
+)  # fmt: skip
+def test_workers_share_a_gemm_exactly_once_and_evenly(m, n, workers, by_panels):
+    """panel_share: every (row, panel) falls to one worker; panels are split only when
+    they also split the columns evenly (all full, or 8 or more a worker), else rows
+    are (MobileNetV2's 96 columns as 64 + 32 made 2 threads slower than 1)."""
+    from edgepack.kernels.cpu.kernels import panel_share
+    from edgepack.kernels.layout import PANEL
+
+    np_ = -(-n // PANEL)
+    seen = np.zeros((m, np_), np.int64)
+    for sl in range(workers):
+        t_lo, t_hi, m_lo, m_hi = panel_share(m, n, workers, sl, 6)
+        assert (t_hi - t_lo < np_) == by_panels and (m_hi - m_lo < m) != by_panels
+        if m_lo < m_hi:
+            assert m_lo % 6 == 0
+            seen[m_lo:m_hi, t_lo:t_hi] += 1
+    assert (seen == 1).all()
+
+
 def test_tile_shape_per_cpu():
     assert lanes_for({"avx512f", "avx2", "fma"}) == (16, 4)
     assert lanes_for({"avx2", "fma", "f16c"}) == (8, 2)

@@ -32,6 +32,7 @@ from ..activations import (
     TANH_Q,
 )
 from ..flags import HAS_BIAS, HAS_RES, HAS_SCALE
+from ..layout import PANEL
 from ..portable import math_fn as _math_fn_py
 from .jit import njit
 from .simd import Ops, pow2i_f32
@@ -422,11 +423,16 @@ def act_into(x, y, act, a, b):
 
 
 @njit(inline="always")
-def panel_share(m_, np_, workers, sl, mr):
-    """(t_lo, t_hi, m_lo, m_hi): worker sl's share of a GEMM of m_ rows by np_ weight
-    panels: whole panels when they divide evenly among the workers (each then reads
-    only its own weights), else rows in whole tiles of mr (empty when m_lo >= m_hi)."""
-    if np_ % workers == 0:
+def panel_share(m_, n_, workers, sl, mr):
+    """(t_lo, t_hi, m_lo, m_hi): worker sl's share of a GEMM of m_ rows by n_ columns
+    in weight panels of PANEL: whole panels when they divide evenly among the workers
+    and share the columns evenly too (each worker then reads only its own weights),
+    else rows in whole tiles of mr (empty when m_lo >= m_hi). Evenly: every panel full,
+    or 8 or more a worker (a partial last one then costs its worker at most 1/8).
+    MobileNetV2's 112x112 16 -> 96 int8 conv split as 64 + 32 columns took 0.52-0.58
+    ms at 2 threads, 0.41 at 1; split by rows, 0.38-0.41."""
+    np_ = (n_ + PANEL - 1) // PANEL
+    if np_ % workers == 0 and (n_ % PANEL == 0 or np_ // workers >= 8):
         per_t = np_ // workers
         return sl * per_t, sl * per_t + per_t, 0, m_
     per_m = ((m_ + mr - 1) // mr + workers - 1) // workers * mr
