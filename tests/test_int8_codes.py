@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import test_onnx_import
 from conftest import load, ort_run, pack
 from edgepack.packager import build as build_mod
 from test_mbconv import _net
@@ -27,10 +28,13 @@ def test_codes_only_where_int8_convs_alone_read_them(tmp_path, monkeypatch):
     The codes change the bytes, not the answer: the same build with float32 between
     the int8 ops gives the same outputs (a code may move by one where the reciprocal's
     product and the quotient round apart), and both are near ONNX Runtime's."""
+    # the same weights and inputs whatever ran before on this worker, and no layer
+    # kept fp32 by the output-cosine search (which would change the graph)
+    monkeypatch.setattr(test_onnx_import, "RNG", np.random.default_rng(42))
     path = tmp_path / "m.onnx"
     onnx.save(_net(), path)
     np.savez(tmp_path / "calib.npz", x=np.stack([rand(8, 14, 13) for _ in range(4)]))
-    common = {"quant": "int8", "act_quant": "int8", "min_weights": 0,
+    common = {"quant": "int8", "act_quant": "int8", "min_weights": 0, "min_cosine": 0,
               "calib": tmp_path / "calib.npz"}  # fmt: skip
     sess = load(pack(path, tmp_path / "q.epk", **common))
     graph = sess.manifest["graph"]
@@ -57,4 +61,4 @@ def test_codes_only_where_int8_convs_alone_read_them(tmp_path, monkeypatch):
         assert err < 1e-3, (o, err)
         cos = float(np.dot(got[o].ravel(), ref.ravel()))
         cos /= float(np.linalg.norm(got[o]) * np.linalg.norm(ref))
-        assert cos > 0.97, (o, cos)  # random weights, 4 calibration inputs: 0.981 for y
+        assert cos > 0.97, (o, cos)  # random weights, 4 calibration inputs
