@@ -15,6 +15,10 @@ channels-last layout (kernels/layout.py). Attributes: ``expand`` (absent without
 ``dw`` and ``project`` hold the original convs' attributes; ``band`` the output rows
 per band, chosen by the packager.
 
+``qmbconv`` is the int8 chain (packager/mbconv.py ``fuse_qmbconv``): a ``qconv``
+expansion (float32 output), a ``qdwconv`` writing the projection's u8 codes and the
+``qconv`` projection, each with the inputs it had (``ze``, ``zp``: the convs' ``zw``).
+
 Here: splitting the inputs and the intermediate shapes (the cpu kernel and the
 reference share them). Only the cpu backend asks for the pass that forms these nodes.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .ops import args
+from .ops import Y_QUANT, args
 
 
 def parts(ins: Sequence) -> tuple[list | None, list, list]:
@@ -50,3 +54,21 @@ def intermediate_shapes(
     n, h, w, _ = x_shape
     ce = wd_shape[3]
     return (n, h, w, ce), (n, y_shape[1], y_shape[2], ce)
+
+
+def qparts(ins: Sequence) -> tuple[list, list, list]:
+    """``qmbconv``'s (expand, depthwise, projection) inputs in the roles of the
+    ``qconv``, ``qdwconv`` and ``qconv`` they were (x, w, bias, scale[, residual, zw]),
+    with ``None`` standing for the activation each takes from the one before."""
+    a = args("qmbconv", ins)
+    return (
+        [a.x, a.we, a.be, a.se, None, a.ze],
+        [None, a.wd, a.bd, a.sd],
+        [None, a.wp, a.bp, a.sp, a.residual, a.zp],
+    )
+
+
+def q_project_attrs(attrs: dict) -> dict:
+    """The projection's qconv attributes, with the chain's output codes (``y_scale``,
+    ``y_zero``) when it writes them."""
+    return attrs["project"] | {k: attrs[k] for k in Y_QUANT if k in attrs}

@@ -414,6 +414,12 @@ def _mbconv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
     return (x[0], oh, ow, int(attrs["project"]["out_channels"]))
 
 
+def _qmbconv_shape(ins: Sequence[Shape | None], attrs: dict) -> Shape:
+    x, wd = ins[0], ins[5]  # as mbconv's, with the expand conv's zw before wd
+    oh, ow = _window_out(x[1:3], wd[:2], attrs["dw"])
+    return (x[0], oh, ow, int(attrs["project"]["out_channels"]))
+
+
 def _last(ins: Sequence[Shape | None], attrs: dict, d: int) -> None:
     if ins[0][-1] != d:
         raise OpError(f"last axis {ins[0][-1]}, expected {d}")
@@ -611,6 +617,16 @@ OPS: dict[str, OpDef] = {
             ("we", "be", "se", "wd", "bd", "sd", "wp", "bp", "sp"),
             ("dw", "project", "band", "layout"),
         ),
+        # the int8 chain (kernels/mbconv.py): qconv -> qdwconv -> qconv, each conv's
+        # inputs as it had them; ``y_scale``/``y_zero`` when the projection writes codes
+        _op(
+            "qmbconv",
+            ("x", "we", "be", "se", "ze", "wd", "bd", "sd", "wp", "bp", "sp", "zp", "residual"),
+            _qmbconv_shape,
+            ("be", "bd", "bp", "residual"),
+            ("we", "be", "se", "ze", "wd", "bd", "sd", "wp", "bp", "sp", "zp"),
+            ("expand", "dw", "project", "band", "layout"),
+        ),
     )
 }
 
@@ -668,8 +684,8 @@ def out_dtype(op: str, dts: Sequence[str | None], attrs: dict) -> str:
     if op == "pool_nd" and attrs["kind"].startswith("argmax"):  # MaxPool's Indices
         need(live == ["f32"], "float32 tensors")
         return "i64"
-    if op in ("qconv", "qdwconv"):  # int8 ops: float32 or (qconv) u8 codes in, y_scale: out
-        need(live[0] in (("f32", "u8") if op == "qconv" else ("f32",)), "float32 or u8 codes")
+    if op in ("qconv", "qdwconv", "qmbconv"):  # int8: float32 or u8 codes in, y_scale: out
+        need(live[0] in (("f32",) if op == "qdwconv" else ("f32", "u8")), "float32 or u8 codes")
         return "u8" if "y_scale" in attrs else "f32"
     if op == "binary" and live and live[0] != "f32":
         need(len(set(live)) == 1 and live[0] not in ("bool", "f16") and

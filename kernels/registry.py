@@ -59,7 +59,11 @@ HOST_BACKENDS = tuple(b for b, row in BACKEND_TABLE.items() if row.host)
 PASSES = ("winograd", "channels_last", "panels", "chains", "act_quant", "interleave")
 # The ops a pass creates: only a backend that asks for the pass meets them, so only such
 # a backend needs kernels for them (the cuda backend has no conv_wino or mbconv).
-PASS_OPS = {"winograd": ("conv_wino",), "chains": ("mbconv",), "act_quant": ("qconv", "qdwconv")}
+PASS_OPS = {
+    "winograd": ("conv_wino",),
+    "chains": ("mbconv", "qmbconv"),
+    "act_quant": ("qconv", "qdwconv"),
+}
 assert all(set(row.passes) <= set(PASSES) for row in BACKEND_TABLE.values())
 assert set(PASS_OPS) <= set(PASSES)
 

@@ -104,6 +104,11 @@ def build_info() -> dict:
     }
 
 
+# the convs each int8 node computes (a qmbconv chain: its expansion, depthwise conv and
+# projection), for the manifest's count of convs taking u8 activations
+_INT8_CONVS = {"qconv": 1, "qdwconv": 1, "qmbconv": 3}
+
+
 def _layouts(
     g: Graph,
     backends: Sequence[str],
@@ -303,7 +308,7 @@ def build(
                 "error": error,
             }
         )
-        n_xq = sum(n.op in ("qconv", "qdwconv") for n in q.nodes)
+        n_xq = sum(_INT8_CONVS.get(n.op, 0) for n in q.nodes)
         if n_xq:
             extra["quantization"]["activations"] = {"scheme": ACT_SCHEME, "convs": n_xq}
         if max_error is not None and error["max_output_rel_l2"] > max_error:

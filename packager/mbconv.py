@@ -8,6 +8,10 @@ memory and are read back; in bands, each band's rows are still in L2 when the ne
 conv reads them. Only worth it where those tensors outgrow the cache: smaller chains
 keep their three nodes (in bands they only add calls).
 
+The int8 chains that act_quant.py leaves (a ``qconv`` expansion, a ``qdwconv`` writing
+the projection's u8 codes, the ``qconv`` projection) become one ``qmbconv`` node the
+same way, with thresholds of their own (below).
+
 Runs after the layout pass and the weight panels, on channels-last nodes, so only on
 cpu-first targets; the chain's pointwise convs keep their panels (and their attrs
 ``panel`` and ``out_channels``).
@@ -21,6 +25,7 @@ import numpy as np
 
 from ..kernels import layout as L
 from ..kernels import mbconv as M
+from ..kernels.ops import Y_QUANT
 from ..kernels.registry import wants
 from .ir import Graph, Node
 
@@ -33,6 +38,16 @@ FUSE_MIN_BYTES = 256 * 1024
 # A band's expanded rows plus its depthwise output rows (256, 512, 768 and 1024 KB
 # measured on MobileNetV2: 768 was fastest, 256 slowest by 7%).
 BAND_BYTES = 768 * 1024
+# int8 chains: fused when the expanded tensor E (float32) is at least QFUSE_MIN_BYTES,
+# in even bands of at most QBAND_BYTES of E rows plus D rows (u8). Measured on a 2-core
+# Xeon (2 MB L2 a core), expand + depthwise + project whole against in bands, median ms:
+#   1 thread:  112x112x96 s2 (E 4.8 MB) 0.72 -> 0.51 in bands of 14 rows (1.5 MB),
+#              0.53 in 8, 0.66 in 28 (3 MB); 56x56x144 (1.8 MB) 0.47 -> 0.37 in 2 bands,
+#              0.41 in 8 rows; 28x28x192 (0.6 MB, in L2 anyway) 0.13 -> 0.13-0.16;
+#   2 threads: 112x112x96 0.52 -> 0.46 (14 rows); 56x56x144 0.30 -> 0.28 in 2 bands but
+#              0.42 in bands of 8 rows: each band's three kernel calls launch the pool.
+QFUSE_MIN_BYTES = 1024 * 1024
+QBAND_BYTES = 1536 * 1024
 
 
 def _pointwise(node: Node, g: Graph) -> bool:
@@ -55,14 +70,23 @@ def _has_residual(node: Node) -> bool:
     return bool(node.input("residual"))
 
 
-def band_rows(e_shape: Sequence[int], d_shape: Sequence[int], attrs: dict, kh: int) -> int:
-    """Output rows per band: as many as keep a band's E and D rows within BAND_BYTES."""
+def band_rows(
+    e_shape: Sequence[int],
+    d_shape: Sequence[int],
+    attrs: dict,
+    kh: int,
+    budget: int | None = None,
+    d_itemsize: int = 4,
+) -> int:
+    """Output rows per band: as many as keep a band's E rows (float32) and D rows
+    (``d_itemsize`` bytes an element) within ``budget`` (None: BAND_BYTES)."""
+    budget = BAND_BYTES if budget is None else budget
     _, h, w, ce = e_shape
     _, oh, ow, _ = d_shape
     best = 1
     for rows in range(1, oh + 1):
         e_rows = min(h, M.dw_rows_in(rows, attrs, kh))
-        if (e_rows * w + rows * ow) * ce * 4 > BAND_BYTES:
+        if (e_rows * w * 4 + rows * ow * d_itemsize) * ce > budget:
             break
         best = rows
     return best
@@ -129,5 +153,78 @@ def fuse_mbconv(g: Graph, backends: Sequence[str]) -> int:
         gone.update(id(n) for n in chain)
         for n in chain[:-1]:
             del g.shapes[n.outputs[0]]
+    g.nodes = [fused.get(id(n), n) for n in g.nodes if id(n) not in gone or id(n) in fused]
+    return len(fused) + _fuse_int8(g)
+
+
+def _q_pointwise(node: Node | None) -> bool:
+    a = {} if node is None else node.attrs
+    return (
+        node is not None
+        and node.op == "qconv"
+        and tuple(a["kernel"]) == (1, 1)
+        and list(a["strides"]) == [1, 1]
+        and not any(a["pads"])
+    )
+
+
+def _fuse_int8(g: Graph) -> int:
+    """Fuse qconv -> qdwconv -> qconv chains whose E is QFUSE_MIN_BYTES or more into
+    ``qmbconv`` nodes (kernels/mbconv.py), in place; returns how many. The expansion
+    writes float32 (act_quant.py keeps a depthwise conv's input float32) and reads only
+    into the depthwise conv, which writes the codes only the projection reads."""
+    consumers, producer, outputs = g.consumers(), g.producer(), set(g.outputs)
+
+    def only_into(t: str, node: Node, role: str = "x") -> bool:
+        users = consumers.get(t, [])
+        return (t not in outputs and len(users) == 1 and users[0] is node
+                and node.inputs.count(t) == 1 and node.input(role) == t)  # fmt: skip
+
+    fused: dict[int, Node] = {}
+    gone: set[int] = set()
+    for dw in g.nodes:
+        if dw.op != "qdwconv":
+            continue
+        users = consumers.get(dw.outputs[0], [])
+        proj = users[0] if len(users) == 1 else None
+        exp = producer.get(dw.inputs[0])
+        if not (
+            _q_pointwise(proj)
+            and only_into(dw.outputs[0], proj)
+            and _q_pointwise(exp)
+            and id(exp) not in gone
+            and not exp.input("residual")
+            and "y_scale" not in exp.attrs
+            and only_into(dw.inputs[0], dw)
+        ):
+            continue
+        e_shape, d_shape = g.shapes[dw.inputs[0]], g.shapes[dw.outputs[0]]
+        if int(np.prod(e_shape)) * 4 < QFUSE_MIN_BYTES:
+            continue
+        most = band_rows(e_shape, d_shape, dw.attrs, 3, QBAND_BYTES, 1)
+        n_bands = -(-d_shape[1] // most)
+        project = dict(proj.attrs)
+        attrs = {
+            "layout": L.NHWC,
+            "expand": dict(exp.attrs),
+            "dw": dict(dw.attrs),
+            "project": project,
+            "band": -(-d_shape[1] // n_bands),  # even bands: the same count, less cache
+        }
+        attrs.update({k: project.pop(k) for k in Y_QUANT if k in project})
+        e, d, p = exp.input, dw.input, proj.input
+        fused[id(proj)] = Node(
+            "qmbconv",
+            f"{exp.name}..{proj.name}",
+            [e("x"), e("w"), e("bias"), e("scale"), e("zw"), d("w"), d("bias"), d("scale"),
+             p("w"), p("bias"), p("scale"), p("zw"), p("residual")],  # fmt: skip
+            list(proj.outputs),
+            attrs,
+            [s for n in (exp, dw, proj) for s in n.sources],
+        )
+        gone.update((id(exp), id(dw), id(proj)))
+        for n in (exp, dw):
+            del g.shapes[n.outputs[0]]
+            g.dtypes.pop(n.outputs[0], None)
     g.nodes = [fused.get(id(n), n) for n in g.nodes if id(n) not in gone or id(n) in fused]
     return len(fused)

@@ -170,9 +170,13 @@ def test_cnn_int8_activations_close_to_ort(tmp_path, model_dir, name):
     assert q.manifest["quantization"]["activations"]["convs"] > 0
     graph = q.manifest["graph"]
     codes = [t for t, v in graph["tensors"].items() if v["dtype"] == "u8"]
-    assert len(codes) >= {"resnet18": 8, "mobilenet_v2": 20}[name], codes
+    # (MobileNetV2's: 22, of which the 3 inside its banded chains are never tensors)
+    assert len(codes) >= {"resnet18": 8, "mobilenet_v2": 18}[name], codes
     if name == "mobilenet_v2":
-        assert sum(n["op"] == "qdwconv" for n in graph["nodes"]) == 16
+        # 16 depthwise convs write codes: the 3 whose expanded input outgrows L2 in
+        # chains run in bands (packager/mbconv.py), the other 13 on their own
+        made = [n["op"] for n in graph["nodes"]]
+        assert (made.count("qdwconv"), made.count("qmbconv")) == (13, 3)
     x = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
     got = q.run({"input": x})["logits"]
     (ref,) = ort_run(onnx_path, {"input": x})

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from edgepack.kernels import layout, registry, wtypes
+from edgepack.kernels import layout, ops, registry, wtypes
 from edgepack.kernels.activations import ACTIVATIONS
 from edgepack.kernels.mathfns import MATH_FNS
 from edgepack.kernels.ops import (
@@ -92,6 +92,9 @@ TOL: dict[str, tuple[float, float]] = {
     "reduce_mean": (1e-5, 1e-6),
     "pad": (0.0, 0.0),
     "mbconv": (2e-4, 2e-4),  # three convs in a row
+    # qconv's, on depthwise codes the kernel and the reference both round from float32
+    # values equal but for the last bit (a code apart only on a .5 boundary)
+    "qmbconv": (1e-6, 1e-6),
     "norm": (1e-5, 1e-6),
     "rope": (1e-6, 1e-6),
     "glu": (1e-5, 1e-6),
@@ -1364,6 +1367,44 @@ def qdwconv_case(name: str, hwc, s: int = 1, act: str = "clip", bias: bool = Tru
     return Case(name, make, const=(1, 2, 3), dtypes=("f32", "i8"), backends=("cpu", "ref"))
 
 
+def qmbconv_case(name: str, hw=(9, 10), c: int = 8, ce: int = 40, co: int = 12, s: int = 1,
+                 band: int = 3, n: int = 1, res: bool = False, x_codes: bool = True,
+                 y_codes: bool = False, bias: bool = True, dw: str = "f32") -> Case:  # fmt: skip
+    """The int8 chain as packager/mbconv.py fuses it: a 1x1 qconv expansion (float32
+    out), a 3x3 qdwconv (``dw``: float32 or int8 weights) writing the u8 codes the 1x1
+    qconv projection reads (its x_scale, x_zero are the codes' own). The registry keys
+    the fused node as float32, so the case picks the depthwise weights' type itself."""
+
+    def make(rng, dt):
+        e_ins, e_at = qconv_case("e", (n, *hw, c), ce, k=(1, 1), p=(0, 0, 0, 0), act="clip",
+                                 x_codes=x_codes).make(rng, "i8")  # fmt: skip
+        (_, wd, bd, sd), d_at = qdwconv_case("d", (1, 1, ce), s=s, act="relu",
+                                             bias=bias).make(rng, dw)  # fmt: skip
+        d_in = [R.qconv(e_ins, e_at), wd, bd, sd]
+        d_at = _y_codes("qdwconv", d_in, {k: v for k, v in d_at.items() if k not in ops.Y_QUANT})
+        d = R.qdwconv(d_in, d_at)
+        hwio = rng.integers(-128, 128, (1, 1, ce, co)).astype(np.int8)
+        zp = np.zeros(-(-co // layout.PANEL) * layout.PANEL, np.int32)
+        zp[:co] = -d_at["y_zero"] * hwio.reshape(ce, co).astype(np.int64).sum(0)
+        sp = (rng.random(co) * 0.01 * d_at["y_scale"]).astype(F32)
+        r = _randn(rng, *d.shape[:3], co) if res else None
+        p_ins = [d, layout.to_dot4_panels(hwio), _randn(rng, co) if bias else None, sp, r, zp]
+        p_at = {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1,
+                "layout": layout.NHWC, "kernel": [1, 1], "in_channels": ce,
+                "out_channels": co, "x_scale": d_at["y_scale"], "x_zero": d_at["y_zero"],
+                "run4": layout.dot4_run(1, ce), "act": "none",
+                "act_args": list(ACT_ARGS["none"])}  # fmt: skip
+        if y_codes:
+            p_at = _y_codes("qconv", p_ins, p_at)
+        attrs = {"layout": layout.NHWC, "expand": e_at, "dw": d_at, "band": band,
+                 "project": {k: v for k, v in p_at.items() if k not in ops.Y_QUANT},
+                 **{k: p_at[k] for k in ops.Y_QUANT if k in p_at}}  # fmt: skip
+        return [*e_ins[:4], e_ins[5], wd, bd, sd, *p_ins[1:4], zp, r], attrs
+
+    return Case(name, make, const=tuple(range(1, 12)), dtypes=("f32",),
+                backends=("cpu", "ref"))  # fmt: skip
+
+
 # Convs on u8 activations: partial panels and vectors, a 3-channel stem (runs padded to
 # 4), 1x1 strided in place, residual and batch, dilated rows, asymmetric pads, rows past
 # one micro-tile and several panels.
@@ -1395,6 +1436,19 @@ CASES["qdwconv"] = [
     qdwconv_case("c17_s2_relu", (10, 7, 17), s=2, act="relu"),
     qdwconv_case("c16_2x2_nobias", (2, 2, 16), act="none", bias=False),
     qdwconv_case("c96_s2", (12, 13, 96), s=2),
+]
+
+# The int8 chain in bands: stride 1 and 2 (bands sharing expanded rows), a band past
+# the image, one band, float32 input quantized per band, residual and codes out, batch,
+# partial channel vectors and panels.
+CASES["qmbconv"] = [
+    qmbconv_case("s1_band3"),
+    qmbconv_case("s2_band2_odd_i8dw", hw=(11, 9), s=2, band=2, dw="i8"),
+    qmbconv_case("s1_band4_of_9", hw=(9, 7), band=4, res=True),
+    qmbconv_case("one_band", band=100, y_codes=True),
+    qmbconv_case("f32_in_res_codes", x_codes=False, res=True, y_codes=True, band=2),
+    qmbconv_case("batch2_s2", n=2, hw=(8, 8), s=2, band=3, bias=False),
+    qmbconv_case("c6_ce20_co70_i8dw", c=6, ce=20, co=70, hw=(5, 6), band=2, dw="i8"),
 ]
 
 # Small float32 linears on the panel GEMM: a partial panel, three panels with a partial
@@ -1576,7 +1630,7 @@ def test_cuda_covers_every_cpu_kernel():
         if registry.wants(("cpu",), p) and not registry.wants(("cuda",), p)
         for op in made
     }
-    assert cpu_only == {"conv_wino", "mbconv", "qconv", "qdwconv"}
+    assert cpu_only == {"conv_wino", "mbconv", "qconv", "qdwconv", "qmbconv"}
     assert {(op, dt) for op, dt in cpu if op not in cpu_only} <= cuda, sorted(cpu - cuda)
     assert not {op for op, _ in cuda} & cpu_only, "a cuda kernel no cuda plan can reach"
 

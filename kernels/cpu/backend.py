@@ -1359,6 +1359,72 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     return step
 
 
+# --- qmbconv: the int8 chain, in bands of output rows --------------------------------
+# Each band binds the qconv and qdwconv kernels above on views: the expansion of the
+# input rows the band's depthwise windows read into E (float32, scratch), the depthwise
+# conv into D (the projection's u8 codes, scratch), the projection into the band's
+# output rows. The rows two bands share are expanded twice (the packager's bands are
+# tens of rows: a few percent more of a GEMM that is cheap next to the traffic saved).
+
+
+def _qmbconv_plan(x_shape, y_shape, attrs: dict) -> tuple[list, tuple, tuple, int]:
+    """(bands as (image, first output row, rows, first input row, end input row), E's
+    and D's scratch shapes, the qconvs' scratch bytes) of a qmbconv node."""
+    n_, h, w, _ = x_shape
+    _, oh, ow, co = y_shape
+    ce, da = int(attrs["expand"]["out_channels"]), attrs["dw"]
+    sh, pt = da["strides"][0], da["pads"][0]
+    rows = min(int(attrs["band"]), oh)
+    bands = []
+    for n in range(n_):
+        for oy0 in range(0, oh, rows):
+            r = min(rows, oh - oy0)
+            lo = max(0, oy0 * sh - pt)
+            bands.append((n, oy0, r, lo, min(h, oy0 * sh - pt + mbconv.dw_rows_in(r, da, 3))))
+    e_rows = max(hi - lo for *_, lo, hi in bands)
+    e_shape, d_shape = (1, e_rows, w, ce), (1, rows, ow, ce)
+    gemm = max(
+        _qconv_scratch([((1, e_rows, *x_shape[2:]), None)], [e_shape], attrs["expand"]),
+        _qconv_scratch([(d_shape, "u8")], [(1, rows, ow, co)], attrs["project"]),
+    )
+    return bands, e_shape, d_shape, gemm
+
+
+def _qmbconv_scratch(ins, outs, attrs) -> int:
+    _, e_shape, d_shape, gemm = _qmbconv_plan(ins[0][0], outs[0], attrs)
+    return up64(_nbytes(e_shape)) + up64(_nbytes(d_shape, 1)) + gemm
+
+
+def _bind_qmbconv(ins, outs, scratch, attrs) -> Bound:
+    expand, dwin, proj = mbconv.qparts(ins)
+    x, y, res = expand[0], outs[0], proj[4]
+    if tuple(dwin[1].shape[:2]) != (3, 3):
+        raise ValueError(f"qmbconv: 3x3 depthwise weights, not {dwin[1].shape}")
+    bands, e_shape, d_shape, _ = _qmbconv_plan(x.shape, y.shape, attrs)
+    e_buf = _f32_slot(scratch, 0, e_shape)[0]
+    off = up64(_nbytes(e_shape))
+    d_buf = scratch[off : off + _nbytes(d_shape, 1)].reshape(d_shape)
+    gemm = scratch[off + up64(_nbytes(d_shape, 1)) :]
+    pa = mbconv.q_project_attrs(attrs)
+    steps = []
+    for n, oy0, r, lo, hi in bands:
+        e, d = e_buf[:, : hi - lo], d_buf[:, :r]
+        pads = [lo + attrs["dw"]["pads"][0] - oy0 * attrs["dw"]["strides"][0],
+                *attrs["dw"]["pads"][1:]]  # fmt: skip  # the band's own top pad
+        rb = None if res is None else res[n : n + 1, oy0 : oy0 + r]
+        steps += [
+            _bind_qconv([x[n : n + 1, lo:hi], *expand[1:]], [e], gemm, attrs["expand"]),
+            _bind_qdwconv([e, *dwin[1:]], [d], None, attrs["dw"] | {"pads": pads}),
+            _bind_qconv([d, *proj[1:4], rb, proj[5]], [y[n : n + 1, oy0 : oy0 + r]], gemm, pa),
+        ]
+
+    def step() -> None:
+        for s in steps:
+            s()
+
+    return step
+
+
 def _cpu(op: str, bind, dtypes=("f32",), scratch=None, accepts=None, variant=None) -> None:
     scratch = scratch or (lambda i, o, a: 0)
     k = Kernel(f"cpu.{op}", bind, scratch, accepts or (lambda a: True))
@@ -1384,6 +1450,7 @@ _cpu("qconv", _bind_qconv, ("i8",), _qconv_scratch)
 _cpu("qdwconv", _bind_qdwconv, ("f32", "i8"))
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
 _cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
+_cpu("qmbconv", _bind_qmbconv, ("f32",), _qmbconv_scratch)
 # float activations only: a node with xq (int8 activations) falls to a kernel that has them
 _cpu("linear", _bind_linear, tuple(t for t in _ALL_W if t != "i8"), _linear_scratch,
      lambda a: not a.get("xq"), _linear_variant)  # fmt: skip

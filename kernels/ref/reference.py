@@ -19,6 +19,7 @@ from .. import layout
 from ..activations import apply_act_ref
 from ..mathfns import math_ref
 from ..mbconv import parts as mbconv_parts
+from ..mbconv import q_project_attrs, qparts
 from ..ops import args, role
 from ..winograd import conv_float64
 from ..wtypes import DEQUANTIZE, bf16_to_f32, channel_scaled, of_array
@@ -753,6 +754,15 @@ def mbconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
     return REFERENCE["conv"]([d, *project[1:]], attrs["project"])
 
 
+def qmbconv(inputs: Sequence[Array | None], attrs: dict) -> Array:
+    """The fused int8 chain (kernels/mbconv.py): ``qconv``, ``qdwconv``, ``qconv``,
+    one after the other, whole."""
+    expand, dw, project = qparts(inputs)
+    e = qconv(expand, attrs["expand"])
+    d = qdwconv([e, *dw[1:]], attrs["dw"])
+    return qconv([d, *project[1:]], q_project_attrs(attrs))
+
+
 REFERENCE: dict[str, RefFn] = {
     "conv": conv,
     "dwconv": conv,
@@ -797,6 +807,7 @@ REFERENCE: dict[str, RefFn] = {
     "reduce_mean": reduce_mean,
     "pad": pad,
     "mbconv": mbconv,
+    "qmbconv": qmbconv,
     **LLM_REFERENCE,
 }
 for _op in layout.LAYOUT_OPS:
