@@ -8,12 +8,12 @@ codes it is a quarter of the bytes and the projection reads it in place (MobileN
 
 The arithmetic is gemm_tiles.dw3's: float32 input, the weights widened to float32
 (float32, or int8 with their per-channel scale in ``scale``), nine fmas per output
-vector with the nine weights in registers, then scale, bias, relu or clip, and the
-requantization (qgemm.vstore_out). Codes in were tried too (the expansion writing
-codes): converting u8 to float32 costs two more instructions a tap than an fma from
-memory, and MobileNetV2 at 1 thread took 5.2 ms against 4.7 (only the 112x112 stride-2
-depthwise conv gained, 0.32 -> 0.24 ms; the expansions' u8 stores and the stride-1
-depthwise convs lost more).
+vector with the nine weights in registers, then scale, bias and the requantization,
+with relu or clip as bounds on the codes (qgemm.vstore_out, code_bounds). Codes in were
+tried too (the expansion writing codes): converting u8 to float32 costs two more
+instructions a tap than an fma from memory, and MobileNetV2 at 1 thread took 5.2 ms
+against 4.7 (only the 112x112 stride-2 depthwise conv gained, 0.32 -> 0.24 ms; the
+expansions' u8 stores and the stride-1 depthwise convs lost more).
 """
 
 from __future__ import annotations
@@ -24,23 +24,22 @@ from numba import prange
 from ..flags import HAS_BIAS
 from .jit import njit
 from .kernels import valid_cols
-from .nhwc import clamp_bounds
-from .qgemm import LANES, vstore_out
+from .qgemm import LANES, code_bounds, vstore_out
 from .simd import Ops
 
 _V = Ops(LANES)
 vloadw_n, vload_n, vload, vfma, vmul, vadd = (
     _V.vloadw_n, _V.vload_n, _V.vload, _V.vfma, _V.vmul, _V.vadd,
 )  # fmt: skip
-vmax, vmin, vsplat, vzero = _V.vmax, _V.vmin, _V.vsplat, _V.vzero
+vzero = _V.vzero
 
 
 @njit(cache=True)
 def _qdw3_row(x, w, out, oy, sh, sw, pt, pl, dh, dw, bias, scale, has_bias, lo_x, hi_x,
-              lo, hi, yinv, yz):  # fmt: skip
+              qlo, qhi, yinv, yz):  # fmt: skip
     """Output row oy: per vector of channels the edge pixels (a tap outside the image
     loads with an empty mask: zeros, nothing read), then the interior, the nine weights
-    in registers for both."""
+    in registers for both; relu or clip applied to the codes (qgemm.code_bounds)."""
     h, wd, n_c = x.shape
     ow = out.shape[1]
     xf = x.reshape(x.size)
@@ -88,8 +87,8 @@ def _qdw3_row(x, w, out, oy, sh, sw, pt, pl, dh, dw, bias, scale, has_bias, lo_x
             acc = vfma(w6, vload_n(xf, p2, n2 if m0 else 0), acc)
             acc = vfma(w7, vload_n(xf, p2 + 1 * cs, n2 if m1 else 0), acc)
             acc = vfma(w8, vload_n(xf, p2 + 2 * cs, n2 if m2 else 0), acc)
-            y = vmin(vmax(vadd(vmul(acc, sv), bv), lo), hi)
-            vstore_out(of, orow + ox * n_c + c0, y, nl, yinv, yz)
+            y = vadd(vmul(acc, sv), bv)
+            vstore_out(of, orow + ox * n_c + c0, y, nl, yinv, yz, qlo, qhi)
         if i_lo >= i_hi or nl < LANES:
             # a partial vector of channels: the edge form (masked loads) for every pixel
             for ox in range(i_lo, i_hi):
@@ -106,8 +105,8 @@ def _qdw3_row(x, w, out, oy, sh, sw, pt, pl, dh, dw, bias, scale, has_bias, lo_x
                 acc = vfma(w6, vload_n(xf, p2, nl), acc)
                 acc = vfma(w7, vload_n(xf, p2 + 1 * cs, nl), acc)
                 acc = vfma(w8, vload_n(xf, p2 + 2 * cs, nl), acc)
-                y = vmin(vmax(vadd(vmul(acc, sv), bv), lo), hi)
-                vstore_out(of, orow + ox * n_c + c0, y, nl, yinv, yz)
+                y = vadd(vmul(acc, sv), bv)
+                vstore_out(of, orow + ox * n_c + c0, y, nl, yinv, yz, qlo, qhi)
             continue
         p0 = (iy0 * wd + i_lo * sw - pl) * n_c + c0
         o = orow + i_lo * n_c + c0
@@ -124,8 +123,8 @@ def _qdw3_row(x, w, out, oy, sh, sw, pt, pl, dh, dw, bias, scale, has_bias, lo_x
             acc = vfma(w6, vload(xf, p2), acc)
             acc = vfma(w7, vload(xf, p2 + 1 * cs), acc)
             acc = vfma(w8, vload(xf, p2 + 2 * cs), acc)
-            y = vmin(vmax(vadd(vmul(acc, sv), bv), lo), hi)
-            vstore_out(of, o, y, LANES, yinv, yz)
+            y = vadd(vmul(acc, sv), bv)
+            vstore_out(of, o, y, LANES, yinv, yz, qlo, qhi)
             p0 += step
             o += n_c
 
@@ -138,11 +137,10 @@ def qdwconv3(x, w, bias, scale, out, sh, sw, pt, pl, dh, dw, flags, act, a, b, y
     act none, relu or clip. Rows run in parallel."""
     wd = x.shape[1]
     oh, ow = out.shape[0], out.shape[1]
-    lo_s, hi_s = clamp_bounds(act, a, b)
-    lo, hi = vsplat(lo_s), vsplat(hi_s)
+    _, qlo, qhi = code_bounds(out, act, a, b, yinv, yz)  # relu, clip: on the codes
     lo_x, hi_x = valid_cols(-pl, sw, wd - 2 * dw, ow)  # windows inside the row
     hi_x = max(hi_x, lo_x)
     has_bias = (flags & HAS_BIAS) != 0
     for oy in prange(oh):
         _qdw3_row(x, w, out, oy, sh, sw, pt, pl, dh, dw, bias, scale, has_bias, lo_x, hi_x,
-                  lo, hi, np.float32(yinv), np.float32(yz))  # fmt: skip
+                  qlo, qhi, np.float32(yinv), np.float32(yz))  # fmt: skip
