@@ -111,11 +111,15 @@ def _data(context, builder, arrty, arr, elem):
 
 
 @intrinsic
-def q8_tile(typingctx, x, xo, w, wo, nky, run4, wrow, acc, cols):
-    """acc[r * 64 + c] = sum_{ky < nky, j < run4} dot4(x bytes at xo[r] + ky * wrow + 4j,
-    w bytes at wo + ((ky * run4 + j) * 64 + c) * 4), for r < MR and the columns c of
-    the accumulator vectors that hold c < cols: one micro-tile of MR rows by one weight
-    panel, every sum from zero. Vectors wholly past cols are neither computed nor
+def q8_tile(typingctx, x, xo, w, wo, nky, run4, wrow, acc, cols, zw, zo):
+    """acc[r * 64 + c] = zw[zo + c] + sum_{ky < nky, j < run4} dot4(x bytes at xo[r] +
+    ky * wrow + 4j, w bytes at wo + ((ky * run4 + j) * 64 + c) * 4), for r < MR and the
+    columns c of the accumulator vectors that hold c < cols: one micro-tile of MR rows by
+    one weight panel. The zero-point terms start the sums (one load a column vector for
+    all MR rows, where the epilogue loaded and added them per row and vector: a K = 16
+    expansion of 40x40 pixels to 96 channels 0.036 -> 0.033 ms into float32, 0.042 ->
+    0.036 into codes), or, where a column's sum is two lanes (the pair families), join
+    it as it is stored. Vectors wholly past cols are neither computed nor
     stored: MobileNetV2's projections to 24 and 32 channels filled a 64-column panel
     (0.19 ms for 56x56x96 -> 24, against 0.07 for ONNX Runtime)."""
 
@@ -126,8 +130,10 @@ def q8_tile(typingctx, x, xo, w, wo, nky, run4, wrow, acc, cols):
         pxo = _data(context, builder, sig.args[1], args[1], _I64)
         pw = _data(context, builder, sig.args[2], args[2], _I8)
         pacc = _data(context, builder, sig.args[7], args[7], I32)
-        cast = [context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 4, 5, 6, 8)]
-        wo_, nky_, run4_, wrow_, cols_ = cast
+        pzw = _data(context, builder, sig.args[9], args[9], I32)
+        cast = [context.cast(builder, args[i], sig.args[i], types.int64)
+                for i in (3, 4, 5, 6, 8, 10)]  # fmt: skip
+        wo_, nky_, run4_, wrow_, cols_, zo_ = cast
         rows = [builder.load(builder.gep(pxo, [ir.Constant(_I64, r)])) for r in range(MR)]
         vi, vb = _vec(I32, lanes), _vec(_I8, 4 * cpa)
         vs = _vec(I32, cpa)
@@ -135,8 +141,16 @@ def q8_tile(typingctx, x, xo, w, wo, nky, run4, wrow, acc, cols):
 
         def chunk(col0: int, nvec: int) -> None:
             """Columns col0 .. col0 + nvec * cpa over the whole reduction, stored."""
-            slots = [[cgutils.alloca_once_value(builder, ir.Constant(vi, [0] * lanes))
-                      for _ in range(nvec)] for _ in range(MR)]  # fmt: skip
+            zws = []
+            for v in range(nvec):
+                off = builder.add(zo_, ir.Constant(_I64, col0 + v * cpa))
+                p = builder.bitcast(builder.gep(pzw, [off]), vs.as_pointer())
+                zws.append(builder.load(p, align=4))
+            start = zws if cpa == lanes else [ir.Constant(vi, [0] * lanes)] * nvec
+            slots = [[cgutils.alloca_once(builder, vi) for _ in range(nvec)] for _ in range(MR)]
+            for r in range(MR):
+                for v in range(nvec):
+                    builder.store(start[v], slots[r][v])
             with cgutils.for_range(builder, nky_) as ky_loop:
                 ky = ky_loop.index
                 xk = builder.mul(ky, wrow_)
@@ -168,6 +182,8 @@ def q8_tile(typingctx, x, xo, w, wo, nky, run4, wrow, acc, cols):
                     off = ir.Constant(_I64, r * PANEL + col0 + v * cpa)
                     p = builder.bitcast(builder.gep(pacc, [off]), vs.as_pointer())
                     sums = _column_sums(builder, builder.load(slots[r][v]), lanes, cpa)
+                    if cpa != lanes:
+                        sums = builder.add(sums, zws[v])
                     builder.store(sums, p, align=4)
 
         def some(col0: int, nvec: int) -> None:
@@ -185,7 +201,7 @@ def q8_tile(typingctx, x, xo, w, wo, nky, run4, wrow, acc, cols):
             some(c * cpa * nv, nv)
         return context.get_dummy_value()
 
-    return types.void(x, xo, w, wo, nky, run4, wrow, acc, cols), codegen
+    return types.void(x, xo, w, wo, nky, run4, wrow, acc, cols, zw, zo), codegen
 
 
 LANES = 16  # the epilogue's float vectors (LLVM splits them on narrower CPUs)
@@ -297,30 +313,29 @@ def _code_bounds(out, act, a, b, yinv, yz):
 
 
 @intrinsic
-def vsums(typingctx, acc, ao, zw, zo):
-    """float32(acc[ao:ao+16] + zw[zo:zo+16]), int32 sums plus their zero-point terms."""
+def vsums(typingctx, acc, ao):
+    """float32(acc[ao:ao+16]): a tile's int32 sums (their zero-point terms included)."""
 
     def codegen(context, builder, sig, args):
         vi = _vec(I32, LANES)
         a = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        z = _elem_ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
         va = builder.load(builder.bitcast(a, vi.as_pointer()), align=4)
-        vz = builder.load(builder.bitcast(z, vi.as_pointer()), align=4)
-        return builder.sitofp(builder.add(va, vz), _vec(F32, LANES))
+        return builder.sitofp(va, _vec(F32, LANES))
 
-    return F32Vec(LANES)(acc, ao, zw, zo), codegen
+    return F32Vec(LANES)(acc, ao), codegen
 
 
 # inline: as a call of its own per micro-tile (some 80 scalar arguments) it cost 11% of
 # a K = 16 expansion (MobileNetV2's 112x112 16 -> 96: 0.037 -> 0.033 ms a 40x40 tile)
 @njit(inline="always")
-def _epilogue(acc, zw, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, b, yinv, yz,
+def _epilogue(acc, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, b, yinv, yz,
               qlo, qhi):  # fmt: skip
-    """c[m0:m0+rows, c_n:c_n+cols] = scale * (acc + zw) + bias [+ res], then relu or
-    clip in registers (other activations: act_row after, float32 outputs only), then
-    stored as it is or requantized to u8 codes within qlo..qhi (``vstore_out``; the
-    caller folds relu or clip into those, ``code_bounds``). A column block's scale and
-    bias are loaded once for the tile's rows."""
+    """c[m0:m0+rows, c_n:c_n+cols] = scale * acc + bias [+ res] (acc: the sums with their
+    zero-point terms), then relu or clip in registers (other activations: act_row after,
+    float32 outputs only), then stored as it is or requantized to u8 codes within
+    qlo..qhi (``vstore_out``; the caller folds relu or clip into those,
+    ``code_bounds``). A column block's scale and bias are loaded once for the tile's
+    rows."""
     zero = vzero()
     lo = vsplat(a)
     hi = vsplat(b)
@@ -329,7 +344,7 @@ def _epilogue(acc, zw, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, 
         sv = vload_n(scale, c_n + v, n)
         bv = vload_n(bias, c_n + v, n) if flags & HAS_BIAS else zero
         for r in range(rows):
-            y = vmul(vsums(acc, r * PANEL + v, zw, c_n + v), sv)
+            y = vmul(vsums(acc, r * PANEL + v), sv)
             if flags & HAS_BIAS:
                 y = vadd(y, bv)
             if flags & HAS_RES:
@@ -358,8 +373,8 @@ def _q8_block(x, rtab, run4, nky, wrow, wq, zw, c, bias, scale, res, flags, act,
             rows = min(MR, m_hi - m0)
             for r in range(MR):
                 xo[r] = rtab[m0 + min(r, rows - 1)]
-            q8_tile(x, xo, wq, t * ps, nky, run4, wrow, acc, cols)
-            _epilogue(acc, zw, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, b,
+            q8_tile(x, xo, wq, t * ps, nky, run4, wrow, acc, cols, zw, c_n)
+            _epilogue(acc, c, m0, rows, c_n, cols, bias, scale, res, flags, act, a, b,
                       yinv, yz, qlo, qhi)
             if act != 0 and act != 1 and act != 3:  # other activations: on the stored rows
                 for r in range(rows):
