@@ -15,7 +15,7 @@ channels-last layout (kernels/layout.py). Attributes: ``expand`` (absent without
 ``dw`` and ``project`` hold the original convs' attributes; ``band`` the output rows
 per band, chosen by the packager.
 
-``qmbconv`` is the int8 chain (packager/mbconv.py ``fuse_qmbconv``): a ``qconv``
+``qmbconv`` is the int8 chain (packager/mbconv.py ``fuse_mbconv``): a ``qconv``
 expansion (float32 output), a ``qdwconv`` writing the projection's u8 codes and the
 ``qconv`` projection, each with the inputs it had (``ze``, ``zp``: the convs' ``zw``).
 

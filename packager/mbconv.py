@@ -66,6 +66,14 @@ def _pointwise(node: Node, g: Graph) -> bool:
     )
 
 
+def _read_only_as_x(t: str, node: Node, consumers: dict, outputs: set) -> bool:
+    """Whether ``node`` alone reads ``t``, once, as its input x (inputs[0]), and ``t`` is
+    not a graph output: a tensor a chain may keep out of memory."""
+    users = consumers.get(t, [])
+    return (t not in outputs and len(users) == 1 and users[0] is node
+            and node.inputs[0] == t and node.inputs.count(t) == 1)  # fmt: skip
+
+
 def _has_residual(node: Node) -> bool:
     return bool(node.input("residual"))
 
@@ -101,8 +109,7 @@ def fuse_mbconv(g: Graph, backends: Sequence[str]) -> int:
     outputs = set(g.outputs)
 
     def only_into(t: str, node: Node) -> bool:
-        users = consumers.get(t, [])
-        return t not in outputs and len(users) == 1 and users[0] is node
+        return _read_only_as_x(t, node, consumers, outputs)
 
     def padded(node: Node, n: int) -> list[str]:
         return (list(node.inputs) + [""] * n)[:n]
@@ -158,14 +165,10 @@ def fuse_mbconv(g: Graph, backends: Sequence[str]) -> int:
 
 
 def _q_pointwise(node: Node | None) -> bool:
-    a = {} if node is None else node.attrs
-    return (
-        node is not None
-        and node.op == "qconv"
-        and tuple(a["kernel"]) == (1, 1)
-        and list(a["strides"]) == [1, 1]
-        and not any(a["pads"])
-    )
+    if node is None or node.op != "qconv":
+        return False
+    a = node.attrs
+    return tuple(a["kernel"]) == (1, 1) and list(a["strides"]) == [1, 1] and not any(a["pads"])
 
 
 def _fuse_int8(g: Graph) -> int:
@@ -175,10 +178,8 @@ def _fuse_int8(g: Graph) -> int:
     into the depthwise conv, which writes the codes only the projection reads."""
     consumers, producer, outputs = g.consumers(), g.producer(), set(g.outputs)
 
-    def only_into(t: str, node: Node, role: str = "x") -> bool:
-        users = consumers.get(t, [])
-        return (t not in outputs and len(users) == 1 and users[0] is node
-                and node.inputs.count(t) == 1 and node.input(role) == t)  # fmt: skip
+    def only_into(t: str, node: Node) -> bool:
+        return _read_only_as_x(t, node, consumers, outputs)
 
     fused: dict[int, Node] = {}
     gone: set[int] = set()
