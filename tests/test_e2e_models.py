@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import text_lines
 from conftest import load, ort_run, pack
 
 pytestmark = pytest.mark.cpu
@@ -105,25 +106,11 @@ def rapidocr_cls():
         pytest.fail(f"test requirement missing: {e}")
 
 
-def _text_lines(n: int, seed: int) -> np.ndarray:
-    """Seeded inputs in the classifier's normalised range: noise plus bars, half of
-    them flipped upside down so both classes occur."""
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(-1, 1, (n, 3, 48, 192)).astype(np.float32) * 0.3
-    for i in range(n):
-        for _ in range(rng.integers(3, 12)):
-            r0, c0 = rng.integers(8, 30), rng.integers(0, 170)
-            x[i, :, r0 : r0 + rng.integers(2, 14), c0 : c0 + rng.integers(2, 20)] = -0.9
-        if i % 2:
-            x[i] = x[i, :, ::-1, ::-1]
-    return x
-
-
 def test_rapidocr_classifier_fp32_and_int8(tmp_path, rapidocr_cls):
     shape = {"x": (1, 3, 48, 192)}
     fp = load(pack(rapidocr_cls, tmp_path / "f.epk", input_shapes=shape))
     q = load(pack(rapidocr_cls, tmp_path / "q.epk", input_shapes=shape, quant="int8"))
-    xs = _text_lines(200, seed=0)
+    xs = text_lines.noise_bars(200, seed=0)
     out = fp.outputs[0]["name"]
     agree = 0
     for i in range(len(xs)):
@@ -136,24 +123,29 @@ def test_rapidocr_classifier_fp32_and_int8(tmp_path, rapidocr_cls):
     assert agree >= 190, f"int8 top-1 agrees with fp32 on {agree}/200"
 
 
-def test_rapidocr_classifier_int8_activations_with_calibration(tmp_path, rapidocr_cls):
-    """int8 x int8 convs (packager/act_quant.py) with ranges from 16 calibration lines
-    of another seed: top-1 agreement with fp32 on 200 lines at least weight-only int8's
-    bar (measured 194/200; issue 21 asks 198; ONNX Runtime's QDQ model calibrated on the
-    same lines agrees on 174: the misses are near ties of the two classes)."""
+# Top-1 agreement with fp32 on 200 lines, int8 x int8 convs (packager/act_quant.py)
+# calibrated on 16 lines of another seed. Measured (tests/text_lines.py says what the
+# kinds are): rendered text 200/200 (ONNX Runtime's QDQ model calibrated on the same
+# lines: 200), noise+bars near-ties 194/200 (ORT QDQ: 182). Issue 21 asks 198.
+@pytest.mark.parametrize(("kind", "least"), [("rendered", 198), ("noise_bars", 190)])
+def test_rapidocr_classifier_int8_activations_with_calibration(
+    tmp_path, rapidocr_cls, kind, least
+):
+    lines = text_lines.KINDS[kind]
     shape = {"x": (1, 3, 48, 192)}
-    np.savez(tmp_path / "calib.npz", x=_text_lines(16, seed=1))
+    np.savez(tmp_path / "calib.npz", x=lines(16, seed=1))
     fp = load(pack(rapidocr_cls, tmp_path / "f.epk", input_shapes=shape))
     q = load(pack(rapidocr_cls, tmp_path / "q.epk", input_shapes=shape, quant="int8",
                   calib=tmp_path / "calib.npz", act_quant="int8"))  # fmt: skip
     assert q.manifest["quantization"]["activations"]["convs"] > 0
-    xs = _text_lines(200, seed=0)
+    xs = lines(200, seed=0)
     out = fp.outputs[0]["name"]
-    agree = sum(
-        int(q.run({"x": x[None]})[out].argmax() == fp.run({"x": x[None]})[out].argmax())
-        for x in xs
-    )
-    assert agree >= 190, f"int8 x int8 top-1 agrees with fp32 on {agree}/200"
+    ys = np.stack([fp.run({"x": x[None]})[out][0].argmax() for x in xs])
+    if kind == "rendered":  # the classifier reads them (measured 198/200 right)
+        right = int((ys == np.arange(len(xs)) % 2).sum())
+        assert right >= 195, f"fp32 reads the direction of {right}/200 rendered lines"
+    agree = sum(int(q.run({"x": x[None]})[out].argmax() == y) for x, y in zip(xs, ys))
+    assert agree >= least, f"int8 x int8 top-1 agrees with fp32 on {agree}/200 {kind}"
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
@@ -193,7 +185,7 @@ def test_rapidocr_classifier_int4_and_bf16(tmp_path, rapidocr_cls, quant, least)
     wanted = {"int4": "i4", "bf16": "bf16"}[quant]
     assert wanted in {n["kernel"]["dtype"] for n in q.manifest["graph"]["nodes"]}
     out = fp.outputs[0]["name"]
-    xs = _text_lines(200, seed=0)
+    xs = text_lines.noise_bars(200, seed=0)
     agree = sum(
         int(q.run({"x": xs[i : i + 1]})[out].argmax() == fp.run({"x": xs[i : i + 1]})[out].argmax())
         for i in range(len(xs))
