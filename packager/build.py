@@ -30,7 +30,14 @@ from .mbconv import fuse_mbconv
 from .onnx_import import import_onnx
 from .plan import Plan, plan_memory
 from .precision import keep_sensitive, measured_tensors, output_cosine, quantized_weights
-from .quantize import DEFAULT_MIN_WEIGHTS, MODES, error_table, quantize_graph
+from .quantize import (
+    DEFAULT_MIN_WEIGHTS,
+    INT8_ACT_MIN_MACS,
+    MODES,
+    busy_small_weights,
+    error_table,
+    quantize_graph,
+)
 from .text_encoder import text_encoder_section
 from .writer import write_bundle
 
@@ -221,6 +228,8 @@ def build(
         return feeds, ref, ex
 
     ranges: dict[str, tuple[float, float]] = {}
+    # quantize_graph's overrides for the small layers int8 activations take anyway
+    busy = dict.fromkeys(busy_small_weights(src, min_weights), quant) if int8_acts else {}
     # Convs take u8 activations on request only (``auto`` keeps them float32): with
     # per-tensor min/max ranges, PP-OCRv4's recogniser reached 0.989 output cosine on
     # held-out pages (0.99 wanted) and the rapidocr classifier 194/200 top-1 agreement.
@@ -234,12 +243,15 @@ def build(
     def quantize_and_plan(keep: set[str], say: Callable[[str], None]) -> tuple[Graph, Plan]:
         """Stages 3 and 4 with the weights in ``keep`` left float32."""
         q = quantize_graph(src, quant, min_weights, group_size,
-                           overrides=dict.fromkeys(keep, "fp32"))  # fmt: skip
+                           overrides=busy | dict.fromkeys(keep, "fp32"))  # fmt: skip
         if quant != "fp32":
             small = [n.name for n in q.nodes if n.op in WEIGHT_OPS
                      and q.wtype(n.input("w")) == "f32" and n.input("w") not in keep]  # fmt: skip
             if small:
                 say(f"      {len(small)} layer(s) under {min_weights} weights stay fp32")
+            if busy:
+                say(f"      {len(busy)} layer(s) under {min_weights} weights quantized for "
+                    f"their int8 x int8 work (at least {INT8_ACT_MIN_MACS / 1e6:g} M MACs)")
         n_wino = choose_conv_algorithms(q, backends, conv_algo)
         if n_wino:
             say(f"      {n_wino} 3x3 conv(s) -> Winograd (weights stored transformed)")
@@ -287,7 +299,7 @@ def build(
                     qv, pv = quantize_and_plan(keep, lambda s: None)
                     return Executor(make_manifest(qv, pv), qv.consts, device="cpu")
 
-                plain = quantize_graph(src, quant, min_weights, group_size)  # before layouts
+                plain = quantize_graph(src, quant, min_weights, group_size, busy)  # before layouts
                 keep, cos = keep_sensitive(src, quantized_weights(src, plain), executor_for,
                                            ref_exec, feeds, min_cosine, log, start=cos,
                                            tensors=measured)  # fmt: skip

@@ -23,6 +23,14 @@ MODES = QUANT_MODES  # the --quant choices: one per row of kernels/wtypes.py
 # per weight, add the most error (measured on the rapidocr MobileNetV3 classifier:
 # int8 top-1 agreement with fp32 went from 191/200 to 196/200 for +28 KB).
 DEFAULT_MIN_WEIGHTS = 1024
+# ...unless they compute int8 x int8 and do this many multiply-adds a run: then their
+# cost is their activations, not their weights. Measured: MobileNetV2's first three
+# convs and one depthwise (288-864 weights, 2.7-10.8 M MACs at 112x112 and 56x56) took
+# 4.04 -> 3.41 ms a run on one core in int8 x int8, output cosine 0.99946; the rapidocr
+# classifier's small layers (at most 0.5 M MACs) stay fp32, which keeps its top-1
+# agreement on noise lines at 194/200 (184 with them int8; 200/200 on rendered text
+# either way).
+INT8_ACT_MIN_MACS = 1_000_000
 # The row a weight falls back to when its mode's row does not take its op: int4 keeps
 # depthwise convs in int8 (their reduction is kh*kw = 9 taps a channel, less than one
 # group of 32, so a group scale would be one scale per 9 weights).
@@ -44,6 +52,21 @@ def _stored_type(mode_type: str, ops: set[str]) -> str | None:
     return None
 
 
+def busy_small_weights(g: Graph, min_weights: int, min_macs: int = INT8_ACT_MIN_MACS) -> list[str]:
+    """The weights under ``min_weights`` whose readers do at least ``min_macs``
+    multiply-adds a run (output elements x weights per output channel): the ones int8
+    activations quantize anyway (INT8_ACT_MIN_MACS says why)."""
+    macs: dict[str, int] = {}
+    for node in g.nodes:
+        if node.op not in WEIGHT_OPS or node.op == "embed":
+            continue
+        w = g.consts[node.input("w")]
+        if w.size < min_weights:
+            out = int(np.prod(g.shapes[node.outputs[0]]))
+            macs[node.input("w")] = macs.get(node.input("w"), 0) + out // w.shape[0] * w.size
+    return [name for name, n in macs.items() if n >= min_macs]
+
+
 def quantize_graph(
     g: Graph,
     mode: str,
@@ -53,18 +76,19 @@ def quantize_graph(
 ) -> Graph:
     """A copy of ``g`` whose weight-op weights (those with at least ``min_weights``
     elements) are stored as ``mode``'s row of the weight-type table (``overrides``: a
-    mode per weight name, e.g. an LLM's embedding table); ``group`` is the int4 group
-    size. A weight read by several nodes (a tied embedding and output projection) gets
-    one type all of them take."""
+    mode per weight name, whatever its size, e.g. an LLM's embedding table, or the small
+    layers int8 activations take); ``group`` is the int4 group size. A weight read by several
+    nodes (a tied embedding and output projection) gets one type all of them take."""
     q = copy.deepcopy(g)
     readers: dict[str, list] = {}
     for node in q.nodes:
         if node.op in WEIGHT_OPS:
             readers.setdefault(node.input("w"), []).append(node)
     for wname, nodes in readers.items():
+        named = wname in (overrides or {})
         row = by_quant((overrides or {}).get(wname, mode))
         w = q.consts[wname]
-        if row.name == "f32" or w.size < min_weights or q.wtype(wname) != "f32":
+        if row.name == "f32" or (w.size < min_weights and not named) or q.wtype(wname) != "f32":
             continue
         t = _stored_type(row.name, {n.op for n in nodes})
         if t is None:

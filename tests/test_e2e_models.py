@@ -165,10 +165,12 @@ def test_cnn_int8_activations_close_to_ort(tmp_path, model_dir, name):
     # (MobileNetV2's: 22, of which the 3 inside its banded chains are never tensors)
     assert len(codes) >= {"resnet18": 8, "mobilenet_v2": 18}[name], codes
     if name == "mobilenet_v2":
-        # 16 depthwise convs write codes: the 3 whose expanded input outgrows L2 in
-        # chains run in bands (packager/mbconv.py), the other 13 on their own
+        # 17 depthwise convs write codes: the 3 whose expanded input outgrows L2 in
+        # chains run in bands (packager/mbconv.py), the other 14 on their own (the
+        # first, 288 weights, too: packager/quantize.py INT8_ACT_MIN_MACS)
         made = [n["op"] for n in graph["nodes"]]
-        assert (made.count("qdwconv"), made.count("qmbconv")) == (13, 3)
+        assert (made.count("qdwconv"), made.count("qmbconv")) == (14, 3)
+        assert "conv" not in made and "mbconv" not in made  # every conv computes int8
     x = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
     got = q.run({"input": x})["logits"]
     (ref,) = ort_run(onnx_path, {"input": x})
