@@ -257,18 +257,33 @@ def _score_out(a, sc, i, scale, cap, top):
 
 
 @njit(inline="always")
-def _scores(qkv, qo, hd, kc, row, step, lo, p, sc, so, c, scale, cap, half, nh):
+def _prefetch_rows(kc, vc, nxt, q, n, step, hd):
+    """Ask for the key and value lines of rows q .. q + n - 1 of the next task, which
+    starts at flat offset nxt[0] and has nxt[1] rows (none when nxt[1] is 0)."""
+    per_line = 64 // kc.itemsize
+    for r in range(q, min(q + n, nxt[1])):
+        o = nxt[0] + r * step
+        for i in range(0, hd, per_line):
+            prefetch(kc, o + i)
+            prefetch(vc, o + i)
+
+
+@njit(inline="always")
+def _scores(qkv, qo, hd, kc, vc, row, step, lo, p, sc, so, c, scale, cap, half, nh, nxt):
     """Scores of ``nh`` (1 to 3, a constant) query heads at qkv's offsets qo, qo + hd,
     qo + 2 hd against the cached keys of positions lo .. p into sc (head h's run at so +
     h * c); each key row is widened once for the heads (vcvtph2ps had bound the loop:
     8 a position and head). Four positions at a time: 4 x nh independent fma chains.
-    Each score is the sum of its own chain, as alone. Returns the heads' maxima."""
+    Each score is the sum of its own chain, as alone. Returns the heads' maxima.
+
+    Meanwhile the next task's rows (``nxt``: _prefetch_rows) are asked for, four for
+    every four positions, so their misses overlap this task's arithmetic: asked all at
+    once, a task's 400 lines filled the load queue and the core waited for them."""
     m0 = m1 = m2 = np.float32(-np.inf)
     j = lo
     while j + 3 <= p:
         ko = (row + j * kc.shape[2]) * hd
-        for r in range(4):
-            prefetch(kc, ko + (PREFETCH_ROWS + r) * step)  # past the cache: dropped
+        _prefetch_rows(kc, vc, nxt, j - lo, 4, step, hd)
         a00, a01, a02, a03 = vzero(), vzero(), vzero(), vzero()
         a10, a11, a12, a13 = vzero(), vzero(), vzero(), vzero()
         a20, a21, a22, a23 = vzero(), vzero(), vzero(), vzero()
@@ -303,7 +318,7 @@ def _scores(qkv, qo, hd, kc, row, step, lo, p, sc, so, c, scale, cap, half, nh):
         j += 4
     while j <= p:
         ko = (row + j * kc.shape[2]) * hd
-        prefetch(kc, ko + PREFETCH_ROWS * step)
+        _prefetch_rows(kc, vc, nxt, j - lo, 1, step, hd)
         a00, a10, a20 = vzero(), vzero(), vzero()
         for i0 in range(0, hd, 8):
             k0 = _kv8(kc, ko + i0, half)
@@ -318,6 +333,7 @@ def _scores(qkv, qo, hd, kc, row, step, lo, p, sc, so, c, scale, cap, half, nh):
         if nh > 2:
             m2 = _score_out(a20, sc, so + 2 * c + j, scale, cap, m2)
         j += 1
+    _prefetch_rows(kc, vc, nxt, p + 1 - lo, nxt[1], step, hd)  # a next task longer than this
     return m0, m1, m2
 
 
@@ -336,11 +352,13 @@ def _softmax(sc, base, n, top):
 
 
 @njit(inline="always")
-def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, scale, cap, half):
+def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, scale, cap, half,
+                      nxt):  # fmt: skip
     """Row t's query heads kh * group .. kh * group + group - 1 (the ones kv head kh
     serves) over positions lo .. p of slot s, on 8-lane vectors: scores into sc (float32,
     one run of C per head), softmax with vexp, then each value row read once for the
-    whole group. sc's runs and acc (group x hd float32) are scratch."""
+    whole group. sc's runs and acc (group x hd float32) are scratch; the next task's rows
+    (``nxt``) are prefetched during the first pass over the keys."""
     n = p + 1 - lo
     c = kc.shape[1]
     row = (s * c) * kc.shape[2] + kh
@@ -348,15 +366,16 @@ def _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, sc, acc, hd, sca
     for g0 in range(0, group, 3):  # scores of up to 3 heads per pass over the keys
         nh = min(3, group - g0)
         qo = t * qkv.shape[1] + (kh * group + g0) * hd
+        nx = (nxt[0], nxt[1] if g0 == 0 else 0)  # asked for in the first pass
         if nh == 3:
-            t0, t1, t2 = _scores(qkv, qo, hd, kc, row, step, lo, p, sc, g0 * c - lo, c,
-                                 scale, cap, half, 3)  # fmt: skip
+            t0, t1, t2 = _scores(qkv, qo, hd, kc, vc, row, step, lo, p, sc, g0 * c - lo,
+                                 c, scale, cap, half, 3, nx)  # fmt: skip
         elif nh == 2:
-            t0, t1, t2 = _scores(qkv, qo, hd, kc, row, step, lo, p, sc, g0 * c - lo, c,
-                                 scale, cap, half, 2)  # fmt: skip
+            t0, t1, t2 = _scores(qkv, qo, hd, kc, vc, row, step, lo, p, sc, g0 * c - lo,
+                                 c, scale, cap, half, 2, nx)  # fmt: skip
         else:
-            t0, t1, t2 = _scores(qkv, qo, hd, kc, row, step, lo, p, sc, g0 * c - lo, c,
-                                 scale, cap, half, 1)  # fmt: skip
+            t0, t1, t2 = _scores(qkv, qo, hd, kc, vc, row, step, lo, p, sc, g0 * c - lo,
+                                 c, scale, cap, half, 1, nx)  # fmt: skip
         for g in range(g0, g0 + nh):
             _softmax(sc, g * c, n, t0 if g == g0 else (t1 if g == g0 + 1 else t2))
     if hd % 32 == 0:  # 32-wide slices of up to 3 heads held in 12 registers over every
@@ -402,7 +421,6 @@ def _weighted_sums(vc, row, step, lo, p, sc, so, c, out, oo, i0, hd, half, nh):
     d0, d1, d2, d3 = vzero(), vzero(), vzero(), vzero()
     for j in range(lo, p + 1):
         vo_ = (row + j * vc.shape[2]) * hd + i0
-        prefetch(vc, vo_ + PREFETCH_ROWS * step)
         v0, v1 = _kv8(vc, vo_, half), _kv8(vc, vo_ + 8, half)
         v2, v3 = _kv8(vc, vo_ + 16, half), _kv8(vc, vo_ + 24, half)
         w = vsplat(sc[so + j])
@@ -446,6 +464,17 @@ def _attend_head_scalar(qkv, t, s, p, lo, h, kh, kc, vc, out, sc, acc, hd, scale
             acc[i] += wgt * _cached(vc, s, j, kh, i, half)
     for i in range(hd):
         out[t, h * hd + i] = acc[i]
+
+
+@njit(inline="always")
+def _task_rows(kc, slot, pos, window, t, kh, hd, real):
+    """(flat offset of its first key row, rows) of task (row t, kv head kh), (0, 0) when
+    there is no such task (not ``real``) or its row is padding."""
+    if not real or slot[t] < 0:
+        return 0, 0
+    p = pos[t]
+    lo = max(0, p - window + 1) if window else 0
+    return ((slot[t] * kc.shape[1] + lo) * kc.shape[2] + kh) * hd, p + 1 - lo
 
 
 @njit(inline="always")
@@ -521,9 +550,11 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
             _prefetch_task(kc, vc, slot, pos, window, w // kvh, w % kvh, hd)
         for task in range(w, tasks, workers):
             t, kh = task // kvh, task % kvh
-            if task + workers < tasks:  # the next task's rows arrive while this one runs
-                _prefetch_task(kc, vc, slot, pos, window, (task + workers) // kvh,
-                               (task + workers) % kvh, hd)  # fmt: skip
+            nt = task + workers  # the next task's rows arrive while this one runs
+            nxt = _task_rows(kc, slot, pos, window, nt // kvh, nt % kvh, hd, nt < tasks)
+            if hd % 8 != 0:  # the scalar path asks for them all at once
+                if nt < tasks:
+                    _prefetch_task(kc, vc, slot, pos, window, nt // kvh, nt % kvh, hd)
             s = slot[t]
             if s < 0:
                 for j in range(kh * group * hd, (kh + 1) * group * hd):
@@ -533,7 +564,7 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
             lo = max(0, p - window + 1) if window else 0
             if hd % 8 == 0:
                 _attend_group_vec(qkv, t, s, p, lo, kh, group, kc, vc, out, scw, accw, hd,
-                                  scale, cap, half)  # fmt: skip
+                                  scale, cap, half, nxt)  # fmt: skip
             else:
                 for g in range(group):
                     _attend_head_scalar(qkv, t, s, p, lo, kh * group + g, kh, kc, vc, out, scw,
