@@ -258,14 +258,19 @@ def _score_out(a, sc, i, scale, cap, top):
 
 @njit(inline="always")
 def _prefetch_rows(kc, vc, nxt, q, n, step, hd):
-    """Ask for the key and value lines of rows q .. q + n - 1 of the next task, which
-    starts at flat offset nxt[0] and has nxt[1] rows (none when nxt[1] is 0)."""
+    """Ask for the key and value lines of rows q .. q + n - 1 of a task (``_task_rows``:
+    its first key row at flat offset nxt[0], nxt[1] rows; none when that is 0). Inside
+    a decode step those lines come from memory: a layer's rows of 8 sequences are 0.6
+    MB, and the step's 90 MB of weights evict them from L3."""
     per_line = 64 // kc.itemsize
     for r in range(q, min(q + n, nxt[1])):
         o = nxt[0] + r * step
         for i in range(0, hd, per_line):
             prefetch(kc, o + i)
             prefetch(vc, o + i)
+        if (hd * kc.itemsize) % 64:  # a row that is not whole lines may end in another
+            prefetch(kc, o + hd - 1)
+            prefetch(vc, o + hd - 1)
 
 
 @njit(inline="always")
@@ -477,27 +482,6 @@ def _task_rows(kc, slot, pos, window, t, kh, hd, real):
     return ((slot[t] * kc.shape[1] + lo) * kc.shape[2] + kh) * hd, p + 1 - lo
 
 
-@njit(inline="always")
-def _prefetch_task(kc, vc, slot, pos, window, t, kh, hd):
-    """Ask for every cached key and value line task (row t, kv head kh) reads, at once:
-    inside a decode step they come from memory (a layer's rows of 8 sequences are 0.6
-    MB; the step's 90 MB of weights evict them from L3), and one row's lines 16
-    positions ahead had kept few misses in flight."""
-    s = slot[t]
-    if s < 0:
-        return
-    p = pos[t]
-    lo = max(0, p - window + 1) if window else 0
-    per_line = 64 // kc.itemsize
-    for j in range(lo, p + 1):
-        o = ((s * kc.shape[1] + j) * kc.shape[2] + kh) * hd
-        for i in range(0, hd, per_line):
-            prefetch(kc, o + i)
-            prefetch(vc, o + i)
-        prefetch(kc, o + hd - 1)
-        prefetch(vc, o + hd - 1)
-
-
 @njit(parallel=True, cache=True)
 def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, hd, scale,
                    window, cap, half):  # fmt: skip
@@ -546,15 +530,15 @@ def attention_rows(qkv, qkv_bits, pos, slot, kc, vc, out, sc, acc, heads, kvh, h
     for w in prange(workers):
         scw = sc[w * per_sc : (w + 1) * per_sc]
         accw = acc[w * per_acc : (w + 1) * per_acc]
-        if w < tasks:
-            _prefetch_task(kc, vc, slot, pos, window, w // kvh, w % kvh, hd)
+        step = kc.shape[2] * hd  # flat distance between positions
+        first = _task_rows(kc, slot, pos, window, w // kvh, w % kvh, hd, w < tasks)
+        _prefetch_rows(kc, vc, first, 0, first[1], step, hd)  # the first task: at once
         for task in range(w, tasks, workers):
             t, kh = task // kvh, task % kvh
             nt = task + workers  # the next task's rows arrive while this one runs
             nxt = _task_rows(kc, slot, pos, window, nt // kvh, nt % kvh, hd, nt < tasks)
             if hd % 8 != 0:  # the scalar path asks for them all at once
-                if nt < tasks:
-                    _prefetch_task(kc, vc, slot, pos, window, nt // kvh, nt % kvh, hd)
+                _prefetch_rows(kc, vc, nxt, 0, nxt[1], step, hd)
             s = slot[t]
             if s < 0:
                 for j in range(kh * group * hd, (kh + 1) * group * hd):
