@@ -777,11 +777,13 @@ CASES: dict[str, list[Case]] = {
         linear_case("xq_x3d_nobias", (2, 3, 70), 6, bias=False, xq=32),
         linear_case("xq_special", (2, 64), 5, special=True, xq=32),
         # the same on weights interleaved by 16 rows (q4x16.gemm_q4x16_q8; int8 where K
-        # is whole blocks, q8x16.gemm_q8x16_q8): tiles of 4, 3, 2 and 1 rows, one block,
-        # K inside a block, rows past the float GEMV's
+        # is whole blocks, q8x16.gemm_q8x16_q8): tiles of 8 (int4 on 512-bit VNNI), 4,
+        # 3, 2 and 1 rows, one block, K inside a block, rows past the float GEMV's
         linear_case("xq16_m1_k64_n16", (1, 64), 16, xq=32, interleave=True),
         linear_case("xq16_m7_k96_n32", (7, 96), 32, xq=32, interleave=True),
         linear_case("xq16_m6_k20_n16", (6, 20), 16, xq=32, interleave=True),
+        linear_case("xq16_m8_k64_n32", (8, 64), 32, xq=32, interleave=True),
+        linear_case("xq16_m15_k96_n16", (15, 96), 16, xq=32, interleave=True),
         linear_case("xq16_m40_k128_n48_relu", (40, 128), 48, act="relu", xq=32,
                     interleave=True),  # fmt: skip
         linear_case("xq16_x3d_nobias", (2, 3, 70), 16, bias=False, xq=32, interleave=True),

@@ -84,8 +84,9 @@ def cases(tmp_path_factory):
     attrs = {"act": "relu", "act_args": [0.0, 0.0], "wshape": [n, k], "xq": 32}
     want = REFERENCE["linear"](node_weights("i4", [x, w, b, scale], "linear", attrs), attrs)
     # interleaved: 3 groups of 16 rows, groups of 64 weights (a scale for two blocks),
-    # 5 rows of x (a tile of 4 and one of 1), K ending inside a block
-    n16, k16, m16 = 48, 200, 5
+    # 13 rows of x (tiles of 8, 4 and 1 where the family takes 8 rows, q4x16.tile_rows;
+    # else 4, 4, 4 and 1), K ending inside a block
+    n16, k16, m16 = 48, 200, 13
     wf16 = (rng.standard_normal((n16, k16)) / np.sqrt(k16)).astype(np.float32)
     w16, s16 = layout.q4_interleave(*wtypes.QUANTIZE["i4"](wf16, 64))
     x16 = rng.standard_normal((m16, k16)).astype(np.float32)
