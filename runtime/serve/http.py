@@ -573,6 +573,10 @@ class HttpServer:
     """uvicorn on a thread of its own, beside the MQTT agent's."""
 
     def __init__(self, service: Service, cfg: HttpConfig) -> None:
+        # What Starlette's streaming responses load on first use (anyio's asyncio
+        # backend, ~15 modules), loaded now: the first stream imported them on the loop
+        # thread while the engine thread held the GIL, one file read per hand-over.
+        import anyio._backends._asyncio  # noqa: F401
         import uvicorn
 
         self.cfg = cfg

@@ -111,23 +111,29 @@ _ANSWER = {
 
 
 class _Mailbox:
-    """Events from the engine thread to the event loop's queues: one wake-up of the loop
-    for all the events posted before it runs, not one a token of each stream (the
-    engine hands a turn's events over together, runtime/serve/generation.py)."""
+    """Events from the engine thread to the event loop's queues: ``post`` queues them,
+    ``wake`` (the sequences' ``flush``, which the engine calls once a turn after all its
+    events, runtime/serve/generation.py) wakes the loop once for all of them, not once
+    a token of each stream."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.lock, self.pending = loop, threading.Lock(), []
+        self.waking = False  # a wake-up is on its way: it takes what is posted till then
 
     def post(self, q: asyncio.Queue, item: tuple) -> None:
         with self.lock:
             self.pending.append((q, item))
-            if len(self.pending) > 1:
-                return  # a wake-up is on its way and takes this one too
+
+    def wake(self) -> None:
+        with self.lock:
+            if self.waking or not self.pending:
+                return
+            self.waking = True
         self.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         with self.lock:
-            items, self.pending = self.pending, []
+            items, self.pending, self.waking = self.pending, [], False
         for q, item in items:
             q.put_nowait(item)
 
@@ -154,7 +160,7 @@ def add_routes(app: FastAPI, service, http_error: type[Exception]) -> None:
 
         try:
             seq = GenSequence(rid, prompt, max_tokens, sampler(service, r), emit, stops(r),
-                              front="http")  # fmt: skip
+                              front="http", flush=box.wake)  # fmt: skip
         except GenRequestError as e:
             raise fail(e.code, e.message) from None
         service.metrics.inc("received")
@@ -331,22 +337,34 @@ async def _sse(seq: GenSequence, q: asyncio.Queue, engine, rid: str, name: str,
     try:
         if kind == "chat":
             yield chunk(None, role=True)
-        while True:
-            ev, data = await q.get()
-            if ev == "text":
-                yield head + json.dumps(data["text"]) + tail
-            elif ev == "error":
-                err = {"error": {"message": data["message"], "type": "server_error",
-                                 "code": data["code"]}}  # fmt: skip
-                yield f"data: {json.dumps(err)}\n\n"
-                break
-            else:
-                yield chunk(None, data["finish_reason"])
+        end = False
+        while not end:
+            # every event queued so far in one write: a stream that fell behind (its
+            # loop thread short of the GIL) catches up in one step and then waits on
+            # the queue, where the loop sees a client gone. Written one at a time, a
+            # backlog of 4000 tokens kept the loop from noticing the client had left
+            # until all were written (each write failing).
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            out = []
+            for ev, data in batch:
+                if ev == "text":
+                    out.append(head + json.dumps(data["text"]) + tail)
+                    continue
+                end = True
+                if ev == "error":
+                    err = {"error": {"message": data["message"], "type": "server_error",
+                                     "code": data["code"]}}  # fmt: skip
+                    out.append(f"data: {json.dumps(err)}\n\n")
+                    break
+                out.append(chunk(None, data["finish_reason"]))
                 if include_usage:
-                    tail = {"id": rid, "object": obj, "created": created, "model": name,
+                    last = {"id": rid, "object": obj, "created": created, "model": name,
                             "choices": [], "usage": data["usage"]}  # fmt: skip
-                    yield f"data: {json.dumps(tail, separators=(',', ':'))}\n\n"
+                    out.append(f"data: {json.dumps(last, separators=(',', ':'))}\n\n")
                 break
+            yield "".join(out)
         yield "data: [DONE]\n\n"
     finally:
         engine.cancel(seq)
