@@ -228,6 +228,15 @@ def test_the_prompt_cache_keeps_a_sequences_own_tokens_and_shares_prompts(env):
         # the first one finds [0, 2] in a free slot; the others share its 7 tokens
         assert [c for _, c in got] == [2, 7, 7]
         assert [o for o, _ in got] == [want(p, 5) for p in prompts]
+        # two prompts with a new start taking turns: b finds that start only in a's
+        # free slot and copies it into an empty one, which leaves a's slot its whole
+        # cache, so a again finds all of its prompt but the last token (taking the
+        # slot cut a's cache off at the shared start: 5)
+        start = [0, 2, 33, 34, 35]
+        a, b = start + [36, 3], start + [37, 3]
+        got = [answer(*submit(p)) for p in (a, b, a)]
+        assert [c for _, c in got] == [2, len(start), len(a) - 1]
+        assert [o for o, _ in got] == [want(p, 5) for p in (a, b, a)]
     finally:
         svc.close()
 

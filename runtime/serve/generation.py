@@ -205,7 +205,12 @@ class Engine:
         holds or will hold (the last prompt token is always fed again: its logits give
         the first token):
 
-        - a free slot whose cache starts with it: that slot, nothing copied;
+        - a free slot whose cache starts with it: that slot, nothing copied, when the
+          cache holds nothing more or no slot is empty; else an empty slot, with those
+          positions copied into it, and the slot keeps the rest of its cache for its
+          own follow-up (two chats, or two prompts, with one system prompt taking
+          turns: each finds its whole prompt again; taking the slot cut the other's
+          off at the shared start);
         - a running sequence whose tokens (fed, or still to feed) start with it, if
           longer: ``seq`` copies those positions from that sequence's slot once they
           are computed (``_share``; requests arriving together with one system prompt
@@ -225,12 +230,22 @@ class Engine:
                 if n > best and not q.finished and q.cancelled is None:
                     src, best = q, n
         if src is not None or oi < 0:
-            own, oi = 0, next((i for i in range(len(self._free) - 1, -1, -1)
-                               if not self._held[self._free[i]]), 0)  # fmt: skip
+            own, oi = 0, self._spare()
+        elif own < len(self._held[self._free[oi]]):
+            empty = self._spare()
+            if not self._held[self._free[empty]]:
+                self.session.share(self._free[oi], self._free[empty], own)
+                oi = empty
         seq.slot, seq.cached = self._free.pop(oi), own
         self._held[seq.slot] = []
         if src is not None:
             seq.share_from, seq.share_n = src, best
+
+    def _spare(self) -> int:
+        """The index in ``_free`` of the slot to fill when no cache is kept: an empty
+        one if any, else the least recently freed."""
+        return next((i for i in range(len(self._free) - 1, -1, -1)
+                     if not self._held[self._free[i]]), 0)  # fmt: skip
 
     def _shareable(self, q: GenSequence) -> Sequence[int]:
         """The tokens whose keys and values running sequence ``q``'s slot holds or will
