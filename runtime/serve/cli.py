@@ -231,8 +231,11 @@ def _model_name(session, bundle) -> str:
 # second (/health answered in up to 0.9 s during a stream, and a client that left was
 # noticed after all its 4000 tokens). At 0.1 ms /health takes at most 55-104 ms and the
 # client's leaving is noticed within 60 ms; SmolLM2-135M at 8 streams gave 747-818
-# tok/s against 681-699 at the default (1 stream the same within noise).
-SWITCH_INTERVAL_S = 0.0001
+# tok/s against 681-699 at the default (1 stream the same within noise). Tensor bundles
+# keep the default: the digits CNN, one request at a time, ran 1198-1252 v2 requests/s
+# and 782-921 MQTT jobs/s at 5 ms against 1016-1017 and 619-710 at 0.1 ms (more
+# hand-overs between the network and worker threads for runs of microseconds).
+LLM_SWITCH_INTERVAL_S = 0.0001
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -249,7 +252,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     if not a.broker and not a.http:
         raise ValueError(f"serve needs --broker URL (or ${ENV_BROKER}), --http HOST:PORT, or both")
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if bool(a.tls_cert) != bool(a.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     keys = _api_keys(a)
@@ -259,6 +261,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # opened (signature checked, weights verified) once, whichever kind it is
     located = open_located(a.bundle, pubkey(a), getattr(a, "verify_weights", True))
     llm = "llm" in located.manifest
+    if llm:
+        sys.setswitchinterval(LLM_SWITCH_INTERVAL_S)
     session = located if llm else open_session(a, located)
     model = a.model or _model_name(session, a.bundle)
     device = a.device or None
