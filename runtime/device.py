@@ -78,8 +78,11 @@ def _fault_in(arena: np.ndarray) -> None:
     2 MB page may first need compacting: an LLM serving its first sequence in a slot
     stalled 10-190 ms copying a shared prompt into that slot's cache (SmolLM2-135M,
     16 slots, 189 MB of cache; 2-core AMD EPYC). A fixed arena is also then resident
-    from the start, as the plan's memory budget counts it, instead of growing."""
+    from the start, as the plan's memory budget counts it, instead of growing. One byte
+    a 4 KB page from the first, and the last byte: an arena that starts inside a page
+    ends in a page the stride can step past."""
     arena[::4096] = 0
+    arena[-1:] = 0
 
 
 def _huge_page_arena(nbytes: int) -> np.ndarray | None:

@@ -15,9 +15,9 @@ with logit_bias so every answer is `--tokens` tokens long). Reported per server 
 aggregate completion tokens per second (all tokens over the wall time of the round),
 time to first token (request sent -> first content chunk) P50 and P99, inter-token
 latency (between content chunks) P99 and the client's CPU; then the ratios edgepack /
-llama-server. The tensor path: the digits CNN
-over KServe v2 (tritonclient) and over MQTT (edgepack.client), one request at a time:
-requests per second and latency P50/P99. Writes docs/benchmarks/serve.md and a chart.
+llama-server. The tensor path: the digits CNN over KServe v2 (tritonclient) and over
+MQTT (edgepack.client), one request at a time: requests per second and latency
+P50/P99. Writes docs/benchmarks/serve.md and a chart.
 
 The packed bundle is kept in --work and reused; after a change to the packager or the
 bundle layout, pass --rebuild to pack it again (a kept bundle still runs, in the layout

@@ -204,23 +204,44 @@ def test_arenas_are_aligned_zeroed_and_large_ones_placed_in_huge_pages(nbytes):
         assert a.ctypes.data % D.HUGE_PAGE == D.ARENA_SHIFT
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
-@pytest.mark.parametrize("nbytes", [(1 << 20) + 12345, 9 << 20])
-def test_arenas_are_in_memory_before_the_first_run(nbytes):
-    """runtime/device.py _fault_in: every page of a new arena is resident before anything
-    writes it, so no run pays for a first touch (a 2 MB page may need compacting: 10-190
-    ms in a serving step)."""
+def _pages_missing(a: np.ndarray) -> tuple[int, int]:
+    """(pages of ``a`` not in memory, pages it spans), from mincore(2)."""
     import ctypes
     import mmap
 
-    from edgepack.runtime import device as D
-
-    a = D.aligned_arena(nbytes)
     start = a.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
     length = a.ctypes.data + a.nbytes - start
     vec = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
-    missing = sum(1 for v in vec if not v & 1)
-    assert missing == 0, f"{missing} of {len(vec)} pages not in memory"
+    return sum(1 for v in vec if not v & 1), len(vec)
+
+
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mincore(2)")
+
+
+@LINUX
+@pytest.mark.parametrize("nbytes", [600_001, (1 << 20) + 12345, 9 << 20])  # 4 KB, 2 MB pages
+def test_arenas_are_in_memory_before_the_first_run(nbytes):
+    """runtime/device.py _fault_in: every page of a new arena is resident before anything
+    writes it, so no run pays for a first touch (a 2 MB page may need compacting: 10-190
+    ms in a serving step)."""
+    from edgepack.runtime import device as D
+
+    missing, pages = _pages_missing(D.aligned_arena(nbytes))
+    assert missing == 0, f"{missing} of {pages} pages not in memory"
+
+
+@LINUX
+def test_fault_in_reaches_the_last_page_of_an_arena_that_starts_inside_a_page():
+    import mmap
+
+    from edgepack.runtime import device as D
+
+    m = mmap.mmap(-1, 2 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(m, np.uint8)[mmap.PAGESIZE - 96 : mmap.PAGESIZE + 104]  # two pages
+    assert _pages_missing(a) == (2, 2)
+    D._fault_in(a)
+    assert _pages_missing(a) == (0, 2)
+    del a
