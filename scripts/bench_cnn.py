@@ -26,6 +26,11 @@ noise from the (shared) machine hits all engines alike.
     python scripts/bench_cnn.py                                   # full matrix, minutes
     python scripts/bench_cnn.py --models digits --batches 1 --threads 1 --runs 20
     python scripts/bench_cnn.py --models resnet18 --batches 1 8 --threads 1 2 --seconds 10
+    python scripts/bench_cnn.py --models mobilenet_v2 --batches 1 --threads 2 --busy 1
+
+--busy N keeps N other processes spinning on the CPU while the engines are timed: a
+device that also runs a camera pipeline or another service, where one of the engine's
+threads loses its core for a scheduler slice now and then.
 
 Models, calibration data and bundles are cached in --work and reused (--rebuild to
 redo them). Results go to stdout, --out (markdown) and a PNG chart next to it.
@@ -34,6 +39,7 @@ redo them). Results go to stdout, --out (markdown) and a PNG chart next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -808,6 +814,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rebuild", action="store_true",
                    help="redo everything in --work (after changing edgepack or the models)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "cnn.md")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="other processes spinning on the CPU while timing (a loaded device)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.models = _split(args.models)
@@ -822,7 +830,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
     if args.runs is not None and args.runs < 1:
         p.error("--runs must be >= 1")
+    if args.busy < 0:
+        p.error("--busy must be >= 0")
     return args
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """n child processes that spin in Python at the default priority until the block ends
+    (another program on the device, as the scheduler sees it)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for pr in procs:
+            pr.kill()
+        for pr in procs:
+            pr.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -835,6 +859,8 @@ def main(argv: list[str] | None = None) -> int:
               "cores; timings will be oversubscribed", file=sys.stderr)
     args.work.mkdir(parents=True, exist_ok=True)
     info = machine_info()
+    if args.busy:
+        info["load"] = f"{args.busy} other process(es) spinning on the CPU while timing (--busy)"
     print("  ".join(f"{k}: {v}" for k, v in info.items()), flush=True)
     results: dict[Config, list[EngineResult]] = {}
     notes: list[str] = []
@@ -847,8 +873,9 @@ def main(argv: list[str] | None = None) -> int:
             for threads in args.threads:
                 cfg = Config(model, batch, threads)
                 t0 = time.perf_counter()
-                res = measure(cfg, assets, args.engines, args.runs, args.seconds, args.warmup,
-                              args.work / "logs")
+                with busy_processes(args.busy):
+                    res = measure(cfg, assets, args.engines, args.runs, args.seconds,
+                                  args.warmup, args.work / "logs")
                 compare_outputs(res)
                 results[cfg] = res
                 print(format_text(f"-- {cfg.label} ({time.perf_counter() - t0:.0f}s)", res),

@@ -156,3 +156,50 @@ def test_threads_start_once_and_a_busy_pool_runs_the_kernel_whole():
     state[native_pool.LOCK] = 0
     with pytest.raises(ValueError):
         pool.resize(0)
+
+
+def test_parts_are_claimed_unless_they_meet_at_barriers():
+    assert not spmd.spmd_function(cpu_kernels.act_into.py_func).parts_wait
+    assert spmd.spmd_function(_phases.py_func).parts_wait
+
+
+def test_the_caller_runs_the_parts_of_a_helper_that_never_comes():
+    """A helper that is not running (asleep behind a slow wake, or its core taken by
+    another process) leaves its part to the caller: parts are claimed (native_pool.py).
+    Here the state counts two threads and no helper exists; dealt one part a thread,
+    the call would wait for ever."""
+    import threading
+
+    f = _launcher(cpu_kernels.act_into)
+    state = np.zeros(native_pool.STATE_LEN, np.int64)
+    state[native_pool.WANT] = state[native_pool.STARTED] = 2
+    x = np.arange(50_000, dtype=np.float32)
+    got = np.zeros_like(x)
+    call = threading.Thread(target=f, args=(state, x, got, 0, 0.0, 0.0), daemon=True)
+    call.start()
+    call.join(timeout=30)
+    assert not call.is_alive(), "the caller waited for a helper that does not exist"
+    assert np.array_equal(got, x)
+    assert state[native_pool.DONE] == 2 and state[native_pool.LOCK] == 0
+
+
+def test_claimed_and_dealt_jobs_in_turn_give_the_serial_answers():
+    """Helpers that come late to a claimed job find the next one published (a dealt one
+    with barriers, or claimed again): each job's parts run once, from its own fields."""
+    act, phases = _launcher(cpu_kernels.act_into), _launcher(_phases)
+    pool = _pool(2)
+    x = np.random.default_rng(2).standard_normal(4_099).astype(np.float32)
+    want = np.empty_like(x)
+    cpu_kernels.act_into.py_func(x, want, 6, 0.0, 0.0)
+    xp = np.arange(257, dtype=np.float64)
+    want_p = [np.zeros_like(xp) for _ in range(3)]
+    _phases.py_func(xp, *want_p)
+    for i in range(600):
+        got = np.full_like(x, np.nan)
+        act(pool.state, x, got, 6, 0.0, 0.0)
+        assert np.array_equal(got, want), i
+        if i % 3 == 0:
+            got_p = [np.full_like(xp, np.nan) for _ in range(3)]
+            phases(pool.state, xp, *got_p)
+            for g, w in zip(got_p, want_p):
+                assert np.array_equal(g, w), i

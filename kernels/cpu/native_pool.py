@@ -10,13 +10,31 @@ with the kernel's own arguments plus the pool's state, which
    runs its kernel whole instead of waiting),
 2. publishes the job (the address of a function that runs one part, and of the
    kernel's arguments packed on the caller's stack) and bumps a ticket per helper,
-3. runs part 0 itself, then polls until every helper has finished its part.
+3. runs part 0 itself, then, for a kernel whose parts never wait for each other (no
+   barrier in its SPMD form), claims and runs every part no helper has claimed yet,
+   then polls until every part has finished.
 
 Helpers are POSIX threads started by ``pool_start``; each polls its own ticket (own
 cache line, with the CPU's pause hint) for ``SPIN`` polls after a job, then sleeps on
 it with a futex. A launch therefore costs a few atomic operations when the helpers are
 awake, as libgomp's active wait does (docs/cpu-kernels.md has the measurements), and
 no Python runs on the helpers: the GIL is released for the whole kernel.
+
+Parts are claimed, not dealt (parts without barriers): part i is whoever's who takes
+it first from the job's claim word (its generation and the next unclaimed part,
+compare-and-swap). With parts dealt one per thread, the caller waited for a helper
+that was not running: after the helpers slept (a futex wake is 10-50 us on these VMs,
+more after an idle spell) or while another process had that core. MobileNetV2 int8 at
+2 threads next to one busy process took 7.1 ms, P99 100 ms, where 1 thread took 4.2;
+claimed, the caller runs a late helper's part itself (docs/cpu-kernels.md, "Threads in
+the executable"). Kernels with barriers keep one part per thread (a thread running two
+of them would wait at a barrier for itself).
+
+A helper reads the job as a seqlock reader: the generation ``GEN`` is odd while the
+launcher writes a job, and a helper takes the job's fields only when GEN was even and
+the same before and after reading them. A helper that comes late may find its job
+finished and the next one published; it claims only from a claim word of the
+generation it read, so it never runs a part of a job whose fields it did not read.
 
 A part that raises (attention's check of its positions) cannot unwind another thread:
 the launcher then runs the kernel again whole on the caller, which raises the same
@@ -45,6 +63,8 @@ from .spmd import spmd_function
 
 # state layout (int64 indices); 0-1: spmd.barrier
 FN, DATA, PARTS, DONE, FAILED = 8, 9, 10, 11, 12  # the job (written before the tickets)
+CLAIM, GEN, CLAIMED = 13, 14, 15  # claim word, seqlock generation, whether parts are claimed
+PART_BITS = 16  # the claim word: generation << PART_BITS | next part to claim
 LOCK = 16
 TICKETS = 32  # helper i (1..): ticket at TICKETS + 8 i, sleeping flag at + 1
 MAX_THREADS = (STATE_LEN - TICKETS) // 8
@@ -69,8 +89,9 @@ def _call_part(typingctx, fn, data, part, parts):
 
 @njit
 def _helper(st, me):
-    """Helper ``me``'s life: wait for a ticket, run part ``me`` of the job, report."""
-    t, last = TICKETS + 8 * me, 0
+    """Helper ``me``'s life: wait for a ticket, read the newest job, run its part ``me``
+    or claim parts of it, report each part done."""
+    t, last, seen = TICKETS + 8 * me, 0, 0
     while True:
         spins = 0
         while atomics.load(st, t) == last:
@@ -85,10 +106,44 @@ def _helper(st, me):
             atomics.store(st, t + 1, 0)
             spins = 0
         last = atomics.load(st, t)
+        gen, fn, data, parts, claimed = _read_job(st)
+        if gen == seen:  # a job this helper has already run or found finished
+            continue
+        seen = gen
+        if claimed:
+            _claim_parts(st, gen, fn, data, parts)
+        elif me < parts:
+            if _call_part(fn, data, me, parts):
+                atomics.store(st, FAILED, 1)
+            atomics.add(st, DONE, 1)
+
+
+@njit
+def _read_job(st):
+    """(generation, fn, data, parts, claimed) of the job published last (seqlock read)."""
+    while True:
+        gen = atomics.load(st, GEN)
+        if gen & 1:  # being written
+            atomics.pause()
+            continue
         fn, data, parts = atomics.load(st, FN), atomics.load(st, DATA), atomics.load(st, PARTS)
-        if _call_part(fn, data, me, parts):
-            atomics.store(st, FAILED, 1)
-        atomics.add(st, DONE, 1)
+        claimed = atomics.load(st, CLAIMED)
+        if atomics.load(st, GEN) == gen:
+            return gen, fn, data, parts, claimed
+
+
+@njit
+def _claim_parts(st, gen, fn, data, parts):
+    """Run parts of job ``gen`` while some are unclaimed; stop if it is no longer the job."""
+    while True:
+        word = atomics.load(st, CLAIM)
+        part = word & ((1 << PART_BITS) - 1)
+        if word >> PART_BITS != gen or part >= parts:
+            return
+        if atomics.swap_if(st, CLAIM, word, word + 1):
+            if _call_part(fn, data, part, parts):
+                atomics.store(st, FAILED, 1)
+            atomics.add(st, DONE, 1)
 
 
 @intrinsic
@@ -226,7 +281,8 @@ def _launch_intrinsic(spmd_py):
                     slot = cgutils.alloca_once(builder, pack_ty)
                     pack = builder.insert_value(ir.Constant(pack_ty, ir.Undefined), args[1], 0)
                     builder.store(builder.insert_value(pack, args[0], 1), slot)
-                    failed = _run(context, builder, st_ty, args[0], fn, slot, args[2])
+                    failed = _run(context, builder, st_ty, args[0], fn, slot, args[2],
+                                  not spmd_py.parts_wait)
                     with builder.if_then(builder.icmp_signed("!=", failed, ir.Constant(_I64, 0))):
                         whole()
                 with alone:
@@ -238,32 +294,46 @@ def _launch_intrinsic(spmd_py):
     return _launch
 
 
-def _run_job(st, fn, data, parts):
-    """Publish the job, run part 0, wait for the helpers' parts, give the pool back:
-    whether a part failed."""
+def _run_job(st, fn, data, parts, claimed):
+    """Publish the job, run part 0 (and, claimed, every part no helper took first), wait
+    for the rest, give the pool back: whether a part failed."""
+    gen = atomics.load(st, GEN) + 2  # even: published; odd while being written
+    atomics.store(st, GEN, gen - 1)
     atomics.store(st, FN, fn)
     atomics.store(st, DATA, data)
     atomics.store(st, PARTS, parts)
+    atomics.store(st, CLAIMED, claimed)
     atomics.store(st, DONE, 0)
     atomics.store(st, FAILED, 0)
+    atomics.store(st, CLAIM, (gen << PART_BITS) | 1)  # part 0 is the caller's
+    atomics.store(st, GEN, gen)
     for i in range(1, parts):
         t = TICKETS + 8 * i
         atomics.add(st, t, 1)
         if atomics.load(st, t + 1):
             atomics.futex(st, t, atomics.FUTEX_WAKE, 1)
     failed = _call_part(fn, data, 0, parts)
-    while atomics.load(st, DONE) < parts - 1:
-        atomics.pause()
+    atomics.add(st, DONE, 1)
+    if claimed:
+        _claim_parts(st, gen, fn, data, parts)
+    spins = 0
+    while atomics.load(st, DONE) < parts:  # a helper's part still running
+        spins += 1
+        if spins < SPIN:
+            atomics.pause()
+        else:  # its thread may be waiting for this core
+            atomics.yield_cpu()
     failed |= atomics.load(st, FAILED)
     atomics.store(st, LOCK, 0)  # taken by ``take``
     return failed
 
 
-def _run(context, builder, st_ty, state, fn, slot, parts):
+def _run(context, builder, st_ty, state, fn, slot, parts, claimed: bool):
     addr = builder.ptrtoint(context.make_array(st_ty)(context, builder, value=state).data, _I64)
-    sig = types.int64(types.int64, types.int64, types.int64, types.int64)
+    sig = types.int64(types.int64, types.int64, types.int64, types.int64, types.int64)
     job = context.compile_subroutine(builder, _run_job, sig)
-    ptrs = [addr, builder.ptrtoint(fn, _I64), builder.ptrtoint(slot, _I64), parts]
+    ptrs = [addr, builder.ptrtoint(fn, _I64), builder.ptrtoint(slot, _I64), parts,
+            ir.Constant(_I64, int(claimed))]  # fmt: skip
     return context.call_internal(builder, job.fndesc, sig, ptrs)
 
 

@@ -94,7 +94,11 @@ def _stmt(src: str) -> ast.stmt:
 
 class _Splitter:
     def __init__(self, name: str):
-        self.name, self.loops = name, 0
+        self.name, self.loops, self.barriers = name, 0, 0
+
+    def barrier(self) -> ast.stmt:
+        self.barriers += 1
+        return _stmt("barrier(_sync, _parts)")
 
     def block(self, stmts: list[ast.stmt], top: bool) -> list[ast.stmt]:
         out: list[ast.stmt] = []
@@ -103,14 +107,14 @@ class _Splitter:
             rest = stmts[i + 1 :]
             if _is_prange(s):
                 if dirty:
-                    out.append(_stmt("barrier(_sync, _parts)"))
+                    out.append(self.barrier())
                     dirty = False
                 out.extend(self.loop(s))
                 if rest or not top:  # later statements (or the next pass) read its writes
-                    out.append(_stmt("barrier(_sync, _parts)"))
+                    out.append(self.barrier())
             elif _has_prange(s):
                 if dirty:
-                    out.append(_stmt("barrier(_sync, _parts)"))
+                    out.append(self.barrier())
                     dirty = False
                 if not isinstance(s, (ast.For, ast.While, ast.If)):
                     raise NotSplittable(f"{self.name}: a prange inside {type(s).__name__}")
@@ -132,7 +136,7 @@ class _Splitter:
             else:
                 out.append(s)
         if dirty and not top:  # a loop's next pass may read what part 0 wrote
-            out.append(_stmt("barrier(_sync, _parts)"))
+            out.append(self.barrier())
         return out
 
     def loop(self, s: ast.For) -> list[ast.stmt]:
@@ -167,6 +171,12 @@ class _Splitter:
 def spmd_source(fn) -> tuple[str, str]:
     """(name, source) of ``fn``'s SPMD form (a plain function: decorators dropped), for
     the Python function behind a numba dispatcher. Raises NotSplittable."""
+    name, src, _ = _split(fn)
+    return name, src
+
+
+def _split(fn) -> tuple[str, str, int]:
+    """spmd_source's (name, source), and how many barriers that source has."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     f = tree.body[0]
     if not isinstance(f, ast.FunctionDef):
@@ -177,18 +187,21 @@ def spmd_source(fn) -> tuple[str, str]:
     f.body = sp.block(f.body, True)
     if not sp.loops:
         raise NotSplittable(f"{f.name}: no prange loop")
-    return f.name, ast.unparse(ast.fix_missing_locations(tree))
+    return f.name, ast.unparse(ast.fix_missing_locations(tree)), sp.barriers
 
 
 def spmd_function(fn):
     """``fn`` (a parallel kernel's Python function) in SPMD form: its arguments, then
     ``_part, _parts, _sync`` (module doc). Compiled by whoever takes it (njit or pycc);
-    it sees the kernel module's globals, and ``barrier``."""
-    name, src = spmd_source(fn)
+    it sees the kernel module's globals, and ``barrier``. Its ``parts_wait`` says
+    whether its parts meet at barriers (then each part needs a thread of its own;
+    without, one thread may run several parts one after another: native_pool.py)."""
+    name, src, barriers = _split(fn)
     scope = dict(fn.__globals__)
     scope["barrier"] = barrier
     code = compile(src, f"<spmd {fn.__module__}.{name}>", "exec")
     exec(code, scope)  # noqa: S102 - our own kernel source, rewritten
     out = scope[name]
     out.__qualname__ = f"{name}_spmd"
+    out.parts_wait = barriers > 0
     return out
