@@ -20,15 +20,15 @@ it with a futex. A launch therefore costs a few atomic operations when the helpe
 awake, as libgomp's active wait does (docs/cpu-kernels.md has the measurements), and
 no Python runs on the helpers: the GIL is released for the whole kernel.
 
-Parts are claimed, not dealt (parts without barriers): part i is whoever's who takes
-it first from the job's claim word (its generation and the next unclaimed part,
-compare-and-swap). With parts dealt one per thread, the caller waited for a helper
-that was not running: after the helpers slept (a futex wake is 10-50 us on these VMs,
-more after an idle spell) or while another process had that core. MobileNetV2 int8 at
-2 threads next to one busy process took 7.1 ms, P99 100 ms, where 1 thread took 4.2;
-claimed, the caller runs a late helper's part itself (docs/cpu-kernels.md, "Threads in
-the executable"). Kernels with barriers keep one part per thread (a thread running two
-of them would wait at a barrier for itself).
+Parts are claimed, not dealt (kernels without barriers): each part goes to whichever
+thread takes it first from the job's claim word (its generation and the next unclaimed
+part, compare-and-swap). Dealt one part a thread, the caller waited for a helper that
+was not running: asleep behind a futex wake (10-50 us on these VMs, more after an idle
+spell) or while another process had its core. Claimed, the caller runs a late
+helper's part itself: next to one busy process, MobileNetV2 int8 at 2 threads went
+from a P99 of 89-92 ms to 9-13 ms (docs/cpu-kernels.md, "Threads in the executable").
+Kernels with barriers keep one part per thread (a thread running two of them would
+wait at a barrier for itself).
 
 A helper reads the job as a seqlock reader: the generation ``GEN`` is odd while the
 launcher writes a job, and a helper takes the job's fields only when GEN was even and
