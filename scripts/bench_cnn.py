@@ -65,6 +65,7 @@ import edgepack  # noqa: F401
 # isort: split
 import numpy as np
 from edgepack.kernels.wtypes import QUANT_MODES
+from vcpu_probe import FAR_NS, NEAR_NS, placement
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -144,6 +145,9 @@ class EngineResult:
     extra: dict[str, str] = field(default_factory=dict)
     rel_l2: float = math.nan  # vs ORT fp32 output
     top1: str = ""
+    # per run, the vCPU round trip probed just before its round (vcpu_probe.py; NaN at 1
+    # thread): on these VMs it decides 2-thread speed
+    rt_ns: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -152,6 +156,10 @@ class EngineResult:
     @property
     def p99(self) -> float:
         return float(np.percentile(self.times_ms, 99))
+
+    def where(self, state: str) -> list[float]:
+        """The runs timed in rounds whose probe found the vCPUs 'near' or 'far'."""
+        return [t for t, rt in zip(self.times_ms, self.rt_ns) if placement(rt) == state]
 
 
 # --- worker side ----------------------------------------------------------------------------
@@ -363,6 +371,9 @@ def measure(
     cfg: Config, assets: Assets, engines: Sequence[str], runs: int | None, seconds: float,
     warmup: int, logs: Path,
 ) -> list[EngineResult]:
+    from vcpu_probe import round_trip_ns
+
+    round_trip_ns(10)  # compiled before the first round
     workers: dict[str, Worker] = {}
     try:
         # Start one at a time so loading does not compete with another worker's loading.
@@ -379,12 +390,16 @@ def measure(
             targets[e] = runs or int(min(MAX_RUNS, max(MIN_RUNS, seconds / est)))
         chunk = _round_sizes(targets)
         times: dict[str, list[float]] = {e: [] for e in workers}
+        rts: dict[str, list[float]] = {e: [] for e in workers}
         order = list(workers)
         while any(len(times[e]) < targets[e] for e in order):
             for e in order:
                 left = targets[e] - len(times[e])
                 if left > 0:
-                    times[e] += workers[e].request("run", k=min(chunk[e], left))["ms"]
+                    rt = round_trip_ns() if cfg.threads > 1 else math.nan
+                    got = workers[e].request("run", k=min(chunk[e], left))["ms"]
+                    times[e] += got
+                    rts[e] += [rt] * len(got)
                     if cfg.threads > 1:
                         time.sleep(ROUND_PAUSE_S)
             # Rotate so that no engine always runs right after the same neighbour.
@@ -398,7 +413,7 @@ def measure(
                 import_rss_mb=w.ready["import_rss_mb"], peak_rss_mb=stats["peak_rss_mb"],
                 end_rss_mb=stats["end_rss_mb"],
                 output=np.asarray(out["data"], np.float32).reshape(out["shape"]),
-                extra=stats["extra"],
+                extra=stats["extra"], rt_ns=rts[e],
             ))
         return results
     finally:
@@ -714,6 +729,7 @@ def format_markdown(
            "- rel L2 and top-1: each engine's output on the timed inputs vs ORT fp32.",
            "", "## Results", "", f"![median latency per config]({chart.name})", ""]
     md += _summary_markdown(results)
+    md += _placement_markdown(results)
     for cfg, res in results.items():
         threads = "1 thread" if cfg.threads == 1 else f"{cfg.threads} threads"
         md += [f"### {cfg.model}, batch {cfg.batch}, {threads}", ""]
@@ -732,6 +748,49 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |",
            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
     return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def placement_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]:
+    """Per multi-thread config and engine: median, P99 and speed-up over the same engine's
+    1-thread median, in the rounds whose probe found the vCPUs near (one core complex)
+    and far apart (vcpu_probe.py), with the runs each had."""
+    ones = {(c.model, c.batch, r.engine): r.median
+            for c, res in results.items() if c.threads == 1 for r in res}
+    rows = []
+    for cfg, res in results.items():
+        if cfg.threads == 1:
+            continue
+        for r in res:
+            row = [cfg.label, r.engine]
+            for state in ("near", "far"):
+                ts = r.where(state)
+                if not ts:
+                    row += ["0", "", "", ""]
+                    continue
+                med = float(np.median(ts))
+                one = ones.get((cfg.model, cfg.batch, r.engine))
+                row += [str(len(ts)), f"{med:.3f}", f"{np.percentile(ts, 99):.3f}",
+                        f"{one / med:.2f}" if one else ""]
+            rows.append(row)
+    return rows
+
+
+PLACEMENT_COLUMNS = ("config", "engine", "near runs", "near median", "near P99",
+                     "near speed-up", "far runs", "far median", "far P99", "far speed-up")
+
+
+def _placement_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
+    rows = placement_rows(results)
+    if not rows:
+        return []
+    return [
+        "### Multi-thread rounds by where the host put the vCPUs", "",
+        "Before each round the parent times a cache line's round trip between two pinned "
+        f"threads (scripts/vcpu_probe.py): under {NEAR_NS:.0f} ns the two vCPUs share a "
+        f"core complex (near), over {FAR_NS:.0f} ns they do not (far), and the state "
+        "lasts seconds to minutes. Speed-up: the same engine's 1-thread median over this "
+        "median.", "",
+    ] + _md_table(list(PLACEMENT_COLUMNS), rows) + [""]
 
 
 def _summary_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
@@ -880,6 +939,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[cfg] = res
                 print(format_text(f"-- {cfg.label} ({time.perf_counter() - t0:.0f}s)", res),
                       flush=True)
+                for row in placement_rows(results):
+                    if row[0] == cfg.label:
+                        print("   " + "  ".join(f"{k}={v}" for k, v in
+                                                zip(PLACEMENT_COLUMNS[1:], row[1:])))
                 # Rewritten after every config so an interrupted long run keeps its results.
                 write_report(results, info, notes, args.out, raw)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

@@ -487,11 +487,13 @@ def gemmp{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
     A plain GEMM passes w[M, K], NOROWS, K, 1, 0. A conv passes its padded image as
     w[pixels, C], in rtab each output pixel's offset in it, and its kernel rows: nky =
     kh runs of run = kw * C taps, wrow floats apart.
-    Panels are split across workers when they divide evenly and balance the columns,
-    else rows are (kernels.panel_share)."""
+    Panels are split across workers when they divide evenly, balance the columns and
+    outweigh the activations, else rows are (kernels.panel_share)."""
     m_ = c.shape[0]
     for sl in prange(workers):
-        t_lo, t_hi, m_lo, m_hi = panel_share(m_, c.shape[1], workers, sl, MR)
+        t_lo, t_hi, m_lo, m_hi = panel_share(
+            m_, c.shape[1], workers, sl, MR, wq.size * wq.itemsize,
+            w.size * w.itemsize + c.size * c.itemsize)
         if m_lo < m_hi:
             _pblock{s}(w, rtab, run, nky, wrow, wq, c, bias, scale, res, flags, act, a, b,
                        t_lo, t_hi, m_lo, m_hi, wbuf[sl % wbuf.shape[0]])

@@ -33,22 +33,32 @@ def test_generated_file_matches_its_generator():
     assert r.returncode == 0, r.stderr
 
 
+WEIGHTY, LIGHT = (1 << 30, 1), (1, 1 << 30)  # (w_bytes, io_bytes)
+
+
 @pytest.mark.parametrize(
-    ("m", "n", "workers", "by_panels"),
-    [(3136, 128, 2, True), (12544, 96, 2, False), (3136, 144, 2, False),
-     (49, 1000, 2, True), (49, 960, 4, False), (7, 512, 2, True), (100, 64, 3, False)],
+    ("m", "n", "workers", "sizes", "by_panels"),
+    [(3136, 128, 2, WEIGHTY, True), (12544, 96, 2, WEIGHTY, False),
+     (3136, 144, 2, WEIGHTY, False), (49, 1000, 2, WEIGHTY, True),
+     (49, 960, 4, WEIGHTY, False), (7, 512, 2, WEIGHTY, True), (100, 64, 3, WEIGHTY, False),
+     (3136, 128, 2, LIGHT, False), (49, 1000, 2, LIGHT, False),
+     # MobileNetV2's 14x14 64 -> 384 expand (rows) and 7x7 320 -> 1280 conv (panels)
+     (196, 384, 2, (64 * 384, 196 * (64 + 384)), False),
+     (49, 1280, 2, (320 * 1280, 49 * (320 + 1280)), True)],
 )  # fmt: skip
-def test_workers_share_a_gemm_exactly_once_and_evenly(m, n, workers, by_panels):
+def test_workers_share_a_gemm_exactly_once_and_evenly(m, n, workers, sizes, by_panels):
     """panel_share: every (row, panel) falls to one worker; panels are split only when
-    they also split the columns evenly (all full, or 8 or more a worker), else rows
-    are (MobileNetV2's 96 columns as 64 + 32 made 2 threads slower than 1)."""
+    they also split the columns evenly (all full, or 8 or more a worker: MobileNetV2's
+    96 columns as 64 + 32 made 2 threads slower than 1) and the weights outweigh the
+    activations, else rows are (a column split makes each core read the rows the
+    other core wrote)."""
     from edgepack.kernels.cpu.kernels import panel_share
     from edgepack.kernels.layout import PANEL
 
     np_ = -(-n // PANEL)
     seen = np.zeros((m, np_), np.int64)
     for sl in range(workers):
-        t_lo, t_hi, m_lo, m_hi = panel_share(m, n, workers, sl, 6)
+        t_lo, t_hi, m_lo, m_hi = panel_share(m, n, workers, sl, 6, *sizes)
         assert (t_hi - t_lo < np_) == by_panels and (m_hi - m_lo < m) != by_panels
         if m_lo < m_hi:
             assert m_lo % 6 == 0

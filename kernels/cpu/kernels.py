@@ -423,16 +423,28 @@ def act_into(x, y, act, a, b):
 
 
 @njit(inline="always")
-def panel_share(m_, n_, workers, sl, mr):
+def panel_share(m_, n_, workers, sl, mr, w_bytes, io_bytes):
     """(t_lo, t_hi, m_lo, m_hi): worker sl's share of a GEMM of m_ rows by n_ columns
-    in weight panels of PANEL: whole panels when they divide evenly among the workers
-    and share the columns evenly too (each worker then reads only its own weights),
-    else rows in whole tiles of mr (empty when m_lo >= m_hi). Evenly: every panel full,
-    or 8 or more a worker (a partial last one then costs its worker at most 1/8).
-    MobileNetV2's 112x112 16 -> 96 int8 conv split as 64 + 32 columns took 0.52-0.58
-    ms at 2 threads, 0.41 at 1; split by rows, 0.38-0.41."""
+    in weight panels of PANEL, w_bytes of weights, io_bytes of input and output
+    activations. Whole panels (each worker then reads only its own weights) when
+    they divide evenly among the workers, share the columns evenly too (every panel
+    full, or 8 or more a worker: a partial last one then costs its worker at most
+    1/8), and the weights outweigh the activations (w_bytes >= 2 io_bytes); else rows
+    in whole tiles of mr (empty when m_lo >= m_hi).
+
+    Why rows unless the weights dominate: split by columns, every worker reads the
+    whole input, which the workers of the layer before wrote by rows, and the layer
+    after reads every column of its rows, so about half of both crosses between
+    cores. Split by rows, each core keeps reading the rows it wrote. When the host
+    puts the two vCPUs of these VMs on different core complexes (a cache line's round
+    trip 330-390 ns instead of 80-110), MobileNetV2 int8 at 2 threads took 3.8-4.0
+    ms, slower than 1 thread (3.4), and its 14x14 64 -> 384 expand convs 0.09 ms
+    against 0.03 (docs/benchmarks/cnn-int8x8.md). MobileNetV2's 112x112 16 -> 96
+    conv split as 64 + 32 columns took 0.52-0.58 ms at 2 threads, 0.41 at 1; split
+    by rows, 0.38-0.41."""
     np_ = (n_ + PANEL - 1) // PANEL
-    if np_ % workers == 0 and (n_ % PANEL == 0 or np_ // workers >= 8):
+    if (np_ % workers == 0 and (n_ % PANEL == 0 or np_ // workers >= 8)
+            and w_bytes >= 2 * io_bytes):  # fmt: skip
         per_t = np_ // workers
         return sl * per_t, sl * per_t + per_t, 0, m_
     per_m = ((m_ + mr - 1) // mr + workers - 1) // workers * mr

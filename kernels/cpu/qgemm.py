@@ -396,7 +396,8 @@ def gemm_u8s8(x, rtab, run4, nky, wrow, wq, zw, c, bias, scale, res, flags, act,
     m_ = c.shape[0]
     workers = scratch.shape[0]
     for sl in prange(workers):
-        t_lo, t_hi, m_lo, m_hi = panel_share(m_, c.shape[1], workers, sl, MR)
+        t_lo, t_hi, m_lo, m_hi = panel_share(m_, c.shape[1], workers, sl, MR, wq.size,
+                                              x.size + c.size * c.itemsize)
         if m_lo < m_hi:
             xo = scratch[sl, :MR]
             acc = scratch[sl, MR:].view(np.int32)
