@@ -65,7 +65,7 @@ import edgepack  # noqa: F401
 # isort: split
 import numpy as np
 from edgepack.kernels.wtypes import QUANT_MODES
-from vcpu_probe import FAR_NS, NEAR_NS, placement
+from vcpu_probe import FAR_NS, NEAR_NS, placement, round_trip_ns
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -371,8 +371,6 @@ def measure(
     cfg: Config, assets: Assets, engines: Sequence[str], runs: int | None, seconds: float,
     warmup: int, logs: Path,
 ) -> list[EngineResult]:
-    from vcpu_probe import round_trip_ns
-
     round_trip_ns(10)  # compiled before the first round
     workers: dict[str, Worker] = {}
     try:

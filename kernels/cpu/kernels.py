@@ -435,13 +435,11 @@ def panel_share(m_, n_, workers, sl, mr, w_bytes, io_bytes):
     Why rows unless the weights dominate: split by columns, every worker reads the
     whole input, which the workers of the layer before wrote by rows, and the layer
     after reads every column of its rows, so about half of both crosses between
-    cores. Split by rows, each core keeps reading the rows it wrote. When the host
-    puts the two vCPUs of these VMs on different core complexes (a cache line's round
-    trip 330-390 ns instead of 80-110), MobileNetV2 int8 at 2 threads took 3.8-4.0
-    ms, slower than 1 thread (3.4), and its 14x14 64 -> 384 expand convs 0.09 ms
-    against 0.03 (docs/benchmarks/cnn-int8x8.md). MobileNetV2's 112x112 16 -> 96
-    conv split as 64 + 32 columns took 0.52-0.58 ms at 2 threads, 0.41 at 1; split
-    by rows, 0.38-0.41."""
+    cores; split by rows, each core keeps reading the rows it wrote. ResNet-18 int8
+    at 2 threads (its 28x28 stage now by rows), old and new rule alternated: 5.69-5.80
+    -> 5.61-5.66 ms; MobileNetV2 unchanged (docs/cpu-kernels.md, "Two threads on
+    these VMs"). MobileNetV2's 112x112 16 -> 96 conv split as 64 + 32 columns took
+    0.52-0.58 ms at 2 threads, 0.41 at 1; split by rows, 0.38-0.41."""
     np_ = (n_ + PANEL - 1) // PANEL
     if (np_ % workers == 0 and (n_ % PANEL == 0 or np_ // workers >= 8)
             and w_bytes >= 2 * io_bytes):  # fmt: skip
