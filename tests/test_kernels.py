@@ -1451,6 +1451,7 @@ CASES["qmbconv"] = [
     qmbconv_case("f32_in_res_codes", x_codes=False, res=True, y_codes=True, band=2),
     qmbconv_case("batch2_s2", n=2, hw=(8, 8), s=2, band=3, bias=False),
     qmbconv_case("c6_ce20_co70_i8dw", c=6, ce=20, co=70, hw=(5, 6), band=2, dw="i8"),
+    qmbconv_case("s2_three_rows_res", hw=(5, 6), s=2, band=1, res=True, y_codes=True),
 ]
 
 # Small float32 linears on the panel GEMM: a partial panel, three panels with a partial
@@ -1819,6 +1820,27 @@ def test_cpu_conv_in_bands_of_rows(monkeypatch, dt: str, case: Case) -> None:
     monkeypatch.setattr(backend_cpu, "MIN_BAND_COLS", 4)
     assert backend_cpu._band_rows(36, 9, 9) == 2  # g1_k3_s1_p1: 4 bands of 2 rows + 1
     _check_kernel("cpu", HostMem(), "conv", dt, case)
+
+
+_QMB_CASES = {c.name: c for c in CASES["qmbconv"]}
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("workers", [1, 3, 4])
+@pytest.mark.parametrize(
+    "case",
+    [_QMB_CASES[n] for n in ("s1_band3", "s2_band2_odd_i8dw", "batch2_s2", "c6_ce20_co70_i8dw",
+                             "s2_three_rows_res")],
+    ids=lambda c: c.name,
+)
+def test_cpu_qmbconv_row_shares(monkeypatch, workers: int, case: Case) -> None:
+    """qmbconv's worker slots at other thread counts than the machine's: each worker's
+    share of the output rows in bands of its own (shares of 1-3 rows, shorter than a
+    band, and none: 4 workers on 3 output rows)."""
+    from edgepack.kernels.cpu import backend as backend_cpu
+
+    monkeypatch.setattr(backend_cpu, "kernel_threads", lambda: workers)
+    _check_kernel("cpu", HostMem(), "qmbconv", "f32", case)
 
 
 @pytest.mark.cuda

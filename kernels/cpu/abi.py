@@ -145,6 +145,19 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             )
             for name, wdt in (("f32", f4), ("i8", i1))
         },
+        **{
+            f"qmbconv_rows_{wn}{yn}": (  # the int8 chain, a band per thread (qmb.py)
+                "qmb.qmbconv_rows",
+                v(arr(u1, 1, ro=True), arr(i8, 1, ro=True), i8, i8, arr(i1, 1, ro=True),
+                  arr(T.int32, 1, ro=True), w1, w1, i8, i8, f4, f4,
+                  arr(wdt, 4, ro=True), w1, w1, i8, *([i8] * 6), i8, f4, f4, f4, f4,
+                  i8, arr(i1, 1, ro=True), arr(T.int32, 1, ro=True), arr(ydt, 2), w1, w1,
+                  arr(f4, 2, "A"), i8, i8, f4, f4, f4, f4,
+                  i8, i8, i8, i8, arr(f4, 4), arr(u1, 2), arr(i8, 1, ro=True), arr(i8, 2)),
+            )
+            for wn, wdt in (("f32", f4), ("i8", i1))
+            for yn, ydt in (("", f4), ("_u8", u1))
+        },
         "channel_affine": ("channel_affine", v(arr(f4, 3), w1, w1, arr(f4, 3), i8, f4, f4)),
         "softmax3": ("softmax3", v(arr(f4, 3), arr(f4, 3), T.boolean)),
         "sdpa4": ("sdpa4", v(arr(f4, 4, ro=True), arr(f4, 4, ro=True), arr(f4, 4, ro=True),

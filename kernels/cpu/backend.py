@@ -1359,68 +1359,97 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     return step
 
 
-# --- qmbconv: the int8 chain, in bands of output rows --------------------------------
-# Each band binds the qconv and qdwconv kernels above on views: the expansion of the
-# input rows the band's depthwise windows read into E (float32, scratch), the depthwise
-# conv into D (the projection's u8 codes, scratch), the projection into the band's
-# output rows. The rows two bands share are expanded twice (the packager's bands are
-# tens of rows: a few percent more of a GEMM that is cheap next to the traffic saved).
+# --- qmbconv: the int8 chain, a band per thread (qmb.py) -----------------------------
+# Scratch, 64-byte aligned pieces: the input's u8 codes when they cannot be read in
+# place (float32 input, or channels not a multiple of 4), then per slot (GEMM_SLOTS: a
+# worker each) E rows for one band (float32), D rows for one band (u8 codes, with the
+# slack the projection's runs of 4 read past the last pixel), and qgemm's scratch row.
+# Four slots of the packager's band (at most QBAND_BYTES of E plus D) each: MobileNetV2's
+# largest chain takes 5.1 MB, its unfused 112x112x96 E alone was 4.8 MB.
 
 
-def _qmbconv_plan(x_shape, y_shape, attrs: dict) -> tuple[list, tuple, tuple, int]:
-    """(bands as (image, first output row, rows, first input row, end input row), E's
-    and D's scratch shapes, the qconvs' scratch bytes) of a qmbconv node."""
-    n_, h, w, _ = x_shape
-    _, oh, ow, co = y_shape
+def _qmbconv_plan(x_shape, y_shape, attrs: dict) -> tuple[bool, tuple, int, int]:
+    """(input read in place, E's slots shape, D's bytes a slot, the input codes' bytes;
+    0 in place) of a qmbconv node whose input is u8 codes (x_codes) or float32."""
+    n_, h, w, c = x_shape
+    _, oh, ow, _ = y_shape
     ce, da = int(attrs["expand"]["out_channels"]), attrs["dw"]
-    sh, pt = da["strides"][0], da["pads"][0]
-    rows = min(int(attrs["band"]), oh)
-    bands = []
-    for n in range(n_):
-        for oy0 in range(0, oh, rows):
-            r = min(rows, oh - oy0)
-            lo = max(0, oy0 * sh - pt)
-            bands.append((n, oy0, r, lo, min(h, oy0 * sh - pt + mbconv.dw_rows_in(r, da, 3))))
-    e_rows = max(hi - lo for *_, lo, hi in bands)
-    e_shape, d_shape = (1, e_rows, w, ce), (1, rows, ow, ce)
-    gemm = max(
-        _qconv_scratch([((1, e_rows, *x_shape[2:]), None)], [e_shape], attrs["expand"]),
-        _qconv_scratch([(d_shape, "u8")], [(1, rows, ow, co)], attrs["project"]),
-    )
-    return bands, e_shape, d_shape, gemm
+    band = min(int(attrs["band"]), oh)
+    e_rows = min(h, mbconv.dw_rows_in(band, da, 3))
+    in_place = bool(attrs.get("x_codes")) and c % 4 == 0
+    codes = 0 if in_place else n_ * h * w * c + QGEMM_SLACK
+    return in_place, (GEMM_SLOTS, e_rows, w, ce), band * ow * ce + QGEMM_SLACK, codes
 
 
 def _qmbconv_scratch(ins, outs, attrs) -> int:
-    _, e_shape, d_shape, gemm = _qmbconv_plan(ins[0][0], outs[0], attrs)
-    return up64(_nbytes(e_shape)) + up64(_nbytes(d_shape, 1)) + gemm
+    in_place, e_shape, d_bytes, codes = _qmbconv_plan(
+        ins[0][0], outs[0], attrs | {"x_codes": ins[0][1] == "u8"})
+    return (up64(codes) + up64(_nbytes(e_shape)) + GEMM_SLOTS * up64(d_bytes)
+            + _nbytes(_qgemm_scratch_shape(), 8))  # fmt: skip
 
 
 def _bind_qmbconv(ins, outs, scratch, attrs) -> Bound:
+    """One qmb.qmbconv_rows call a step: each worker its share of the output rows, in
+    bands through its own E and D slots (the module doc of qmb.py has why)."""
     expand, dwin, proj = mbconv.qparts(ins)
     x, y, res = expand[0], outs[0], proj[4]
     if tuple(dwin[1].shape[:2]) != (3, 3):
         raise ValueError(f"qmbconv: 3x3 depthwise weights, not {dwin[1].shape}")
-    bands, e_shape, d_shape, _ = _qmbconv_plan(x.shape, y.shape, attrs)
-    e_buf = _f32_slot(scratch, 0, e_shape)[0]
-    off = up64(_nbytes(e_shape))
-    d_buf = scratch[off : off + _nbytes(d_shape, 1)].reshape(d_shape)
-    gemm = scratch[off + up64(_nbytes(d_shape, 1)) :]
-    pa = mbconv.q_project_attrs(attrs)
-    steps = []
-    for n, oy0, r, lo, hi in bands:
-        e, d = e_buf[:, : hi - lo], d_buf[:, :r]
-        pads = [lo + attrs["dw"]["pads"][0] - oy0 * attrs["dw"]["strides"][0],
-                *attrs["dw"]["pads"][1:]]  # fmt: skip  # the band's own top pad
-        rb = None if res is None else res[n : n + 1, oy0 : oy0 + r]
-        steps += [
-            _bind_qconv([x[n : n + 1, lo:hi], *expand[1:]], [e], gemm, attrs["expand"]),
-            _bind_qdwconv([e, *dwin[1:]], [d], None, attrs["dw"] | {"pads": pads}),
-            _bind_qconv([d, *proj[1:4], rb, proj[5]], [y[n : n + 1, oy0 : oy0 + r]], gemm, pa),
-        ]
+    n_, h, w, c = x.shape
+    _, oh, ow, co = y.shape
+    ea, da, pa = attrs["expand"], attrs["dw"], mbconv.q_project_attrs(attrs)
+    in_place, e_shape, d_bytes, codes = _qmbconv_plan(
+        x.shape, y.shape, attrs | {"x_codes": x.dtype == np.uint8})
+    off = up64(codes)
+    ebuf = _f32_slot(scratch, off, e_shape)[0]
+    off += up64(_nbytes(e_shape))
+    dstride = up64(d_bytes)
+    dbuf = scratch[off : off + GEMM_SLOTS * dstride].reshape(GEMM_SLOTS, dstride)
+    off += GEMM_SLOTS * dstride
+    workers = max(1, min(GEMM_SLOTS, kernel_threads()))
+    qs = scratch[off : off + _nbytes(_qgemm_scratch_shape(), 8)]
+    qs = qs.view(np.int64).reshape(_qgemm_scratch_shape())[:workers]
+    img = h * w * c
+    fills = []
+    if in_place:
+        xr = _readonly(x.reshape(-1))
+    else:  # the input's codes, every image, then the slack its last runs read
+        xq = scratch[:codes]
+        s, z = np.float32(ea["x_scale"]), int(ea["x_zero"])
+        fills = [_bound(K.quantize_pad_nhwc, (x[n], xq[n * img :], h, w, 0, 0, 1, 1, s, z))
+                 for n in range(n_)]  # fmt: skip
+        xr = _readonly(xq)
+    band = min(int(attrs["band"]), oh)
+    rtab = _readonly(np.arange(h * w, dtype=np.int64) * c)
+    ptab = _readonly(np.arange(band * ow, dtype=np.int64) * dwin[1].shape[3])
+    act_e, a_e, b_e = _act(ea)
+    act_d, a_d, b_d = _act(da)
+    if act_d not in (0, 1, 3):
+        raise ValueError(f"qmbconv: the depthwise conv clamps (relu, clip), not {da.get('act')}")
+    yinv_d, yz_d = _y_codes(da, dbuf)
+    act_p, a_p, b_p = _act(pa)
+    yinv_p, yz_p = _y_codes(pa, y)
+    (sh, sw), (dh, dw), (pt, pl) = da["strides"], da["dilations"], da["pads"][:2]
+
+    def some(v):
+        return _DUMMY1 if v is None else v
+
+    r2 = _DUMMY2 if res is None else res.reshape(-1, co)
+    args = (
+        xr, rtab, img, int(ea["run4"]), _readonly(expand[1].reshape(-1)), expand[5],
+        some(expand[2]), expand[3], _flags(expand[2], None, None), act_e, a_e, b_e,
+        dwin[1], some(dwin[2]), dwin[3], _flags(dwin[2], None, None), sh, sw, pt, pl, dh, dw,
+        act_d, a_d, b_d, yinv_d, yz_d,
+        int(pa["run4"]), _readonly(proj[1].reshape(-1)), proj[5], y.reshape(-1, co),
+        some(proj[2]), proj[3], r2, _flags(proj[2], None, res), act_p, a_p, b_p, yinv_p, yz_p,
+        n_, oh, ow, band, ebuf[:workers], dbuf[:workers], ptab, qs,
+    )  # fmt: skip
+    fn, a_ = _bound(K.qmbconv_rows, args)
 
     def step() -> None:
-        for s in steps:
-            s()
+        for f, fa in fills:
+            f(*fa)
+        fn(*a_)
 
     return step
 

@@ -44,6 +44,10 @@ def _aot_namespace(mod) -> SimpleNamespace:
     for name, arg in (("quantize_pad_nhwc", 0), ("gemm_u8s8", 7)):  # float32 or u8 codes
         ns[name] = _per_weight_type(ns, name, arg, (("", np.float32), ("_u8", np.uint8)))
     ns["gemv"] = _per_weight_type(ns, "gemv", 1, _WEIGHT_BITS[1:])
+    qmb = {(np.dtype(w), np.dtype(y)): ns.pop(f"qmbconv_rows_{wn}{yn}")
+           for wn, w in (("f32", np.float32), ("i8", np.int8))
+           for yn, y in (("", np.float32), ("_u8", np.uint8))}  # fmt: skip
+    ns["qmbconv_rows"] = _by_dtype(lambda a: qmb[a[12].dtype, a[30].dtype])  # wd, y
     for name, arg, types_ in (("gemmp", 5, _WEIGHT_BITS), ("wino_conv", 2, _WEIGHT_BITS[:3])):
         ns[name] = _per_weight_type(ns, name, arg, types_)
     f32, f16 = ns.pop("attention_rows_f32"), ns.pop("attention_rows_f16")
@@ -101,7 +105,7 @@ def load_kernels() -> SimpleNamespace:
 def _jit_namespace() -> SimpleNamespace:
     # How idle OpenMP and OpenBLAS threads wait is set in edgepack/__init__.py (both
     # read it when they load).
-    from . import gemm_tiles, gemv, q4x16, q8x16, qdot, qdw, qgemm
+    from . import gemm_tiles, gemv, q4x16, q8x16, qdot, qdw, qgemm, qmb
     from . import kernels as cpu_numba
     from . import llm as cpu_llm
     from . import nhwc as cpu_nhwc
@@ -112,7 +116,7 @@ def _jit_namespace() -> SimpleNamespace:
     names["gemv"], names["gemv_q4_q8"] = gemv.gemv, qdot.gemv_q4_q8
     names["gemm_q4x16_q8"], names["gemm_q8x16_q8"] = q4x16.gemm_q4x16_q8, q8x16.gemm_q8x16_q8
     names["gemm_u8s8"], names["quantize_pad_nhwc"] = qgemm.gemm_u8s8, qgemm.quantize_pad_nhwc
-    names["qdwconv3"] = qdw.qdwconv3
+    names["qdwconv3"], names["qmbconv_rows"] = qdw.qdwconv3, qmb.qmbconv_rows
     shape = gemm_shape()
     for name in GEMM_TILE_KERNELS:
         names[name] = getattr(gemm_tiles, f"{name}_{shape}")
