@@ -32,9 +32,10 @@ def _pool(threads: int) -> KernelPool:
 
 
 def _parallel_kernels():
-    from edgepack.kernels.cpu import gemm_tiles, gemv, nhwc, q4x16, q8x16, qdot
+    from edgepack.kernels.cpu import gemm_tiles, gemv, nhwc, q4x16, q8x16, qdot, qdw, qgemm, qmb
 
-    for mod in (cpu_kernels, nhwc, cpu_llm, qdot, q4x16, q8x16, gemv, gemm_tiles):
+    for mod in (cpu_kernels, nhwc, cpu_llm, qdot, q4x16, q8x16, gemv, gemm_tiles, qdw, qgemm,
+                qmb):  # fmt: skip
         for name in dir(mod):
             f = getattr(mod, name)
             parallel = getattr(f, "targetoptions", {}).get("parallel")
@@ -139,6 +140,22 @@ def test_attention_stores_once_then_reads_and_raises_as_the_serial_kernel():
         _attention(lambda *a: f(pool.state, *a), pos=[0, 1, 2, 0, 99])
     got = _attention(lambda *a: f(pool.state, *a), pos=[0, 1, 2, 0, 5])  # the pool goes on
     assert np.array_equal(got[2], want[2])
+
+
+def test_helper_spin_is_set_from_the_environment(monkeypatch):
+    """EDGEPACK_POOL_SPIN reaches the state the helpers read (0: the compiled SPIN);
+    anything but a whole number of polls is refused by name."""
+    from edgepack.kernels.cpu import pool as pool_mod
+
+    monkeypatch.setenv("EDGEPACK_POOL_SPIN", "1")
+    assert pool_mod.spin_polls() == 1
+    assert KernelPool(lambda state, n: None).state[pool_mod.POOL_SPIN] == 1
+    monkeypatch.delenv("EDGEPACK_POOL_SPIN")
+    assert pool_mod.spin_polls() == 0 and native_pool.SPIN == 1 << 20
+    for bad in ("2ms", "-5"):
+        monkeypatch.setenv("EDGEPACK_POOL_SPIN", bad)
+        with pytest.raises(ValueError, match="EDGEPACK_POOL_SPIN"):
+            pool_mod.spin_polls()
 
 
 def test_threads_start_once_and_a_busy_pool_runs_the_kernel_whole():

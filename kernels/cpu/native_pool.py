@@ -15,9 +15,9 @@ with the kernel's own arguments plus the pool's state, which
    then polls until every part has finished.
 
 Helpers are POSIX threads started by ``pool_start``; each polls its own ticket (own
-cache line, with the CPU's pause hint) for ``SPIN`` polls after a job, then sleeps on
-it with a futex. A launch therefore costs a few atomic operations when the helpers are
-awake, as libgomp's active wait does (docs/cpu-kernels.md has the measurements), and
+cache line, with the CPU's pause hint) for ``SPIN`` polls (about 2 ms) after a job,
+then sleeps on it with a futex. A launch therefore costs a few atomic operations when
+the helpers are awake, as libgomp's active wait does (docs/cpu-kernels.md has the measurements), and
 no Python runs on the helpers: the GIL is released for the whole kernel.
 
 Parts are claimed, not dealt (kernels without barriers): each part goes to whichever
@@ -55,6 +55,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import atomics
+from .abi import POOL_SPIN as SPIN_AT
 from .abi import POOL_STARTED as STARTED
 from .abi import POOL_STATE_LEN as STATE_LEN
 from .abi import POOL_WANT as WANT
@@ -68,7 +69,14 @@ PART_BITS = 16  # the claim word: generation << PART_BITS | next part to claim
 LOCK = 16
 TICKETS = 32  # helper i (1..): ticket at TICKETS + 8 i, sleeping flag at + 1
 MAX_THREADS = (STATE_LEN - TICKETS) // 8
-SPIN = 20000  # polls with the pause hint (~30-50 us) before a helper sleeps
+# Polls with the pause hint before a helper sleeps: 2^20, about 2 ms on the EPYC VMs
+# (ONNX Runtime's workers spin 2^20 pause iterations too). A helper that slept after
+# 20000 (30-50 us) let its vCPU halt, and the host then took ms to run it again:
+# MobileNetV2 int8x8 at 2 threads, rounds of 5 runs 50 ms apart, P99 10.1 ms (twice;
+# 45 of the 53 runs over twice the median were a round's first) -> 3.2-4.8 ms, none
+# over twice the median. EDGEPACK_POOL_SPIN sets it per process (pool.py).
+SPIN = 1 << 20
+WAIT_SPIN = 20000  # polls a launcher waits on a helper's part before yielding its core
 
 _I8P = ir.IntType(8).as_pointer()
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
@@ -94,9 +102,11 @@ def _helper(st, me):
     t, last, seen = TICKETS + 8 * me, 0, 0
     while True:
         spins = 0
+        spin = atomics.load(st, SPIN_AT)
+        spin = spin if spin > 0 else SPIN
         while atomics.load(st, t) == last:
             spins += 1
-            if spins < SPIN:
+            if spins < spin:
                 atomics.pause()
                 continue
             atomics.store(st, t + 1, 1)  # sleeping: the launcher wakes this ticket
@@ -319,7 +329,7 @@ def _run_job(st, fn, data, parts, claimed):
     spins = 0
     while atomics.load(st, DONE) < parts:  # a helper's part still running
         spins += 1
-        if spins < SPIN:
+        if spins < WAIT_SPIN:
             atomics.pause()
         else:  # its thread may be waiting for this core
             atomics.yield_cpu()

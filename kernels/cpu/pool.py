@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from .abi import POOL_STARTED, POOL_STATE_LEN, POOL_WANT
+from .abi import POOL_SPIN, POOL_STARTED, POOL_STATE_LEN, POOL_WANT
 
 
 def default_threads() -> int:
@@ -24,6 +24,19 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def spin_polls() -> int:
+    """Polls a helper makes before it sleeps: ``EDGEPACK_POOL_SPIN``, else 0 (the
+    compiled default, native_pool.SPIN)."""
+    raw = os.environ.get("EDGEPACK_POOL_SPIN", "0")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"EDGEPACK_POOL_SPIN={raw!r}: a whole number of polls") from None
+    if n < 0:
+        raise ValueError(f"EDGEPACK_POOL_SPIN={raw!r}: 0 or more polls")
+    return n
+
+
 class KernelPool:
     """``start(state, n)`` starts helper threads until n run (native_pool.pool_start)."""
 
@@ -31,6 +44,7 @@ class KernelPool:
         self.state = np.zeros(POOL_STATE_LEN, np.int64)
         _KEPT.append(self.state)  # the helpers poll it by address for the process's life
         self._start = start
+        self.state[POOL_SPIN] = spin_polls()
         self.resize(threads)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -51,6 +65,7 @@ class KernelPool:
         # and the count, so its first parallel call starts helpers of its own
         want = int(self.state[POOL_WANT])
         self.state[:] = 0
+        self.state[POOL_SPIN] = spin_polls()
         self.resize(max(1, want))
 
 
