@@ -46,7 +46,14 @@ BAND_BYTES = 768 * 1024
 #              0.41 in 8 rows; 28x28x192 (0.6 MB, in L2 anyway) 0.13 -> 0.13-0.16;
 #   2 threads: 112x112x96 0.52 -> 0.46 (14 rows); 56x56x144 0.30 -> 0.28 in 2 bands but
 #              0.42 in bands of 8 rows: each band's three kernel calls launch the pool.
-QFUSE_MIN_BYTES = 1024 * 1024
+# Since the chain is one parallel region a share of rows per thread (kernels/cpu/qmb.py),
+# fusing the small chains too pays at 2 threads: fewer launches, and each thread keeps
+# its rows through the block. MobileNetV2 int8x8 (EPYC VM, bundles interleaved in one
+# process, medians of 60-run blocks) with the threshold at 1 MB / 512 / 256 / 128 KB
+# (3 / 6 / 13 / 16 chains): 2 threads 1.91 / 1.87 / 1.86 / 1.82 ms and, in a slower
+# spell, 2.62 / 2.59 / 2.56 / 2.50; 1 thread 3.50 / 3.46 / 3.48 / 3.47. 128 KB takes
+# all its chains (the smallest, 7x7x960, is 188 KB).
+QFUSE_MIN_BYTES = 128 * 1024
 QBAND_BYTES = 1536 * 1024
 
 
