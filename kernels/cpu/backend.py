@@ -1368,22 +1368,21 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
 # largest chain takes 5.1 MB, its unfused 112x112x96 E alone was 4.8 MB.
 
 
-def _qmbconv_plan(x_shape, y_shape, attrs: dict) -> tuple[bool, tuple, int, int]:
-    """(input read in place, E's slots shape, D's bytes a slot, the input codes' bytes;
-    0 in place) of a qmbconv node whose input is u8 codes (x_codes) or float32."""
+def _qmbconv_plan(x_shape, x_codes: bool, y_shape, attrs: dict) -> tuple:
+    """(band rows, input read in place, E's slots shape, D's bytes a slot, the input
+    codes' bytes, 0 in place) of a qmbconv node whose input is u8 codes or float32."""
     n_, h, w, c = x_shape
     _, oh, ow, _ = y_shape
     ce, da = int(attrs["expand"]["out_channels"]), attrs["dw"]
     band = min(int(attrs["band"]), oh)
     e_rows = min(h, mbconv.dw_rows_in(band, da, 3))
-    in_place = bool(attrs.get("x_codes")) and c % 4 == 0
+    in_place = x_codes and c % 4 == 0
     codes = 0 if in_place else n_ * h * w * c + QGEMM_SLACK
-    return in_place, (GEMM_SLOTS, e_rows, w, ce), band * ow * ce + QGEMM_SLACK, codes
+    return band, in_place, (GEMM_SLOTS, e_rows, w, ce), band * ow * ce + QGEMM_SLACK, codes
 
 
 def _qmbconv_scratch(ins, outs, attrs) -> int:
-    in_place, e_shape, d_bytes, codes = _qmbconv_plan(
-        ins[0][0], outs[0], attrs | {"x_codes": ins[0][1] == "u8"})
+    _, _, e_shape, d_bytes, codes = _qmbconv_plan(ins[0][0], ins[0][1] == "u8", outs[0], attrs)
     return (up64(codes) + up64(_nbytes(e_shape)) + GEMM_SLOTS * up64(d_bytes)
             + _nbytes(_qgemm_scratch_shape(), 8))  # fmt: skip
 
@@ -1398,8 +1397,8 @@ def _bind_qmbconv(ins, outs, scratch, attrs) -> Bound:
     n_, h, w, c = x.shape
     _, oh, ow, co = y.shape
     ea, da, pa = attrs["expand"], attrs["dw"], mbconv.q_project_attrs(attrs)
-    in_place, e_shape, d_bytes, codes = _qmbconv_plan(
-        x.shape, y.shape, attrs | {"x_codes": x.dtype == np.uint8})
+    band, in_place, e_shape, d_bytes, codes = _qmbconv_plan(
+        x.shape, x.dtype == np.uint8, y.shape, attrs)
     off = up64(codes)
     ebuf = _f32_slot(scratch, off, e_shape)[0]
     off += up64(_nbytes(e_shape))
@@ -1419,7 +1418,6 @@ def _bind_qmbconv(ins, outs, scratch, attrs) -> Bound:
         fills = [_bound(K.quantize_pad_nhwc, (x[n], xq[n * img :], h, w, 0, 0, 1, 1, s, z))
                  for n in range(n_)]  # fmt: skip
         xr = _readonly(xq)
-    band = min(int(attrs["band"]), oh)
     rtab = _readonly(np.arange(h * w, dtype=np.int64) * c)
     ptab = _readonly(np.arange(band * ow, dtype=np.int64) * dwin[1].shape[3])
     act_e, a_e, b_e = _act(ea)
