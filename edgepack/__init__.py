@@ -68,7 +68,9 @@ def foreign_environ() -> dict:
 
 _drop_our_waits(_os.environ)
 _set = {}
-_blas_spins_short = "numpy" not in _sys.modules or any(
+# False where numpy came first with OpenBLAS's own 0.1 s spin (runtime/threads.py then
+# keeps BLAS on the calling thread under the AOT kernel pool)
+BLAS_SPINS_SHORT = _blas_spins_short = "numpy" not in _sys.modules or any(
     k in _os.environ for k in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
 )
 if "OPENBLAS_THREAD_TIMEOUT" not in _os.environ and "GOTO_THREAD_TIMEOUT" not in _os.environ:

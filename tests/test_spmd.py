@@ -158,6 +158,40 @@ def test_helper_spin_is_set_from_the_environment(monkeypatch):
             pool_mod.spin_polls()
 
 
+def test_helpers_sleep_while_the_cores_are_lent_to_blas():
+    """pool.lend_cores: a helper spinning after a job (here it would spin for ever) goes
+    to sleep while the lent call runs, so that BLAS's own threads get its core, and the
+    next kernel wakes it with the right answer."""
+    import time
+
+    from edgepack.kernels.cpu.pool import POOL_PARK, lend_cores
+
+    pool = _pool(2)
+    st = pool.state
+    st[native_pool.SPIN_AT] = 1 << 60  # read by the helper after its next job
+    f = _launcher(cpu_kernels.act_into)
+    x = np.arange(40_000, dtype=np.float32)
+    got = np.zeros_like(x)
+    asleep = native_pool.TICKETS + 8 + 1  # helper 1's sleeping flag
+    f(st, x, got, 0, 0.0, 0.0)
+    time.sleep(0.05)
+    assert st[asleep] == 0, "the helper slept without being asked"
+
+    def blas_call(deadline):
+        while st[asleep] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return int(st[POOL_PARK]), int(st[asleep])
+
+    assert lend_cores(blas_call, [pool])(time.monotonic() + 10) == (1, 1)
+    assert st[POOL_PARK] == 0
+    got[:] = 0
+    f(st, x, got, 0, 0.0, 0.0)
+    assert np.array_equal(got, x)
+    st[native_pool.SPIN_AT] = 1  # and to sleep for good: not a core spun for the session
+    assert lend_cores(blas_call, [pool])(time.monotonic() + 10) == (1, 1)
+    assert lend_cores(lambda: "no pool", [])() == "no pool"
+
+
 def test_threads_start_once_and_a_busy_pool_runs_the_kernel_whole():
     pool = _pool(2)
     state = pool.state

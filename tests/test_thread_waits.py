@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")
 CHILD = f"import edgepack, os; print(*(os.environ.get(k) for k in {KEYS!r}))"
 
@@ -38,3 +40,19 @@ def test_a_foreign_program_gets_the_users_environment():
             f"print(*(e.get(k) for k in {KEYS!r}))")
     assert _run(code)[0].split() == ["None", "None", "None"]
     assert _run(code, OMP_WAIT_POLICY="active")[0].split() == ["active", "None", "None"]
+
+
+def test_blas_runs_on_the_caller_alone_where_numpy_came_first():
+    """runtime/threads.py blas_threads: OpenBLAS loaded before edgepack spins 0.1 s after
+    each call, so 2 kernel threads get a BLAS of 1; edgepack first (or the user's own
+    OPENBLAS_THREAD_TIMEOUT) keeps BLAS at the kernels' count."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores for 2 kernel threads")
+    code = ("from edgepack.runtime.threads import set_threads; "
+            "from threadpoolctl import threadpool_info; set_threads(2); "
+            "print(sorted({i['num_threads'] for i in threadpool_info() "
+            "if i['user_api'] == 'blas'}))")  # fmt: skip
+    assert _run("import numpy; " + code, EDGEPACK_KERNELS="jit")[0] == "[1]"
+    assert _run(code, EDGEPACK_KERNELS="jit")[0] == "[2]"
+    assert _run("import numpy; " + code, EDGEPACK_KERNELS="jit",
+                OPENBLAS_THREAD_TIMEOUT="4")[0] == "[2]"  # fmt: skip

@@ -73,6 +73,9 @@ POOL_STATE_LEN = 32 + 8 * 64  # int64s: native_pool.py's layout, MAX_THREADS = 6
 POOL_WANT, POOL_STARTED = 24, 25  # its parts to use and threads running (caller included)
 # and the polls a helper makes before it sleeps (0: native_pool.SPIN); pool.py sets it
 POOL_SPIN = 26
+# nonzero while the caller runs another pool's code (numpy's BLAS, pool.lend_cores):
+# helpers then sleep instead of spinning, so that BLAS's own threads get the cores
+POOL_PARK = 27
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
 # builds export the target's shape under the plain name.
 GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv", "dw3", "gemv_q4")

@@ -39,6 +39,7 @@ from .abi import (
     xq_scratch_views,
 )
 from .native import K, kernel_threads, resolved
+from .pool import lend_cores
 
 F32 = np.dtype(np.float32)
 # An absent bias or scale, read-only like the bundle's own: one more array type per
@@ -678,6 +679,8 @@ def _bind_dwconv(ins, outs, scratch, attrs) -> Bound:
 # --- linear -----------------------------------------------------------------------
 
 
+_BLAS_MATMUL = lend_cores(np.matmul)  # every BLAS call of this backend (pool.lend_cores)
+
 # Rows of x up to which fp16/bf16 linears run the GEMV (weights widened in registers,
 # kernels/cpu/gemv.py); above, they are widened once a run into scratch for BLAS, whose
 # GEMM outruns a GEMV per row.
@@ -746,7 +749,7 @@ def _bind_linear(ins, outs, scratch, attrs) -> Bound:
         decode = _decoder(w, wf)
         w = wf
     wt = w.T  # a transposed view: BLAS reads it with the transpose flag, no copy
-    matmul, epilogue = np.matmul, K.epilogue_cols
+    matmul, epilogue = _BLAS_MATMUL, K.epilogue_cols
     needs_epilogue = flags != 0 or act != 0
 
     def step() -> None:
@@ -777,7 +780,7 @@ def _with_act(y: np.ndarray, attrs: dict):
 def _bind_matmul(ins, outs, scratch, attrs) -> Bound:
     a_, b_, y = ins[0], ins[1], outs[0]
     post = _with_act(y, attrs)
-    matmul = np.matmul
+    matmul = _BLAS_MATMUL
 
     def step() -> None:
         matmul(a_, b_, out=y)
@@ -1069,7 +1072,7 @@ def _bind_deconv_gemm(x, w, bias, y, scratch, attrs) -> Bound:
 
     def step() -> None:
         for x2, dst in items:
-            np.matmul(wt, x2, out=tmp)
+            _BLAS_MATMUL(wt, x2, out=tmp)
             if add is not None:
                 add(ro_rows, b2, rows, 0, 0, 0, 0.0, 0.0)
             np.copyto(dst, src)
@@ -1150,7 +1153,7 @@ def _bind_rnn(ins, outs, scratch, attrs) -> Bound:
         kern, args = _bound(K.rnn_recur, args)
         return (lambda: kern(*args)), in_loop
 
-    return rnn_step(np, ins, outs[0], f32[:plan], attrs, recur)
+    return lend_cores(rnn_step(np, ins, outs[0], f32[:plan], attrs, recur))  # BLAS GEMMs
 
 
 def _bind_argmax(ins, outs, scratch, attrs) -> Bound:

@@ -16,7 +16,8 @@ with the kernel's own arguments plus the pool's state, which
 
 Helpers are POSIX threads started by ``pool_start``; each polls its own ticket (own
 cache line, with the CPU's pause hint) for ``SPIN`` polls (about 2 ms) after a job,
-then sleeps on it with a futex. A launch therefore costs a few atomic operations when
+then sleeps on it with a futex; at once while the caller has lent the cores to BLAS
+(``PARK``, pool.lend_cores). A launch therefore costs a few atomic operations when
 the helpers are awake, as libgomp's active wait does (docs/cpu-kernels.md has the measurements), and
 no Python runs on the helpers: the GIL is released for the whole kernel.
 
@@ -55,6 +56,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import atomics
+from .abi import POOL_PARK as PARK
 from .abi import POOL_SPIN as SPIN_AT
 from .abi import POOL_STARTED as STARTED
 from .abi import POOL_STATE_LEN as STATE_LEN
@@ -106,7 +108,7 @@ def _helper(st, me):
         spin = spin if spin > 0 else SPIN
         while atomics.load(st, t) == last:
             spins += 1
-            if spins < spin:
+            if spins < spin and atomics.load(st, PARK) == 0:
                 atomics.pause()
                 continue
             atomics.store(st, t + 1, 1)  # sleeping: the launcher wakes this ticket
