@@ -136,6 +136,13 @@ def choose_layouts(g: Graph, backends: Sequence[str], layout: str = "auto") -> i
 # about a million the BLAS kernel's blocking wins (17 x 384x384: 0.83 to 1.03 between
 # runs, 33 x 128x512: 1.24, 128 x 384x384: 1.6-2.4).
 LINEAR_PANEL_MAX_MACS = 1 << 20
+# ... and a float32 one of at most this many rows whatever its size: few rows stream the
+# weights once either way, and float32 has no GEMV of its own (kernels/cpu/gemv.py
+# widens the other types), so BLAS's ran outside the kernel pool, whose helpers it then
+# had to wait for or fight: MobileNetV2's 1-row 1280x1000 classifier 0.312 -> 0.238 ms
+# at 1 thread; at 2 threads the model's P99 7.3-9.6 -> 5.0-6.6 ms, median 4.4-4.7 ->
+# 4.3-4.8 (2026-12-07, AOT kernels, alternating processes).
+LINEAR_PANEL_F32_ROWS = 8
 
 
 def pack_panels(g: Graph) -> int:
@@ -252,7 +259,7 @@ def _small_linear(g: Graph, node: Node) -> bool:
     """A linear with constant [N, K] weights stored a weight an element, scaled per
     output channel or not at all (float32, fp16, bf16, int8: the kernels widen the
     panels as they are), float activations and at most LINEAR_PANEL_MAX_MACS
-    multiply-adds a run."""
+    multiply-adds a run, or float32 of at most LINEAR_PANEL_F32_ROWS rows."""
     if node.op != "linear" or node.attrs.get("xq") or L.canonical_weights(node.attrs):
         return False
     w = node.input("w")
@@ -262,6 +269,8 @@ def _small_linear(g: Graph, node: Node) -> bool:
     if row.per_element != 1 or row.scale == "group" or row.decoders.get("cpu") == "own":
         return False
     rows = int(np.prod(g.shapes[node.inputs[0]][:-1], dtype=np.int64))
+    if row.name == "f32" and rows <= LINEAR_PANEL_F32_ROWS:
+        return True
     return rows * g.consts[w].size <= LINEAR_PANEL_MAX_MACS
 
 
