@@ -148,6 +148,9 @@ class EngineResult:
     # per run, the vCPU round trip probed just before its round (vcpu_probe.py; NaN at 1
     # thread): on these VMs it decides 2-thread speed
     rt_ns: list[float] = field(default_factory=list)
+    # per run, whether it was its round's first: it follows the other engines' rounds
+    # (and at 2 threads the idle pause), so its caches hold their data, not this one's
+    round_first: list[bool] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -156,6 +159,11 @@ class EngineResult:
     @property
     def p99(self) -> float:
         return float(np.percentile(self.times_ms, 99))
+
+    def split_rounds(self) -> tuple[list[float], list[float]]:
+        """(each round's first run, the runs after it in their rounds)."""
+        first = [t for t, f in zip(self.times_ms, self.round_first) if f]
+        return first, [t for t, f in zip(self.times_ms, self.round_first) if not f]
 
     def where(self, state: str) -> list[float]:
         """The runs timed in rounds whose probe found the vCPUs 'near' or 'far'."""
@@ -389,6 +397,7 @@ def measure(
         chunk = _round_sizes(targets)
         times: dict[str, list[float]] = {e: [] for e in workers}
         rts: dict[str, list[float]] = {e: [] for e in workers}
+        firsts: dict[str, list[bool]] = {e: [] for e in workers}
         order = list(workers)
         while any(len(times[e]) < targets[e] for e in order):
             for e in order:
@@ -398,6 +407,7 @@ def measure(
                     got = workers[e].request("run", k=min(chunk[e], left))["ms"]
                     times[e] += got
                     rts[e] += [rt] * len(got)
+                    firsts[e] += [True] + [False] * (len(got) - 1)
                     if cfg.threads > 1:
                         time.sleep(ROUND_PAUSE_S)
             # Rotate so that no engine always runs right after the same neighbour.
@@ -411,7 +421,7 @@ def measure(
                 import_rss_mb=w.ready["import_rss_mb"], peak_rss_mb=stats["peak_rss_mb"],
                 end_rss_mb=stats["end_rss_mb"],
                 output=np.asarray(out["data"], np.float32).reshape(out["shape"]),
-                extra=stats["extra"], rt_ns=rts[e],
+                extra=stats["extra"], rt_ns=rts[e], round_first=firsts[e],
             ))
         return results
     finally:
@@ -728,6 +738,7 @@ def format_markdown(
            "", "## Results", "", f"![median latency per config]({chart.name})", ""]
     md += _summary_markdown(results)
     md += _placement_markdown(results)
+    md += _rounds_markdown(results)
     for cfg, res in results.items():
         threads = "1 thread" if cfg.threads == 1 else f"{cfg.threads} threads"
         md += [f"### {cfg.model}, batch {cfg.batch}, {threads}", ""]
@@ -775,6 +786,39 @@ def placement_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]
 
 PLACEMENT_COLUMNS = ("config", "engine", "near runs", "near median", "near P99",
                      "near speed-up", "far runs", "far median", "far P99", "far speed-up")
+
+
+def round_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]:
+    """Per config and engine: the median and P90 of each round's first run, and the
+    median and P99 of the runs after it, where P99 over all runs mostly reads the
+    first runs (one in ROUND_RUNS or so)."""
+    rows = []
+    for cfg, res in results.items():
+        for r in res:
+            first, rest = r.split_rounds()
+            if not first or not rest:
+                continue
+            rows.append([cfg.label, r.engine, str(len(first)), f"{np.median(first):.3f}",
+                         f"{np.percentile(first, 90):.3f}", str(len(rest)),
+                         f"{np.median(rest):.3f}", f"{np.percentile(rest, 99):.3f}",
+                         f"{np.percentile(rest, 99) / np.median(rest):.2f}"])  # fmt: skip
+    return rows
+
+
+ROUND_COLUMNS = ("config", "engine", "round-first runs", "median", "P90", "other runs",
+                 "median", "P99", "P99/median")  # fmt: skip
+
+
+def _rounds_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
+    rows = round_rows(results)
+    if not rows:
+        return []
+    return [
+        "### Each round's first run against the rest", "",
+        "A round's first run comes after the other engines' rounds (and, with more than "
+        "one thread, the idle pause): the caches hold their data, and idle cores may "
+        "have gone to sleep. The other runs follow a run of the same engine.", "",
+    ] + _md_table(list(ROUND_COLUMNS), rows) + [""]
 
 
 def _placement_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
@@ -941,6 +985,9 @@ def main(argv: list[str] | None = None) -> int:
                     if row[0] == cfg.label:
                         print("   " + "  ".join(f"{k}={v}" for k, v in
                                                 zip(PLACEMENT_COLUMNS[1:], row[1:])))
+                for row in round_rows(results):
+                    if row[0] == cfg.label:
+                        print("   " + "  ".join(row[1:]))
                 # Rewritten after every config so an interrupted long run keeps its results.
                 write_report(results, info, notes, args.out, raw)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
