@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 from conftest import REPO, ort_run, pack
 
+# One worker for the module: its bundles fixture (packing and the simulator's first
+# compiles) took 76 s and 70 s in each of the two CI workers that ran its tests.
+pytestmark = pytest.mark.xdist_group("cuda")
 CUDA_BACKENDS = ("cuda", "cpu", "ref")
 BOTH = ("cuda", "cpu")
 
