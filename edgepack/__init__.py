@@ -68,15 +68,15 @@ def foreign_environ() -> dict:
 
 _drop_our_waits(_os.environ)
 _set = {}
-# False where numpy came first with OpenBLAS's own 0.1 s spin (runtime/threads.py then
-# keeps BLAS on the calling thread under the AOT kernel pool)
-BLAS_SPINS_SHORT = _blas_spins_short = "numpy" not in _sys.modules or any(
+# False where numpy came first with OpenBLAS's own 0.1 s spin (runtime/threads.py
+# blas_threads then keeps BLAS on the calling thread)
+BLAS_SPINS_SHORT = "numpy" not in _sys.modules or any(
     k in _os.environ for k in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
 )
 if "OPENBLAS_THREAD_TIMEOUT" not in _os.environ and "GOTO_THREAD_TIMEOUT" not in _os.environ:
     _set["OPENBLAS_THREAD_TIMEOUT"] = "12"
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
-    if _blas_spins_short:
+    if BLAS_SPINS_SHORT:
         _set["OMP_WAIT_POLICY"], _set["GOMP_SPINCOUNT"] = "active", "10000"
     else:
         _set["OMP_WAIT_POLICY"] = "passive"

@@ -789,9 +789,9 @@ PLACEMENT_COLUMNS = ("config", "engine", "near runs", "near median", "near P99",
 
 
 def round_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]:
-    """Per config and engine: the median and P90 of each round's first run, and the
-    median and P99 of the runs after it, where P99 over all runs mostly reads the
-    first runs (one in ROUND_RUNS or so)."""
+    """Per config and engine: the median and P90 of each round's first run (one run in
+    ROUND_RUNS or so, after the other engines' rounds), and the median, P99 and their
+    ratio of the runs after it: whether a P99 over all runs is the cold first runs."""
     rows = []
     for cfg, res in results.items():
         for r in res:
@@ -809,30 +809,33 @@ ROUND_COLUMNS = ("config", "engine", "round-first runs", "median", "P90", "other
                  "median", "P99", "P99/median")  # fmt: skip
 
 
-def _rounds_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
-    rows = round_rows(results)
+def _section(title: str, intro: str, columns: Sequence[str], rows: list[list[str]]) -> list[str]:
+    """A report section: heading, one paragraph, the table (nothing without rows)."""
     if not rows:
         return []
-    return [
-        "### Each round's first run against the rest", "",
+    return [f"### {title}", "", intro, ""] + _md_table(list(columns), rows) + [""]
+
+
+def _rounds_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
+    return _section(
+        "Each round's first run against the rest",
         "A round's first run comes after the other engines' rounds (and, with more than "
         "one thread, the idle pause): the caches hold their data, and idle cores may "
-        "have gone to sleep. The other runs follow a run of the same engine.", "",
-    ] + _md_table(list(ROUND_COLUMNS), rows) + [""]
+        "have gone to sleep. The other runs follow a run of the same engine.",
+        ROUND_COLUMNS, round_rows(results),
+    )
 
 
 def _placement_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
-    rows = placement_rows(results)
-    if not rows:
-        return []
-    return [
-        "### Multi-thread rounds by where the host put the vCPUs", "",
+    return _section(
+        "Multi-thread rounds by where the host put the vCPUs",
         "Before each round the parent times a cache line's round trip between two pinned "
         f"threads (scripts/vcpu_probe.py): under {NEAR_NS:.0f} ns the two vCPUs share a "
         f"core complex (near), over {FAR_NS:.0f} ns they do not (far), and the state "
         "lasts seconds to minutes. Speed-up: the same engine's 1-thread median over this "
-        "median.", "",
-    ] + _md_table(list(PLACEMENT_COLUMNS), rows) + [""]
+        "median.",
+        PLACEMENT_COLUMNS, placement_rows(results),
+    )
 
 
 def _summary_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
