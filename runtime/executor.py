@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels.registry import lookup, node_dtype
+from .bundle import BundleError
 from .bundle_format import TENSOR_DTYPES
 from .device import Device, aligned_arena, node_backend, select_device
 
@@ -102,15 +103,15 @@ class Executor:
             out_shapes = [o.shape for o in outs]
             rec = _record(kinfo, bname)
             will = kern.variant(specs, out_shapes, node["attrs"])
-            if will != rec.get("variant", ""):
-                raise RuntimeError(
+            if will != rec.get("variant", ""):  # the CLI and serve report it as a bad bundle
+                raise BundleError(
                     f"node {node['name']!r}: the bundle records variant "
                     f"{rec.get('variant', '')!r} of {kern.name}, this runtime would run "
                     f"{will!r} (bundle built by another edgepack version: rebuild it)"
                 )
             need = kern.scratch(specs, out_shapes, node["attrs"])
             if need != rec["scratch"] or need > planned:
-                raise RuntimeError(
+                raise BundleError(
                     f"node {node['name']!r}: kernel {kern.name} needs {need} B of scratch, "
                     f"the bundle records {rec['scratch']} B and reserved {planned} B (bundle "
                     "built by another edgepack version: rebuild it)"

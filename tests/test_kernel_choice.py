@@ -8,6 +8,7 @@ import pytest
 from conftest import load, pack
 from edgepack.kernels.registry import BACKEND_TABLE, wants
 from edgepack.packager.build import build
+from edgepack.runtime.bundle import BundleError
 from edgepack.runtime.device import DeviceError
 from edgepack.runtime.executor import Executor
 
@@ -48,7 +49,7 @@ def _bind_with_record(path, node: str, change) -> None:
 
 
 def test_a_variant_this_runtime_would_not_run_is_refused(digits_int4):
-    with pytest.raises(RuntimeError, match="node 'fc10': the bundle records variant"):
+    with pytest.raises(BundleError, match="node 'fc10': the bundle records variant"):
         _bind_with_record(digits_int4, "fc10", lambda k: {**k, "variant": "decode_q4+blas"})
 
 
@@ -104,7 +105,7 @@ def test_each_record_carries_its_own_scratch_and_the_plan_the_larger(tmp_path, d
 
 
 def test_a_recorded_scratch_this_runtime_would_not_take_is_refused(digits_int4):
-    with pytest.raises(RuntimeError, match=r"node 'fc10': kernel cpu\.linear needs \d+ B"):
+    with pytest.raises(BundleError, match=r"node 'fc10': kernel cpu\.linear needs \d+ B"):
         _bind_with_record(digits_int4, "fc10", lambda k: {**k, "scratch": k["scratch"] + 64})
 
 
