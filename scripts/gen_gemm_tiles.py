@@ -619,6 +619,92 @@ def dw3{s}(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, b
 '''
 
 
+def mbconv_source(lanes: int, nv: int) -> str:
+    """The float inverted-residual chain (mbconv) in one parallel region, on this
+    shape's pre-packed GEMM blocks and 3x3 depthwise rows."""
+    s = f"_{lanes}x{nv}"
+    return f'''
+
+@njit(cache=True)
+def _mb_dw{s}(e, wd, d, r, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x, hi_x,
+             lo_v, hi_v, act, a, b):
+    """Rows 0:r of d (the band's depthwise output) from e, the band's input rows."""
+    ow, ce = d.shape[1], d.shape[2]
+    post = act != 0 and act != 1 and act != 3
+    for i in range(r):
+        _dw3_row{s}(e, wd, d, i, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x,
+                    hi_x, lo_v, hi_v)
+        if post:
+            act_row(d[i].reshape(ow * ce), act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def mbconv_rows{s}(x, has_e, we, be, se, flags_e, act_e, a_e, b_e,
+                   wd, bd, sd, flags_d, sh, sw, pt, pl, dh, dw, act_d, a_d, b_d,
+                   wp, y, bp, sp, res, flags_p, act_p, a_p, b_p, band, ebuf, dbuf, wbuf):
+    """y = project(depthwise3x3(expand(x))) in one parallel region: worker sl (dbuf's
+    first index) takes a contiguous share of every image's output rows (the loop's static
+    split, as the layers around it split) and runs it in bands of at most ``band`` rows
+    through its own E (ebuf[sl]: expanded rows) and D (dbuf[sl]: depthwise rows) and
+    its own slab buffer (wbuf[sl]), so a band's rows stay on one core from the expansion
+    to the projection. Within a share, the expanded rows a band shares with the band
+    before are carried over, not expanded again. x[N, H, W, CI]; has_e: whether there
+    is an expand conv (else the depthwise conv reads x); we, wp: gemmp{s}'s panels;
+    y[N * OH * OW, CO] and res (HAS_RES in flags_p) by output pixel. The arithmetic is
+    gemmp{s}'s and dw3{s}'s, so the output is the unfused nodes' to the bit."""
+    n_img, h, wdt, ci = x.shape
+    workers, _, ow, ce = dbuf.shape
+    oh = y.shape[0] // (n_img * ow)
+    co = y.shape[1]
+    te = (ce + PANEL - 1) // PANEL
+    tp = (co + PANEL - 1) // PANEL
+    lo_x, hi_x = valid_cols(-pl, sw, wdt - 2 * dw, ow)  # windows inside the row
+    lo_s, hi_s = clamp_bounds(act_d, a_d, b_d)
+    lo_v = vsplat{s}(lo_s)
+    hi_v = vsplat{s}(hi_s)
+    has_scale_d = (flags_d & HAS_SCALE) != 0
+    has_bias_d = (flags_d & HAS_BIAS) != 0
+    has_res = (flags_p & HAS_RES) != 0
+    for sl in prange(workers):
+        r_lo, r_hi = oh * sl // workers, oh * (sl + 1) // workers
+        if r_lo < r_hi:
+            e_sl, d_sl, buf = ebuf[sl], dbuf[sl], wbuf[sl % wbuf.shape[0]]
+            nb = (r_hi - r_lo + band - 1) // band
+            rb = (r_hi - r_lo + nb - 1) // nb  # even bands
+            for n in range(n_img):
+                p_lo, p_hi = 0, 0  # the image rows e_sl holds from the band before
+                for oy0 in range(r_lo, r_hi, rb):
+                    r = min(rb, r_hi - oy0)
+                    top = oy0 * sh - pt  # the band's first tap row, maybe above the image
+                    lo = max(0, top)
+                    hi = min(h, top + (r - 1) * sh + 2 * dh + 1)
+                    if has_e:
+                        kept = max(0, p_hi - lo)
+                        if kept > 0:  # forward: the rows move down, never over unread ones
+                            src = e_sl[lo - p_lo : p_hi - p_lo].reshape(kept * wdt * ce)
+                            dst = e_sl[:kept].reshape(kept * wdt * ce)
+                            for i in range(kept * wdt * ce):
+                                dst[i] = src[i]
+                        m = (hi - lo - kept) * wdt
+                        _pblock{s}(x[n, lo + kept : hi].reshape((m, ci)), NOROWS, ci, 1, 0, we,
+                                   e_sl[kept : hi - lo].reshape((m, ce)), be, se, res, flags_e,
+                                   act_e, a_e, b_e, 0, te, 0, m, buf)
+                        p_lo, p_hi = lo, hi
+                        _mb_dw{s}(e_sl[: hi - lo], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    else:  # the input is E (read-only there: a separate call's types)
+                        _mb_dw{s}(x[n, lo:hi], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    d = d_sl[:r]
+                    m0 = (n * oh + oy0) * ow
+                    _pblock{s}(d.reshape((r * ow, ce)), NOROWS, ce, 1, 0, wp, y[m0 : m0 + r * ow],
+                               bp, sp, res[m0 : m0 + r * ow] if has_res else res, flags_p, act_p,
+                               a_p, b_p, 0, tp, 0, r * ow, buf)
+'''
+
+
 def wino_source(lanes: int, nv: int) -> str:
     """Winograd F(4x4)/F(2x2) for 3x3 convs, vectorised along channels: the
     transforms (NHWC working planes) and the a*a GEMMs on this shape's micro-kernel."""
@@ -997,6 +1083,7 @@ def source() -> str:
         parts.append(packed_source(lanes, nv))
         parts.append(wino_source(lanes, nv))
         parts.append(dw3_source(lanes, nv))
+        parts.append(mbconv_source(lanes, nv))
         parts.append(gemv_q4_source(lanes, nv))
     return "\n".join(parts).rstrip() + "\n"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DATA, bench_rounds
+from conftest import DATA, bench_rounds, load
 from edgepack.packager.stub import __version__, _deterministic_targz, _launcher, host_arch
 
 pytestmark = [
@@ -492,6 +492,54 @@ def test_winograd_convs_in_the_executable_match_edgepack_run(tmp_path, stub_cach
     assert "2 3x3 conv(s) -> Winograd" in r.stdout
     x = tmp_path / "x.npy"
     np.save(x, np.random.default_rng(4).standard_normal((1, 3, 28, 28)).astype(np.float32))
+    got, ref = _inside_and_jit(tmp_path, exe, x, "y")
+    assert np.array_equal(got, ref)
+
+
+def _chain_onnx(path: Path) -> None:
+    """An inverted residual block big enough to fuse (packager/mbconv.py: its expanded
+    tensor 48x48x96 is 864 KB): expand 1x1 16->96, depthwise 3x3, project 1x1 96->16,
+    ReLU6s and the residual add."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+
+    def w(name, *shape):
+        return numpy_helper.from_array(
+            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32), name
+        )
+
+    inits = [w("we", 96, 16, 1, 1), w("be", 96), w("wd", 96, 1, 3, 3), w("bd", 96),
+             w("wp", 16, 96, 1, 1), w("bp", 16)]  # fmt: skip
+    inits += [numpy_helper.from_array(np.float32(v), n) for n, v in (("lo", 0), ("hi", 6))]
+    nodes = [
+        helper.make_node("Conv", ["x", "we", "be"], ["e"]),
+        helper.make_node("Clip", ["e", "lo", "hi"], ["e6"]),
+        helper.make_node("Conv", ["e6", "wd", "bd"], ["d"], group=96, pads=[1, 1, 1, 1]),
+        helper.make_node("Clip", ["d", "lo", "hi"], ["d6"]),
+        helper.make_node("Conv", ["d6", "wp", "bp"], ["p"]),
+        helper.make_node("Add", ["p", "x"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 48, 48])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 48, 48])], inits,
+    )  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+@pytest.mark.parametrize("quant", ["fp32", "fp16"])
+def test_a_fused_chain_in_the_executable_matches_edgepack_run(tmp_path, stub_cache, quant):
+    """The AOT build's one-region chain kernel (gemm_tiles.mbconv_rows, float32 and fp16
+    panels) gives the JIT build's answer bit for bit."""
+    model = tmp_path / "chain.onnx"
+    _chain_onnx(model)
+    exe = tmp_path / f"chain-{quant}"
+    ep("build", model, "--target", TARGET, "--quant", quant, "--quant-min-weights", "0", "-o", exe)
+    nodes = load(exe).manifest["graph"]["nodes"]
+    assert [n["kernel"].get("variant") for n in nodes if n["op"] == "mbconv"] == ["rows"]
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(6).standard_normal((1, 16, 48, 48)).astype(np.float32))
     got, ref = _inside_and_jit(tmp_path, exe, x, "y")
     assert np.array_equal(got, ref)
 

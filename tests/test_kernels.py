@@ -1514,6 +1514,8 @@ CASES["mbconv"] = [
     mbconv_case("mixed_i8_f32_i8", dts=("i8", "f32", "i8"), res=True),
     mbconv_case("f16_dw", dts=("f32", "f16", "f32"), s=2),
     mbconv_case("i8_all", dts=("i8", "i8", "i8"), band=3),
+    mbconv_case("f16_all", dts=("f16", "f16", "f16"), res=True, band=3),
+    mbconv_case("bf16_all_no_expand", dts=(None, "bf16", "bf16"), expand=False, s=2),
 ]
 
 
@@ -1823,24 +1825,44 @@ def test_cpu_conv_in_bands_of_rows(monkeypatch, dt: str, case: Case) -> None:
 
 
 _QMB_CASES = {c.name: c for c in CASES["qmbconv"]}
+_MB_CASES = {c.name: c for c in CASES["mbconv"]}
+_ROW_SHARE_CASES = [
+    *(("qmbconv", _QMB_CASES[n]) for n in ("s1_band3", "s2_band2_odd_i8dw", "batch2_s2",
+                                           "c6_ce20_co70_i8dw", "s2_three_rows_res")),
+    *(("mbconv", _MB_CASES[n]) for n in ("s1_res_band2", "s2_10x11_band3", "no_expand_s2_clip",
+                                         "batch2_res", "f16_all")),
+]  # fmt: skip
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("workers", [1, 3, 4])
-@pytest.mark.parametrize(
-    "case",
-    [_QMB_CASES[n] for n in ("s1_band3", "s2_band2_odd_i8dw", "batch2_s2", "c6_ce20_co70_i8dw",
-                             "s2_three_rows_res")],
-    ids=lambda c: c.name,
-)
-def test_cpu_qmbconv_row_shares(monkeypatch, workers: int, case: Case) -> None:
-    """qmbconv's worker slots at other thread counts than the machine's: each worker's
-    share of the output rows in bands of its own (shares of 1-3 rows, shorter than a
-    band, and none: 4 workers on 3 output rows)."""
+@pytest.mark.parametrize(("op", "case"), _ROW_SHARE_CASES, ids=lambda v: getattr(v, "name", v))
+def test_cpu_chain_row_shares(monkeypatch, workers: int, op: str, case: Case) -> None:
+    """The chains run in one region (qmbconv; mbconv's "rows" variant) at other thread
+    counts than the machine's: each worker's share of the output rows in bands of its
+    own (shares of 1-5 rows, shorter than a band, and none: 4 workers on 3 output
+    rows), the float chain's expanded rows carried between its bands."""
     from edgepack.kernels.cpu import backend as backend_cpu
 
     monkeypatch.setattr(backend_cpu, "kernel_threads", lambda: workers)
-    _check_kernel("cpu", HostMem(), "qmbconv", "f32", case)
+    _check_kernel("cpu", HostMem(), op, "f32", case)
+
+
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [("s1_res_band2", "rows"), ("no_expand_band4", "rows"), ("f16_dw", "rows"),
+     ("f16_all", "rows"), ("i8_all", "rows"), ("bf16_all_no_expand", "rows"),
+     ("k5_s2_band1", "bands"), ("mixed_i8_f32_i8", "bands")],
+)  # fmt: skip
+def test_mbconv_variant_by_window_and_weight_types(name: str, variant: str) -> None:
+    """One region for 3x3 chains of one weight type (abi.MBCONV_ROWS_TYPES, fp16
+    depthwise weights widened first); three kernels a band for other windows and mixes."""
+    from edgepack.kernels.cpu import backend as backend_cpu
+
+    ins, attrs = _MB_CASES[name].make(_rng("variant", name), "f32")
+    specs = [None if t is None else (t.shape, wtypes.of_array(t)) for t in ins]
+    y = (1, *ins[0].shape[1:3], 1)  # the variant depends on the weights alone
+    assert backend_cpu._mbconv_variant(specs, [y], attrs) == variant
 
 
 @pytest.mark.cuda

@@ -78,7 +78,12 @@ POOL_SPIN = 26
 POOL_PARK = 27
 # Kernels generated per tile shape in gemm_tiles.py (``<name>_<lanes>x<vectors>``):
 # builds export the target's shape under the plain name.
-GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv", "dw3", "gemv_q4")
+GEMM_TILE_KERNELS = ("gemm", "gemmp", "wino_conv", "dw3", "gemv_q4", "mbconv_rows")
+# The float mbconv chain in one parallel region (gemm_tiles.mbconv_rows_*) is built for
+# these (pointwise panels, depthwise weights as the kernel reads them) pairs, a chain
+# of one weight type: fp16 and bf16 depthwise weights are widened to float32 before it
+# runs, int8 ones read in place. Other mixes run in three kernels a band.
+MBCONV_ROWS_TYPES = (("f32", "f32"), ("f16", "f32"), ("bf16", "f32"), ("i8", "i8"))
 
 
 def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
@@ -243,6 +248,16 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
                 v(f3, f3, arr(wdt, 3, ro=True), f3, f3, f3, f2, f2, f3, *([i8] * 4), w1, w1,
                   f3, i8, i8, f4, f4, i8),
             )  # fmt: skip
+    bits = {"f32": f4, "f16": u2, "bf16": T.int16, "i8": i1}
+    for pw, dwt in MBCONV_ROWS_TYPES:
+        wq, wdw = arr(bits[pw], 1, ro=True), arr(bits[dwt], 4, ro=True)
+        sigs["mbconv_rows" + ("" if pw == "f32" else f"_{pw}")] = (
+            f"gemm_tiles.mbconv_rows_{gemm_shape}",
+            v(arr(f4, 4, ro=True), T.boolean, wq, w1, w1, i8, i8, f4, f4,
+              wdw, w1, w1, i8, *([i8] * 6), i8, f4, f4,
+              wq, arr(f4, 2), w1, w1, arr(f4, 2, ro=True), i8, i8, f4, f4,
+              i8, arr(f4, 4), arr(f4, 4), arr(f4, 2, ro=True)),
+        )  # fmt: skip
     for name, wdt in (("f32", f4), ("i8", i1)):
         special = v(
             *([arr(f4, 3), arr(wdt, 4, ro=True), w1, w1] + [arr(f4, 3)] * 3), i8, i8, f4, f4
@@ -256,5 +271,5 @@ def aot_signatures(gemm_shape: str = "8x2") -> dict[str, tuple[str, object]]:
             sigs[f"{kern.rpartition('.')[2]}_{name}"] = (kern, dwconv_sig)
         sigs[f"dw3_{name}"] = (f"gemm_tiles.dw3_{gemm_shape}", dwconv_sig)  # 3x3, vectors
     # every per-shape kernel is exported (dw3 once per weight dtype)
-    assert set(tiled) | {"dw3", "gemmp", "wino_conv"} == set(GEMM_TILE_KERNELS)
+    assert set(tiled) | {"dw3", "gemmp", "wino_conv", "mbconv_rows"} == set(GEMM_TILE_KERNELS)
     return sigs

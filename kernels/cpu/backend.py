@@ -32,6 +32,7 @@ from ..registry import Bound, Kernel, Spec, register
 from .abi import (
     GEMM_XP_FLOATS,
     GEMMP_SLAB_FLOATS,
+    MBCONV_ROWS_TYPES,
     QGEMM_SLACK,
     XQ_BLOCK,
     qgemm_scratch_int64s,
@@ -48,6 +49,7 @@ _DUMMY1 = np.zeros(1, np.float32)
 _DUMMY1.flags.writeable = False
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY3 = np.zeros((1, 1, 1), np.float32)
+_EMPTY_E = np.zeros((1, 1, 1, 1), np.float32)  # mbconv_rows' E slots without an expand conv
 _NOSLABS = np.zeros((1, 1), np.float32)  # gemmp's slab buffers for float32 panels: none
 _NOSLABS.flags.writeable = False
 # Half-precision weights as the kernels take them: their bits (numba has no CPU float16;
@@ -1222,27 +1224,45 @@ def _bind_pad(ins, outs, scratch, attrs) -> Bound:
 
 
 # --- mbconv: pointwise -> depthwise -> pointwise, in bands of output rows -----------
+# Two variants. "rows": one gemm_tiles.mbconv_rows call a step, each worker its share of
+# the output rows in bands through its own E and D slots (qmbconv's scheme, qmb.py): a
+# 3x3 depthwise conv and one weight type (abi.MBCONV_ROWS_TYPES). Bound as three kernels
+# a band, MobileNetV2's largest fp32 chains ran 1.29-1.39x faster at 2 threads than at
+# 1 (Conv_3..5: 0.888 -> 0.665 ms), its int8 chains in one region 1.5-1.6x. "bands":
+# the three kernels a band, every one split across the threads: other windows and
+# weight mixes.
+
+
+def _mbconv_variant(ins, outs, attrs) -> str:
+    a = _args("mbconv", ins)
+    if tuple(a.wd[0][:2]) != (3, 3):
+        return "bands"
+    pw = {spec[1] for spec in (a.we, a.wp) if spec is not None}
+    dw = a.wd[1] if a.wd[1] in _READ_IN_PLACE else "f32"  # others widen first
+    return "rows" if len(pw) == 1 and (pw.pop(), dw) in MBCONV_ROWS_TYPES else "bands"
 
 
 def _mbconv_slots(specs: Sequence[Spec | None], y_shape, attrs: dict) -> list:
     """(name, float32 shape) of each scratch buffer, in order: the depthwise weights
     widened (fp16, bf16), the slab buffers of non-float32 pointwise panels (gemmp; the
-    expand and project products take turns with them), then one band of the expanded
-    rows (E) and of the depthwise output (D). Scratch and bind both lay scratch out
-    from this list."""
+    expand and project products take turns with them), then the expanded rows (E) and
+    the depthwise output (D) of one band: one slot of each ("bands"), or one a worker
+    ("rows", GEMM_SLOTS; slot first). Scratch and bind both lay scratch out from this
+    list."""
     a = _args("mbconv", specs)
     _, h, w, _ = a.x[0]
     kh, _, _, ce = a.wd[0]
     _, oh, ow, _ = y_shape
     rows = min(int(attrs["band"]), oh)
+    slots = (GEMM_SLOTS,) if _mbconv_variant(specs, [y_shape], attrs) == "rows" else ()
     out = []
     if a.wd[1] not in _READ_IN_PLACE:  # int8 depthwise weights widen in-kernel
         out.append(("wd", tuple(a.wd[0])))
     if any(spec is not None and spec[1] != "f32" for spec in (a.we, a.wp)):
         out.append(("slabs", (GEMM_SLOTS, GEMMP_SLAB_FLOATS)))
     if a.we is not None:
-        out.append(("e", (min(h, mbconv.dw_rows_in(rows, attrs["dw"], kh)), w, ce)))
-    out.append(("d", (rows, ow, ce)))
+        out.append(("e", (*slots, min(h, mbconv.dw_rows_in(rows, attrs["dw"], kh)), w, ce)))
+    out.append(("d", (*slots, rows, ow, ce)))
     return out
 
 
@@ -1253,11 +1273,13 @@ def _mbconv_scratch(ins, outs, attrs) -> int:
 def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     a = _args("mbconv", ins)
     x, y, res = a.x, outs[0], a.residual
-    specs = [None if t is None else (tuple(t.shape), layout.dtype_name(t.dtype)) for t in a]
+    specs = [None if t is None else (tuple(t.shape), wtypes.of_array(t)) for t in a]
     views, offs, off = {}, {}, 0
     for name, shape in _mbconv_slots(specs, y.shape, attrs):
         views[name], offs[name] = _f32_slot(scratch, off, shape)[0], off
         off += up64(_nbytes(shape))
+    if _mbconv_variant(specs, [y.shape], attrs) == "rows":
+        return _bind_mbconv_rows(a, y, views, scratch, offs, attrs)
     decodes = []
 
     def widened(w: np.ndarray, name: str) -> np.ndarray:
@@ -1360,6 +1382,53 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
             gemmp(*pr)
 
     return step
+
+
+def _bind_mbconv_rows(a, y: np.ndarray, views: dict, scratch, offs: dict, attrs) -> Bound:
+    """One gemm_tiles.mbconv_rows call a step (the "rows" variant), after the depthwise
+    weights are widened (fp16, bf16)."""
+    expand, dwin, proj = mbconv.parts(a)
+    wd, decodes = dwin[1], []
+    if "wd" in views:
+        decodes.append(_decoder(wd, views["wd"]))
+        wd = views["wd"]
+    for name, sub in (("expand", attrs.get("expand")), ("project", attrs["project"])):
+        if sub is not None and sub.get("panel") != PANEL:
+            raise ValueError(f"mbconv: the {name} conv's weights must be {PANEL}-wide panels")
+    wp, wbuf, _ = _panel_operands(proj[1], scratch, offs.get("slabs", 0))
+    if expand is None:  # no expand conv: empty panels of the projection's type
+        we, fe = wp[:0], (_DUMMY1, _DUMMY1, 0, 0, np.float32(0), np.float32(0))
+    else:
+        we = _panel_operands(expand[1], scratch, offs.get("slabs", 0))[0]
+        fe = (_some(expand[2]), _some(expand[3]), _flags(expand[2], expand[3], None) | PER_COL,
+              *_act(attrs["expand"]))  # fmt: skip
+    da, res = attrs["dw"], proj[4]
+    (sh, sw), (dh, dw), (pt, pl) = da["strides"], da["dilations"], da["pads"][:2]
+    act_d = _act(da)
+    co = y.shape[3]
+    workers = max(1, min(GEMM_SLOTS, kernel_threads()))
+    ebuf = views["e"][:workers] if "e" in views else _EMPTY_E
+    args = (
+        _readonly(a.x), expand is not None, we, *fe,
+        wd, _some(dwin[2]), _some(dwin[3]), _flags(dwin[2], dwin[3], None),
+        sh, sw, pt, pl, dh, dw, *act_d,
+        wp, y.reshape(-1, co), _some(proj[2]), _some(proj[3]),
+        _readonly(_DUMMY2 if res is None else res.reshape(-1, co)),
+        _flags(proj[2], proj[3], res) | PER_COL, *_act(attrs["project"]),
+        min(int(attrs["band"]), y.shape[1]), ebuf, views["d"][:workers], wbuf,
+    )  # fmt: skip
+    fn, fa = _bound(K.mbconv_rows, args)
+
+    def step() -> None:
+        for decode in decodes:
+            decode()
+        fn(*fa)
+
+    return step
+
+
+def _some(v: np.ndarray | None) -> np.ndarray:
+    return _DUMMY1 if v is None else v
 
 
 # --- qmbconv: the int8 chain, a band per thread (qmb.py) -----------------------------
@@ -1479,7 +1548,7 @@ _cpu("conv_wino", _bind_conv_wino, winograd.WEIGHT_TYPES, _wino_scratch)
 _cpu("qconv", _bind_qconv, ("i8",), _qconv_scratch)
 _cpu("qdwconv", _bind_qdwconv, ("f32", "i8"))
 # every weight dtype, and mixes of them (the registry keys fused nodes as f32)
-_cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch)
+_cpu("mbconv", _bind_mbconv, ("f32",), _mbconv_scratch, variant=_mbconv_variant)
 _cpu("qmbconv", _bind_qmbconv, ("f32",), _qmbconv_scratch)
 # float activations only: a node with xq (int8 activations) falls to a kernel that has them
 _cpu("linear", _bind_linear, tuple(t for t in _ALL_W if t != "i8"), _linear_scratch,

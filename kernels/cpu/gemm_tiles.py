@@ -2111,6 +2111,86 @@ def dw3_16x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a,
 
 
 
+@njit(cache=True)
+def _mb_dw_16x4(e, wd, d, r, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x, hi_x,
+             lo_v, hi_v, act, a, b):
+    """Rows 0:r of d (the band's depthwise output) from e, the band's input rows."""
+    ow, ce = d.shape[1], d.shape[2]
+    post = act != 0 and act != 1 and act != 3
+    for i in range(r):
+        _dw3_row_16x4(e, wd, d, i, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x,
+                    hi_x, lo_v, hi_v)
+        if post:
+            act_row(d[i].reshape(ow * ce), act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def mbconv_rows_16x4(x, has_e, we, be, se, flags_e, act_e, a_e, b_e,
+                   wd, bd, sd, flags_d, sh, sw, pt, pl, dh, dw, act_d, a_d, b_d,
+                   wp, y, bp, sp, res, flags_p, act_p, a_p, b_p, band, ebuf, dbuf, wbuf):
+    """y = project(depthwise3x3(expand(x))) in one parallel region: worker sl (dbuf's
+    first index) takes a contiguous share of every image's output rows (the loop's static
+    split, as the layers around it split) and runs it in bands of at most ``band`` rows
+    through its own E (ebuf[sl]: expanded rows) and D (dbuf[sl]: depthwise rows) and
+    its own slab buffer (wbuf[sl]), so a band's rows stay on one core from the expansion
+    to the projection. Within a share, the expanded rows a band shares with the band
+    before are carried over, not expanded again. x[N, H, W, CI]; has_e: whether there
+    is an expand conv (else the depthwise conv reads x); we, wp: gemmp_16x4's panels;
+    y[N * OH * OW, CO] and res (HAS_RES in flags_p) by output pixel. The arithmetic is
+    gemmp_16x4's and dw3_16x4's, so the output is the unfused nodes' to the bit."""
+    n_img, h, wdt, ci = x.shape
+    workers, _, ow, ce = dbuf.shape
+    oh = y.shape[0] // (n_img * ow)
+    co = y.shape[1]
+    te = (ce + PANEL - 1) // PANEL
+    tp = (co + PANEL - 1) // PANEL
+    lo_x, hi_x = valid_cols(-pl, sw, wdt - 2 * dw, ow)  # windows inside the row
+    lo_s, hi_s = clamp_bounds(act_d, a_d, b_d)
+    lo_v = vsplat_16x4(lo_s)
+    hi_v = vsplat_16x4(hi_s)
+    has_scale_d = (flags_d & HAS_SCALE) != 0
+    has_bias_d = (flags_d & HAS_BIAS) != 0
+    has_res = (flags_p & HAS_RES) != 0
+    for sl in prange(workers):
+        r_lo, r_hi = oh * sl // workers, oh * (sl + 1) // workers
+        if r_lo < r_hi:
+            e_sl, d_sl, buf = ebuf[sl], dbuf[sl], wbuf[sl % wbuf.shape[0]]
+            nb = (r_hi - r_lo + band - 1) // band
+            rb = (r_hi - r_lo + nb - 1) // nb  # even bands
+            for n in range(n_img):
+                p_lo, p_hi = 0, 0  # the image rows e_sl holds from the band before
+                for oy0 in range(r_lo, r_hi, rb):
+                    r = min(rb, r_hi - oy0)
+                    top = oy0 * sh - pt  # the band's first tap row, maybe above the image
+                    lo = max(0, top)
+                    hi = min(h, top + (r - 1) * sh + 2 * dh + 1)
+                    if has_e:
+                        kept = max(0, p_hi - lo)
+                        if kept > 0:  # forward: the rows move down, never over unread ones
+                            src = e_sl[lo - p_lo : p_hi - p_lo].reshape(kept * wdt * ce)
+                            dst = e_sl[:kept].reshape(kept * wdt * ce)
+                            for i in range(kept * wdt * ce):
+                                dst[i] = src[i]
+                        m = (hi - lo - kept) * wdt
+                        _pblock_16x4(x[n, lo + kept : hi].reshape((m, ci)), NOROWS, ci, 1, 0, we,
+                                   e_sl[kept : hi - lo].reshape((m, ce)), be, se, res, flags_e,
+                                   act_e, a_e, b_e, 0, te, 0, m, buf)
+                        p_lo, p_hi = lo, hi
+                        _mb_dw_16x4(e_sl[: hi - lo], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    else:  # the input is E (read-only there: a separate call's types)
+                        _mb_dw_16x4(x[n, lo:hi], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    d = d_sl[:r]
+                    m0 = (n * oh + oy0) * ow
+                    _pblock_16x4(d.reshape((r * ow, ce)), NOROWS, ce, 1, 0, wp, y[m0 : m0 + r * ow],
+                               bp, sp, res[m0 : m0 + r * ow] if has_res else res, flags_p, act_p,
+                               a_p, b_p, 0, tp, 0, r * ow, buf)
+
+
+
 @njit(inline="always")
 def _q4rows4_16x4(x, xo, w, scale, o0, o1, o2, o3, c0, c1, c2, c3, k_, group, pf):
     """The dot products of x's row at flat offset xo with 4 int4 rows: row i's packed
@@ -3308,6 +3388,86 @@ def dw3_8x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
             add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
+
+
+
+@njit(cache=True)
+def _mb_dw_8x2(e, wd, d, r, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x, hi_x,
+             lo_v, hi_v, act, a, b):
+    """Rows 0:r of d (the band's depthwise output) from e, the band's input rows."""
+    ow, ce = d.shape[1], d.shape[2]
+    post = act != 0 and act != 1 and act != 3
+    for i in range(r):
+        _dw3_row_8x2(e, wd, d, i, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x,
+                    hi_x, lo_v, hi_v)
+        if post:
+            act_row(d[i].reshape(ow * ce), act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def mbconv_rows_8x2(x, has_e, we, be, se, flags_e, act_e, a_e, b_e,
+                   wd, bd, sd, flags_d, sh, sw, pt, pl, dh, dw, act_d, a_d, b_d,
+                   wp, y, bp, sp, res, flags_p, act_p, a_p, b_p, band, ebuf, dbuf, wbuf):
+    """y = project(depthwise3x3(expand(x))) in one parallel region: worker sl (dbuf's
+    first index) takes a contiguous share of every image's output rows (the loop's static
+    split, as the layers around it split) and runs it in bands of at most ``band`` rows
+    through its own E (ebuf[sl]: expanded rows) and D (dbuf[sl]: depthwise rows) and
+    its own slab buffer (wbuf[sl]), so a band's rows stay on one core from the expansion
+    to the projection. Within a share, the expanded rows a band shares with the band
+    before are carried over, not expanded again. x[N, H, W, CI]; has_e: whether there
+    is an expand conv (else the depthwise conv reads x); we, wp: gemmp_8x2's panels;
+    y[N * OH * OW, CO] and res (HAS_RES in flags_p) by output pixel. The arithmetic is
+    gemmp_8x2's and dw3_8x2's, so the output is the unfused nodes' to the bit."""
+    n_img, h, wdt, ci = x.shape
+    workers, _, ow, ce = dbuf.shape
+    oh = y.shape[0] // (n_img * ow)
+    co = y.shape[1]
+    te = (ce + PANEL - 1) // PANEL
+    tp = (co + PANEL - 1) // PANEL
+    lo_x, hi_x = valid_cols(-pl, sw, wdt - 2 * dw, ow)  # windows inside the row
+    lo_s, hi_s = clamp_bounds(act_d, a_d, b_d)
+    lo_v = vsplat_8x2(lo_s)
+    hi_v = vsplat_8x2(hi_s)
+    has_scale_d = (flags_d & HAS_SCALE) != 0
+    has_bias_d = (flags_d & HAS_BIAS) != 0
+    has_res = (flags_p & HAS_RES) != 0
+    for sl in prange(workers):
+        r_lo, r_hi = oh * sl // workers, oh * (sl + 1) // workers
+        if r_lo < r_hi:
+            e_sl, d_sl, buf = ebuf[sl], dbuf[sl], wbuf[sl % wbuf.shape[0]]
+            nb = (r_hi - r_lo + band - 1) // band
+            rb = (r_hi - r_lo + nb - 1) // nb  # even bands
+            for n in range(n_img):
+                p_lo, p_hi = 0, 0  # the image rows e_sl holds from the band before
+                for oy0 in range(r_lo, r_hi, rb):
+                    r = min(rb, r_hi - oy0)
+                    top = oy0 * sh - pt  # the band's first tap row, maybe above the image
+                    lo = max(0, top)
+                    hi = min(h, top + (r - 1) * sh + 2 * dh + 1)
+                    if has_e:
+                        kept = max(0, p_hi - lo)
+                        if kept > 0:  # forward: the rows move down, never over unread ones
+                            src = e_sl[lo - p_lo : p_hi - p_lo].reshape(kept * wdt * ce)
+                            dst = e_sl[:kept].reshape(kept * wdt * ce)
+                            for i in range(kept * wdt * ce):
+                                dst[i] = src[i]
+                        m = (hi - lo - kept) * wdt
+                        _pblock_8x2(x[n, lo + kept : hi].reshape((m, ci)), NOROWS, ci, 1, 0, we,
+                                   e_sl[kept : hi - lo].reshape((m, ce)), be, se, res, flags_e,
+                                   act_e, a_e, b_e, 0, te, 0, m, buf)
+                        p_lo, p_hi = lo, hi
+                        _mb_dw_8x2(e_sl[: hi - lo], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    else:  # the input is E (read-only there: a separate call's types)
+                        _mb_dw_8x2(x[n, lo:hi], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    d = d_sl[:r]
+                    m0 = (n * oh + oy0) * ow
+                    _pblock_8x2(d.reshape((r * ow, ce)), NOROWS, ce, 1, 0, wp, y[m0 : m0 + r * ow],
+                               bp, sp, res[m0 : m0 + r * ow] if has_res else res, flags_p, act_p,
+                               a_p, b_p, 0, tp, 0, r * ow, buf)
 
 
 
@@ -4530,6 +4690,86 @@ def dw3_4x2(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
             add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
+
+
+
+@njit(cache=True)
+def _mb_dw_4x2(e, wd, d, r, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x, hi_x,
+             lo_v, hi_v, act, a, b):
+    """Rows 0:r of d (the band's depthwise output) from e, the band's input rows."""
+    ow, ce = d.shape[1], d.shape[2]
+    post = act != 0 and act != 1 and act != 3
+    for i in range(r):
+        _dw3_row_4x2(e, wd, d, i, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x,
+                    hi_x, lo_v, hi_v)
+        if post:
+            act_row(d[i].reshape(ow * ce), act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def mbconv_rows_4x2(x, has_e, we, be, se, flags_e, act_e, a_e, b_e,
+                   wd, bd, sd, flags_d, sh, sw, pt, pl, dh, dw, act_d, a_d, b_d,
+                   wp, y, bp, sp, res, flags_p, act_p, a_p, b_p, band, ebuf, dbuf, wbuf):
+    """y = project(depthwise3x3(expand(x))) in one parallel region: worker sl (dbuf's
+    first index) takes a contiguous share of every image's output rows (the loop's static
+    split, as the layers around it split) and runs it in bands of at most ``band`` rows
+    through its own E (ebuf[sl]: expanded rows) and D (dbuf[sl]: depthwise rows) and
+    its own slab buffer (wbuf[sl]), so a band's rows stay on one core from the expansion
+    to the projection. Within a share, the expanded rows a band shares with the band
+    before are carried over, not expanded again. x[N, H, W, CI]; has_e: whether there
+    is an expand conv (else the depthwise conv reads x); we, wp: gemmp_4x2's panels;
+    y[N * OH * OW, CO] and res (HAS_RES in flags_p) by output pixel. The arithmetic is
+    gemmp_4x2's and dw3_4x2's, so the output is the unfused nodes' to the bit."""
+    n_img, h, wdt, ci = x.shape
+    workers, _, ow, ce = dbuf.shape
+    oh = y.shape[0] // (n_img * ow)
+    co = y.shape[1]
+    te = (ce + PANEL - 1) // PANEL
+    tp = (co + PANEL - 1) // PANEL
+    lo_x, hi_x = valid_cols(-pl, sw, wdt - 2 * dw, ow)  # windows inside the row
+    lo_s, hi_s = clamp_bounds(act_d, a_d, b_d)
+    lo_v = vsplat_4x2(lo_s)
+    hi_v = vsplat_4x2(hi_s)
+    has_scale_d = (flags_d & HAS_SCALE) != 0
+    has_bias_d = (flags_d & HAS_BIAS) != 0
+    has_res = (flags_p & HAS_RES) != 0
+    for sl in prange(workers):
+        r_lo, r_hi = oh * sl // workers, oh * (sl + 1) // workers
+        if r_lo < r_hi:
+            e_sl, d_sl, buf = ebuf[sl], dbuf[sl], wbuf[sl % wbuf.shape[0]]
+            nb = (r_hi - r_lo + band - 1) // band
+            rb = (r_hi - r_lo + nb - 1) // nb  # even bands
+            for n in range(n_img):
+                p_lo, p_hi = 0, 0  # the image rows e_sl holds from the band before
+                for oy0 in range(r_lo, r_hi, rb):
+                    r = min(rb, r_hi - oy0)
+                    top = oy0 * sh - pt  # the band's first tap row, maybe above the image
+                    lo = max(0, top)
+                    hi = min(h, top + (r - 1) * sh + 2 * dh + 1)
+                    if has_e:
+                        kept = max(0, p_hi - lo)
+                        if kept > 0:  # forward: the rows move down, never over unread ones
+                            src = e_sl[lo - p_lo : p_hi - p_lo].reshape(kept * wdt * ce)
+                            dst = e_sl[:kept].reshape(kept * wdt * ce)
+                            for i in range(kept * wdt * ce):
+                                dst[i] = src[i]
+                        m = (hi - lo - kept) * wdt
+                        _pblock_4x2(x[n, lo + kept : hi].reshape((m, ci)), NOROWS, ci, 1, 0, we,
+                                   e_sl[kept : hi - lo].reshape((m, ce)), be, se, res, flags_e,
+                                   act_e, a_e, b_e, 0, te, 0, m, buf)
+                        p_lo, p_hi = lo, hi
+                        _mb_dw_4x2(e_sl[: hi - lo], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    else:  # the input is E (read-only there: a separate call's types)
+                        _mb_dw_4x2(x[n, lo:hi], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    d = d_sl[:r]
+                    m0 = (n * oh + oy0) * ow
+                    _pblock_4x2(d.reshape((r * ow, ce)), NOROWS, ce, 1, 0, wp, y[m0 : m0 + r * ow],
+                               bp, sp, res[m0 : m0 + r * ow] if has_res else res, flags_p, act_p,
+                               a_p, b_p, 0, tp, 0, r * ow, buf)
 
 
 
@@ -6667,6 +6907,86 @@ def dw3_4x4(x, w, bias, scale, res, out, sh, sw, pt, pl, dh, dw, flags, act, a, 
             add_clamp_row(out[oy].reshape(ow * n_c), res[oy].reshape(ow * n_c), lo_s, hi_s)
         if post:
             act_row(out[oy].reshape(ow * n_c), act, a, b)
+
+
+
+@njit(cache=True)
+def _mb_dw_4x4(e, wd, d, r, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x, hi_x,
+             lo_v, hi_v, act, a, b):
+    """Rows 0:r of d (the band's depthwise output) from e, the band's input rows."""
+    ow, ce = d.shape[1], d.shape[2]
+    post = act != 0 and act != 1 and act != 3
+    for i in range(r):
+        _dw3_row_4x4(e, wd, d, i, sh, sw, pt, pl, dh, dw, has_scale, has_bias, sd, bd, lo_x,
+                    hi_x, lo_v, hi_v)
+        if post:
+            act_row(d[i].reshape(ow * ce), act, a, b)
+
+
+@njit(parallel=True, cache=True)
+def mbconv_rows_4x4(x, has_e, we, be, se, flags_e, act_e, a_e, b_e,
+                   wd, bd, sd, flags_d, sh, sw, pt, pl, dh, dw, act_d, a_d, b_d,
+                   wp, y, bp, sp, res, flags_p, act_p, a_p, b_p, band, ebuf, dbuf, wbuf):
+    """y = project(depthwise3x3(expand(x))) in one parallel region: worker sl (dbuf's
+    first index) takes a contiguous share of every image's output rows (the loop's static
+    split, as the layers around it split) and runs it in bands of at most ``band`` rows
+    through its own E (ebuf[sl]: expanded rows) and D (dbuf[sl]: depthwise rows) and
+    its own slab buffer (wbuf[sl]), so a band's rows stay on one core from the expansion
+    to the projection. Within a share, the expanded rows a band shares with the band
+    before are carried over, not expanded again. x[N, H, W, CI]; has_e: whether there
+    is an expand conv (else the depthwise conv reads x); we, wp: gemmp_4x4's panels;
+    y[N * OH * OW, CO] and res (HAS_RES in flags_p) by output pixel. The arithmetic is
+    gemmp_4x4's and dw3_4x4's, so the output is the unfused nodes' to the bit."""
+    n_img, h, wdt, ci = x.shape
+    workers, _, ow, ce = dbuf.shape
+    oh = y.shape[0] // (n_img * ow)
+    co = y.shape[1]
+    te = (ce + PANEL - 1) // PANEL
+    tp = (co + PANEL - 1) // PANEL
+    lo_x, hi_x = valid_cols(-pl, sw, wdt - 2 * dw, ow)  # windows inside the row
+    lo_s, hi_s = clamp_bounds(act_d, a_d, b_d)
+    lo_v = vsplat_4x4(lo_s)
+    hi_v = vsplat_4x4(hi_s)
+    has_scale_d = (flags_d & HAS_SCALE) != 0
+    has_bias_d = (flags_d & HAS_BIAS) != 0
+    has_res = (flags_p & HAS_RES) != 0
+    for sl in prange(workers):
+        r_lo, r_hi = oh * sl // workers, oh * (sl + 1) // workers
+        if r_lo < r_hi:
+            e_sl, d_sl, buf = ebuf[sl], dbuf[sl], wbuf[sl % wbuf.shape[0]]
+            nb = (r_hi - r_lo + band - 1) // band
+            rb = (r_hi - r_lo + nb - 1) // nb  # even bands
+            for n in range(n_img):
+                p_lo, p_hi = 0, 0  # the image rows e_sl holds from the band before
+                for oy0 in range(r_lo, r_hi, rb):
+                    r = min(rb, r_hi - oy0)
+                    top = oy0 * sh - pt  # the band's first tap row, maybe above the image
+                    lo = max(0, top)
+                    hi = min(h, top + (r - 1) * sh + 2 * dh + 1)
+                    if has_e:
+                        kept = max(0, p_hi - lo)
+                        if kept > 0:  # forward: the rows move down, never over unread ones
+                            src = e_sl[lo - p_lo : p_hi - p_lo].reshape(kept * wdt * ce)
+                            dst = e_sl[:kept].reshape(kept * wdt * ce)
+                            for i in range(kept * wdt * ce):
+                                dst[i] = src[i]
+                        m = (hi - lo - kept) * wdt
+                        _pblock_4x4(x[n, lo + kept : hi].reshape((m, ci)), NOROWS, ci, 1, 0, we,
+                                   e_sl[kept : hi - lo].reshape((m, ce)), be, se, res, flags_e,
+                                   act_e, a_e, b_e, 0, te, 0, m, buf)
+                        p_lo, p_hi = lo, hi
+                        _mb_dw_4x4(e_sl[: hi - lo], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    else:  # the input is E (read-only there: a separate call's types)
+                        _mb_dw_4x4(x[n, lo:hi], wd, d_sl, r, sh, sw, lo - top, pl, dh, dw,
+                                  has_scale_d, has_bias_d, sd, bd, lo_x, hi_x, lo_v, hi_v,
+                                  act_d, a_d, b_d)
+                    d = d_sl[:r]
+                    m0 = (n * oh + oy0) * ow
+                    _pblock_4x4(d.reshape((r * ow, ce)), NOROWS, ce, 1, 0, wp, y[m0 : m0 + r * ow],
+                               bp, sp, res[m0 : m0 + r * ow] if has_res else res, flags_p, act_p,
+                               a_p, b_p, 0, tp, 0, r * ow, buf)
 
 
 

@@ -48,7 +48,8 @@ def _aot_namespace(mod) -> SimpleNamespace:
            for wn, w in (("f32", np.float32), ("i8", np.int8))
            for yn, y in (("", np.float32), ("_u8", np.uint8))}  # fmt: skip
     ns["qmbconv_rows"] = _by_dtype(lambda a: qmb[a[12].dtype, a[30].dtype])  # wd, y
-    for name, arg, types_ in (("gemmp", 5, _WEIGHT_BITS), ("wino_conv", 2, _WEIGHT_BITS[:3])):
+    for name, arg, types_ in (("gemmp", 5, _WEIGHT_BITS), ("wino_conv", 2, _WEIGHT_BITS[:3]),
+                              ("mbconv_rows", 2, _WEIGHT_BITS)):  # fmt: skip
         ns[name] = _per_weight_type(ns, name, arg, types_)
     f32, f16 = ns.pop("attention_rows_f32"), ns.pop("attention_rows_f16")
     ns["attention_rows"] = _by_dtype(lambda a: f16 if a[4].dtype == np.uint16 else f32)  # caches
