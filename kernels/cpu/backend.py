@@ -1278,6 +1278,9 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
     for name, shape in _mbconv_slots(specs, y.shape, attrs):
         views[name], offs[name] = _f32_slot(scratch, off, shape)[0], off
         off += up64(_nbytes(shape))
+    for name, sub in (("expand", attrs.get("expand")), ("project", attrs["project"])):
+        if sub is not None and sub.get("panel") != PANEL:
+            raise ValueError(f"mbconv: the {name} conv's weights must be {PANEL}-wide panels")
     if _mbconv_variant(specs, [y.shape], attrs) == "rows":
         return _bind_mbconv_rows(a, y, views, scratch, offs, attrs)
     decodes = []
@@ -1288,10 +1291,8 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
         decodes.append(_decoder(w, views[name]))
         return views[name]
 
-    def pointwise(w: np.ndarray, name: str, sub: dict) -> tuple:
+    def pointwise(w: np.ndarray) -> tuple:
         """(panels, slab buffers, workers): gemmp's weight arguments."""
-        if sub.get("panel") != PANEL:
-            raise ValueError(f"mbconv: the {name} conv's weights must be {PANEL}-wide panels")
         return _panel_operands(w, scratch, offs.get("slabs", 0))
 
     def epilogue(conv: list, r, sub: dict, cols: int = 0) -> tuple[tuple, tuple]:
@@ -1302,11 +1303,11 @@ def _bind_mbconv(ins, outs, scratch, attrs) -> Bound:
 
     expand, dwin, proj = mbconv.parts(a)
     if expand is not None:
-        we, wbuf_e, workers_e = pointwise(expand[1], "we", attrs["expand"])
+        we, wbuf_e, workers_e = pointwise(expand[1])
         bs_e, fa_e = epilogue(expand, None, attrs["expand"], PER_COL)
     wd = widened(dwin[1], "wd")
     bs_d, fa_d = epilogue(dwin, None, attrs["dw"])
-    wp, wbuf_p, workers_p = pointwise(proj[1], "wp", attrs["project"])
+    wp, wbuf_p, workers_p = pointwise(proj[1])
     bs_p, fa_p = epilogue(proj, res, attrs["project"], PER_COL)
     da = attrs["dw"]
     sh, sw = da["strides"]
@@ -1392,9 +1393,6 @@ def _bind_mbconv_rows(a, y: np.ndarray, views: dict, scratch, offs: dict, attrs)
     if "wd" in views:
         decodes.append(_decoder(wd, views["wd"]))
         wd = views["wd"]
-    for name, sub in (("expand", attrs.get("expand")), ("project", attrs["project"])):
-        if sub is not None and sub.get("panel") != PANEL:
-            raise ValueError(f"mbconv: the {name} conv's weights must be {PANEL}-wide panels")
     wp, wbuf, _ = _panel_operands(proj[1], scratch, offs.get("slabs", 0))
     if expand is None:  # no expand conv: empty panels of the projection's type
         we, fe = wp[:0], (_DUMMY1, _DUMMY1, 0, 0, np.float32(0), np.float32(0))
@@ -1501,17 +1499,14 @@ def _bind_qmbconv(ins, outs, scratch, attrs) -> Bound:
     yinv_p, yz_p = _y_codes(pa, y)
     (sh, sw), (dh, dw), (pt, pl) = da["strides"], da["dilations"], da["pads"][:2]
 
-    def some(v):
-        return _DUMMY1 if v is None else v
-
     r2 = _DUMMY2 if res is None else res.reshape(-1, co)
     args = (
         xr, rtab, img, int(ea["run4"]), _readonly(expand[1].reshape(-1)), expand[5],
-        some(expand[2]), expand[3], _flags(expand[2], None, None), act_e, a_e, b_e,
-        dwin[1], some(dwin[2]), dwin[3], _flags(dwin[2], None, None), sh, sw, pt, pl, dh, dw,
+        _some(expand[2]), expand[3], _flags(expand[2], None, None), act_e, a_e, b_e,
+        dwin[1], _some(dwin[2]), dwin[3], _flags(dwin[2], None, None), sh, sw, pt, pl, dh, dw,
         act_d, a_d, b_d, yinv_d, yz_d,
         int(pa["run4"]), _readonly(proj[1].reshape(-1)), proj[5], y.reshape(-1, co),
-        some(proj[2]), proj[3], r2, _flags(proj[2], None, res), act_p, a_p, b_p, yinv_p, yz_p,
+        _some(proj[2]), proj[3], r2, _flags(proj[2], None, res), act_p, a_p, b_p, yinv_p, yz_p,
         n_, oh, ow, band, ebuf[:workers], dbuf[:workers], ptab, qs,
     )  # fmt: skip
     fn, a_ = _bound(K.qmbconv_rows, args)
