@@ -65,7 +65,7 @@ import edgepack  # noqa: F401
 # isort: split
 import numpy as np
 from edgepack.kernels.wtypes import QUANT_MODES
-from vcpu_probe import FAR_NS, NEAR_NS, placement, round_trip_ns
+from vcpu_probe import FAR_NS, NEAR_NS, SHARED_BELOW, core_share, placement, round_trip_ns
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -148,6 +148,10 @@ class EngineResult:
     # per run, the vCPU round trip probed just before its round (vcpu_probe.py; NaN at 1
     # thread): on these VMs it decides 2-thread speed
     rt_ns: list[float] = field(default_factory=list)
+    # per run, the cores' worth of arithmetic two threads got just before its round
+    # (vcpu_probe.core_share; NaN at 1 thread): about 1 when the host ran both vCPUs on
+    # one physical core, where no engine's second thread can add compute
+    share: list[float] = field(default_factory=list)
     # per run, whether it was its round's first: it follows the other engines' rounds
     # (and at 2 threads the idle pause), so its caches hold their data, not this one's
     round_first: list[bool] = field(default_factory=list)
@@ -166,8 +170,10 @@ class EngineResult:
         return first, [t for t, f in zip(self.times_ms, self.round_first) if not f]
 
     def where(self, state: str) -> list[float]:
-        """The runs timed in rounds whose probe found the vCPUs 'near' or 'far'."""
-        return [t for t, rt in zip(self.times_ms, self.rt_ns) if placement(rt) == state]
+        """The runs timed in rounds whose probe found the vCPUs 'near', 'far' or
+        'shared' (vcpu_probe.placement)."""
+        return [t for t, rt, sh in zip(self.times_ms, self.rt_ns, self.share)
+                if placement(rt, sh) == state]
 
 
 # --- worker side ----------------------------------------------------------------------------
@@ -380,6 +386,8 @@ def measure(
     warmup: int, logs: Path,
 ) -> list[EngineResult]:
     round_trip_ns(10)  # compiled before the first round
+    if cfg.threads > 1:
+        core_share()
     workers: dict[str, Worker] = {}
     try:
         # Start one at a time so loading does not compete with another worker's loading.
@@ -397,6 +405,7 @@ def measure(
         chunk = _round_sizes(targets)
         times: dict[str, list[float]] = {e: [] for e in workers}
         rts: dict[str, list[float]] = {e: [] for e in workers}
+        shares: dict[str, list[float]] = {e: [] for e in workers}
         firsts: dict[str, list[bool]] = {e: [] for e in workers}
         order = list(workers)
         while any(len(times[e]) < targets[e] for e in order):
@@ -404,9 +413,11 @@ def measure(
                 left = targets[e] - len(times[e])
                 if left > 0:
                     rt = round_trip_ns() if cfg.threads > 1 else math.nan
+                    sh = core_share() if cfg.threads > 1 else math.nan
                     got = workers[e].request("run", k=min(chunk[e], left))["ms"]
                     times[e] += got
                     rts[e] += [rt] * len(got)
+                    shares[e] += [sh] * len(got)
                     firsts[e] += [True] + [False] * (len(got) - 1)
                     if cfg.threads > 1:
                         time.sleep(ROUND_PAUSE_S)
@@ -421,7 +432,7 @@ def measure(
                 import_rss_mb=w.ready["import_rss_mb"], peak_rss_mb=stats["peak_rss_mb"],
                 end_rss_mb=stats["end_rss_mb"],
                 output=np.asarray(out["data"], np.float32).reshape(out["shape"]),
-                extra=stats["extra"], rt_ns=rts[e], round_first=firsts[e],
+                extra=stats["extra"], rt_ns=rts[e], share=shares[e], round_first=firsts[e],
             ))
         return results
     finally:
@@ -761,8 +772,9 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def placement_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]:
     """Per multi-thread config and engine: median, P99 and speed-up over the same engine's
-    1-thread median, in the rounds whose probe found the vCPUs near (one core complex)
-    and far apart (vcpu_probe.py), with the runs each had."""
+    1-thread median, in the rounds whose probe found the vCPUs near (one core complex),
+    far apart, or sharing one core's arithmetic (vcpu_probe.py), with the runs each
+    had."""
     ones = {(c.model, c.batch, r.engine): r.median
             for c, res in results.items() if c.threads == 1 for r in res}
     rows = []
@@ -771,7 +783,7 @@ def placement_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]
             continue
         for r in res:
             row = [cfg.label, r.engine]
-            for state in ("near", "far"):
+            for state in PLACEMENTS:
                 ts = r.where(state)
                 if not ts:
                     row += ["0", "", "", ""]
@@ -784,8 +796,9 @@ def placement_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]
     return rows
 
 
-PLACEMENT_COLUMNS = ("config", "engine", "near runs", "near median", "near P99",
-                     "near speed-up", "far runs", "far median", "far P99", "far speed-up")
+PLACEMENTS = ("near", "far", "shared")
+PLACEMENT_COLUMNS = ("config", "engine") + tuple(
+    f"{p} {c}" for p in PLACEMENTS for c in ("runs", "median", "P99", "speed-up"))
 
 
 def round_rows(results: dict[Config, list[EngineResult]]) -> list[list[str]]:
@@ -832,8 +845,11 @@ def _placement_markdown(results: dict[Config, list[EngineResult]]) -> list[str]:
         "Before each round the parent times a cache line's round trip between two pinned "
         f"threads (scripts/vcpu_probe.py): under {NEAR_NS:.0f} ns the two vCPUs share a "
         f"core complex (near), over {FAR_NS:.0f} ns they do not (far), and the state "
-        "lasts seconds to minutes. Speed-up: the same engine's 1-thread median over this "
-        "median.",
+        "lasts seconds to minutes. It also times a register-only multiply-add loop on "
+        "both vCPUs at once against one: under "
+        f"{SHARED_BELOW:.1f} cores' worth the host ran both on one physical core "
+        "(shared), where a second thread adds no arithmetic to any engine. Speed-up: "
+        "the same engine's 1-thread median over this median.",
         PLACEMENT_COLUMNS, placement_rows(results),
     )
 
