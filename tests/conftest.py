@@ -35,6 +35,17 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests"))
 
 
+def cli_env(extra: dict | None = None) -> dict[str, str]:
+    """The environment for an ``edgepack`` command the tests run as a user would: this
+    one without the suite's EDGEPACK_KERNELS=jit (so the kernels the install built, or
+    JIT where it built none), plus ``extra``. The suite's process keeps JIT (above); a
+    command in a fresh process JIT-compiles every kernel it meets again: the LLM
+    build/info/generate/bench commands of tests/test_llm_text.py took 140 s that way
+    on a cold numba cache against 7 s on the install's kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "EDGEPACK_KERNELS"}
+    return {**env, **(extra or {})}
+
+
 def bench_rounds(cmd: list[str], work: Path, env: dict | None = None) -> dict[str, np.ndarray]:
     """Drive ``cmd`` (an ``edgepack bench ... --rounds`` command line) as a benchmark
     driver does (docs/cli.md); checks every answer and returns the saved outputs."""

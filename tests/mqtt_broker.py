@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from conftest import cli_env
 
 HOST = "127.0.0.1"
 _PROCS: list[subprocess.Popen] = []
@@ -173,7 +174,7 @@ class Agent:
                 cmd,
                 stdout=open(self.log_path, "ab"),
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env=cli_env(env),
             )
         )
 

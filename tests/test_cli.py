@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from conftest import bench_rounds, load
+from conftest import bench_rounds, cli_env, load
 from onnx import TensorProto, helper
 
 pytestmark = pytest.mark.cpu
@@ -20,6 +20,7 @@ def ep(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
+        env=cli_env(),
     )
     if ok:
         assert r.returncode == 0, r.stderr
@@ -86,7 +87,7 @@ def test_bench_rounds_answer_a_benchmark_driver(tmp_path, digits_bundle, digit_i
     np.save(tmp_path / "x.npy", x)
     cmd = [sys.executable, "-m", "edgepack.cli", "bench", str(digits_bundle), "--rounds",
            "--input", str(tmp_path / "x.npy"), "--threads", "1"]  # fmt: skip
-    got = bench_rounds(cmd, tmp_path)
+    got = bench_rounds(cmd, tmp_path, env=cli_env())
     assert list(got) == ["logits"]
     np.testing.assert_array_equal(got["logits"], load(digits_bundle).run({"image": x})["logits"])
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, ort_run, pack
+from conftest import REPO, cli_env, ort_run, pack
 
 # One worker for the module: its bundles fixture (packing and the simulator's first
 # compiles) took 76 s and 70 s in each of the two CI workers that ran its tests.
@@ -171,9 +171,7 @@ def _bound_kernels(session):
 
 
 def _cli(*args, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    env = dict(os.environ, **(env_extra or {}))
+    env = cli_env(env_extra)
     return subprocess.run(
         [sys.executable, "-m", "edgepack.cli", *map(str, args)],
         capture_output=True,

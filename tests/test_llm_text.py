@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import cli_env
 from edgepack.packager.llm.build import build_llm
 from edgepack.runtime.generate import Stats, generate
 from edgepack.runtime.llm import LLMSession
@@ -99,7 +100,7 @@ def test_sampling_is_seeded_and_filters_as_documented():
 
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgepack.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, timeout=600, env=cli_env())  # fmt: skip
 
 
 def test_cli_build_info_generate(bundle, tmp_path):

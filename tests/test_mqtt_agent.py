@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import mqtt_broker as mb
 import numpy as np
 import pytest
-from conftest import load
+from conftest import cli_env, load
 
 from edgepack.client import Client, JobError
 
@@ -227,7 +227,8 @@ def test_large_input_goes_by_reference(env):
 
 def ep(*args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgepack.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=120, **kw)  # fmt: skip
+                          capture_output=True, text=True, timeout=120, env=cli_env(),
+                          **kw)  # fmt: skip
 
 
 def test_submit_command_equals_run_command(env, tmp_path):

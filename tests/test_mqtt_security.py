@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import mqtt_broker as mb
 import numpy as np
 import pytest
-from conftest import load
+from conftest import cli_env, load
 from edgepack.runtime.serve.conn import ConnectError
 
 from edgepack.client import Client
@@ -115,7 +115,7 @@ def test_refused_connections(sec):
         [sys.executable, "-m", "edgepack.cli", "serve", str(sec.bundle), "--broker", sec.broker.url,
          "--device", "devA", "--username", "devA", "--ca", t["ca"], "--cert", t["devA_cert"],
          "--key", t["devA_key"]],
-        env={**__import__("os").environ, "EDGEPACK_MQTT_PASSWORD": "not-the-password"},
+        env=cli_env({"EDGEPACK_MQTT_PASSWORD": "not-the-password"}),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import load, ort_run, pack
+from conftest import cli_env, load, ort_run, pack
 from edgepack.packager.ir import PackError
 from onnx import TensorProto, helper, numpy_helper
 
@@ -522,7 +522,7 @@ def test_const_input_fixes_shape_operands_at_pack_time(tmp_path):
         [sys.executable, "-m", "edgepack.cli", "build", str(path), "-o", str(out),
          "--const-input", f"scales={npy}", "--const-input", "starts=1",
          "--const-input", "ends=5", "--const-input", "axes=2"],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env=cli_env(),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "input 'scales' fixed at pack time" in r.stdout

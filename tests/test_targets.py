@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cli_env
 from edgepack.targets import (
     BACKENDS,
     Target,
@@ -324,6 +325,7 @@ def ep(*args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
+        env=cli_env(),
     )
 
 
