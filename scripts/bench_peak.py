@@ -28,7 +28,6 @@ engine reaches.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import platform
 import statistics
 import threading
@@ -68,10 +67,26 @@ def _dot_shape() -> tuple[str, int, int]:
     return isa, lanes, 4 * cpa
 
 
-def _loop(builder, n, step):
-    """Run step(builder) n times; accumulators live in allocas LLVM promotes."""
+def _splat(builder, scalar, vty):
+    v = ir.Constant(vty, ir.Undefined)
+    for i in range(vty.count):
+        v = builder.insert_element(v, scalar, ir.Constant(ir.IntType(32), i))
+    return v
+
+
+def _accumulate(builder, n, inits, update, add):
+    """ACCS independent accumulators (``inits``, in allocas LLVM promotes to
+    registers), each replaced by update(builder, acc) UNROLL times per trip for n trips;
+    returns lane 0 of their sum (so nothing is dead code)."""
+    slots = [cgutils.alloca_once_value(builder, v) for v in inits]
     with cgutils.for_range(builder, n):
-        step(builder)
+        for _ in range(UNROLL):
+            for s in slots:
+                builder.store(update(builder, builder.load(s)), s)
+    total = builder.load(slots[0])
+    for s in slots[1:]:
+        total = add(total, builder.load(s))
+    return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
 
 
 def _make_fma(lanes: int):
@@ -83,23 +98,12 @@ def _make_fma(lanes: int):
             n, seed = args
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(vty, [vty, vty, vty]), f"llvm.fma.v{lanes}f32")
-            v = ir.Constant(vty, ir.Undefined)
-            for i in range(lanes):
-                v = builder.insert_element(v, seed, ir.Constant(ir.IntType(32), i))
-            mul = ir.Constant(vty, [0.9999] * lanes)
-            slots = [cgutils.alloca_once_value(builder, builder.fmul(v, ir.Constant(
-                vty, [1.0 + a / 64] * lanes))) for a in range(ACCS)]
-
-            def step(b):
-                for _ in range(UNROLL):
-                    for s in slots:
-                        b.store(b.call(fn, [b.load(s), mul, v]), s)
-
-            _loop(builder, n, step)
-            total = builder.load(slots[0])
-            for s in slots[1:]:
-                total = builder.fadd(total, builder.load(s))
-            return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+            v = _splat(builder, seed, vty)
+            mul = ir.Constant(vty, [0.9999] * lanes)  # acc * 0.9999 + v stays bounded
+            inits = [builder.fmul(v, ir.Constant(vty, [1.0 + a / 64] * lanes))
+                     for a in range(ACCS)]  # fmt: skip
+            return _accumulate(builder, n, inits, lambda b, acc: b.call(fn, [acc, mul, v]),
+                               builder.fadd)  # fmt: skip
 
         return types.float32(types.int64, types.float32), codegen
 
@@ -111,33 +115,21 @@ def _make_dot(isa: str, lanes: int, nbytes: int):
 
     vi = ir.VectorType(ir.IntType(32), lanes)
     vb = ir.VectorType(ir.IntType(8), nbytes)
+    # an empty asm the operand goes through, per dot: LLVM may neither hoist the
+    # widening (AVX2 family) out of the loop nor share it between dots
+    opaque = ir.InlineAsm(ir.FunctionType(vb, [vb]), "", "=x,0", side_effect=True)
 
     @intrinsic
     def dot_loop(typingctx, n, seed):
         def codegen(context, builder, sig, args):
             n, seed = args
-            s8 = builder.trunc(seed, ir.IntType(8))
-            u = ir.Constant(vb, ir.Undefined)
-            for i in range(nbytes):
-                u = builder.insert_element(u, s8, ir.Constant(ir.IntType(32), i))
+            u = _splat(builder, builder.trunc(seed, ir.IntType(8)), vb)
             w = builder.xor(u, ir.Constant(vb, [0x35] * nbytes))
-            slots = [cgutils.alloca_once_value(builder, ir.Constant(vi, [a] * lanes))
-                     for a in range(ACCS)]  # fmt: skip
-
-            # an empty asm the operand goes through, per dot: LLVM may neither hoist
-            # the widening (AVX2 family) out of the loop nor share it between dots
-            opaque = ir.InlineAsm(ir.FunctionType(vb, [vb]), "", "=x,0", side_effect=True)
-
-            def step(b):
-                for _ in range(UNROLL):
-                    for s in slots:
-                        b.store(_dot4(b, isa, b.load(s), b.call(opaque, [u]), w, lanes), s)
-
-            _loop(builder, n, step)
-            total = builder.load(slots[0])
-            for s in slots[1:]:
-                total = builder.add(total, builder.load(s))
-            return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+            inits = [ir.Constant(vi, [a] * lanes) for a in range(ACCS)]
+            return _accumulate(
+                builder, n, inits,
+                lambda b, acc: _dot4(b, isa, acc, b.call(opaque, [u]), w, lanes), builder.add,
+            )  # fmt: skip
 
         return types.int32(types.int64, types.int64), codegen
 
@@ -243,20 +235,15 @@ def model_macs(path: Path) -> int:
 
 
 def _report(peaks, labels, models, out):
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from bench_cnn import machine_info  # the machine lines bench_cnn's reports carry
+
+    info = machine_info()
+    cpu, when = info["CPU"], info["date"]
     lines = [
         "# Multiply-add peak of this CPU, and each model's work at that peak",
         "",
         f"Generated by `scripts/bench_peak.py` on {when}; CPU: {cpu}, "
-        f"{platform.machine()}. Float: {labels[0]} lanes of `llvm.fma`; int8: "
+        f"{platform.machine()}, SIMD {info['SIMD']}. Float: {labels[0]} lanes of `llvm.fma`; int8: "
         f"{labels[1]} (qgemm.py's dot family on this host).",
         "",
         "| dtype | 1 thread GMAC/s | 2 threads GMAC/s | 2t / 1t |",

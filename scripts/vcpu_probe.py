@@ -61,10 +61,13 @@ def _kernels():
     return _KERNELS
 
 
-def _pinned(fn, st, n: int, cpu: int, out: list[float]) -> None:
+def _pinned(call, cpu: int, out: list[float], barrier: threading.Barrier | None = None) -> None:
+    """call() on this thread pinned to cpu (after the barrier, if any); its time to out."""
     os.sched_setaffinity(0, {cpu})
+    if barrier is not None:
+        barrier.wait()
     t = time.perf_counter()
-    fn(st, n)
+    call()
     out.append(time.perf_counter() - t)
 
 
@@ -79,10 +82,10 @@ def round_trip_ns(n: int = 5000, cpus: tuple[int, int] | None = None) -> float:
     ping, pong = _kernels()
     st = np.zeros(16, np.int64)  # one line: the counter both threads write
     out: list[float] = []
-    helper = threading.Thread(target=_pinned, args=(pong, st, n, b, []))
+    helper = threading.Thread(target=_pinned, args=(lambda: pong(st, n), b, []))
     helper.start()
     try:
-        _pinned(ping, st, n, a, out)
+        _pinned(lambda: ping(st, n), a, out)
     finally:
         helper.join()
         os.sched_setaffinity(0, set(allowed))
@@ -97,15 +100,6 @@ def _fma_loop():
     return _FMA[0]
 
 
-def _loop_on(fn, cpu: int, out: list[float], barrier: threading.Barrier | None) -> None:
-    os.sched_setaffinity(0, {cpu})
-    if barrier is not None:
-        barrier.wait()
-    t = time.perf_counter()
-    fn(SHARE_TRIPS)
-    out.append(time.perf_counter() - t)
-
-
 def core_share(cpus: tuple[int, int] | None = None) -> float:
     """How many cores' arithmetic two threads get: a register-only multiply-add loop's
     throughput on both CPUs at once over its throughput on the first alone (about 2 on
@@ -115,14 +109,18 @@ def core_share(cpus: tuple[int, int] | None = None) -> float:
         return float("nan")
     a, b = cpus or (allowed[0], allowed[1])
     fn = _fma_loop()
+
+    def loop():
+        fn(SHARE_TRIPS)
+
     try:
         alone: list[float] = []
-        _loop_on(fn, a, alone, None)
+        _pinned(loop, a, alone)
         both: list[float] = []
         barrier = threading.Barrier(2)
-        helper = threading.Thread(target=_loop_on, args=(fn, b, both, barrier))
+        helper = threading.Thread(target=_pinned, args=(loop, b, both, barrier))
         helper.start()
-        _loop_on(fn, a, both, barrier)
+        _pinned(loop, a, both, barrier)
         helper.join()
     finally:
         os.sched_setaffinity(0, set(allowed))
